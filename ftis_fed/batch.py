@@ -1,0 +1,221 @@
+"""The completion batch: what one participant generated in one round, as it travels.
+
+One :class:`CompletionBatch` holds, per prompt, one :class:`PromptGroup`: the prompt token ids
+(stored once), the G completions' token ids, the generator's per-token log-probs of its *actual
+sampling distribution* (temperature / top-p / top-k applied, see ``SamplingParams``), the rewards,
+and the task id + reference answer so a receiver can re-verify the rewards.
+
+The batch is immutable and validated on construction: every violation raises
+:class:`BatchValidationError` naming the field, the offending value and the limit, with a stable
+``reason`` string that receivers count per reason (``offpolicy/rejected/<reason>``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Largest batch anyone accepts unless configured otherwise (tokens over all completions).
+DEFAULT_MAX_TOKENS = 1 << 20
+
+
+class BatchValidationError(ValueError):
+    """A batch (or its encoding) broke a rule. ``reason`` is a short, stable counter key."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"[{reason}] {message}")
+        self.reason = reason
+
+
+def _fail(reason: str, message: str) -> None:
+    raise BatchValidationError(reason, message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling distribution the recorded log-probs belong to.
+
+    temperature: > 0 (greedy decoding has no distribution to importance-weight against).
+    top_p: in (0, 1]; 1 disables nucleus filtering.
+    top_k: >= 0; 0 disables top-k filtering.
+    max_new_tokens: >= 1; the generation budget (also Dr. GRPO's length-normalisation constant).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            _fail("bad_sampling", f"sampling.temperature={self.temperature!r}: must be finite and > 0")
+        if not (0.0 < self.top_p <= 1.0):
+            _fail("bad_sampling", f"sampling.top_p={self.top_p!r}: must be in (0, 1]")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            _fail("bad_sampling", f"sampling.top_k={self.top_k!r}: must be an integer >= 0")
+        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+            _fail("bad_sampling", f"sampling.max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt and the G completions its generator sampled for it.
+
+    prompt_ids: (P,) int64 token ids of the formatted prompt (chat template applied), once.
+    completion_ids: G arrays (T_i,) int64, each completion's token ids (EOS included when sampled).
+    logprobs: G arrays (T_i,) float32, log pi_gen(token | prefix) under the sampling distribution.
+    rewards: (G,) float32, the sender's claimed rewards (receivers re-verify).
+    task_id: identifies the task instance (family/split/seed/index), e.g. ``"add1/id/17"``.
+    reference: the reference answer the reward was checked against.
+    prompt_text: the task's question as plain text (user message, no chat template). Receivers with
+        a different tokenizer format it with their own template and score ``completion_texts``.
+    completion_texts: the decoded completions; required for cross-tokenizer (sequence-level) use,
+        otherwise may be empty to save bytes.
+    """
+
+    prompt_ids: np.ndarray
+    completion_ids: tuple[np.ndarray, ...]
+    logprobs: tuple[np.ndarray, ...]
+    rewards: np.ndarray
+    task_id: str
+    reference: str
+    prompt_text: str = ""
+    completion_texts: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(sum(len(c) for c in self.completion_ids))
+
+    def sequence_logprobs(self) -> np.ndarray:
+        """(G,) float64 total log-prob of each completion under its generator."""
+        return np.array([float(np.sum(lp, dtype=np.float64)) for lp in self.logprobs])
+
+
+@dataclass(frozen=True)
+class CompletionBatch:
+    """All groups one participant generated in one round, with who/what/when generated them.
+
+    sender: participant id (the name its public key is registered under).
+    run_id: the federation run this batch belongs to; round: the server round (>= 0).
+    seq: per-sender sequence number, strictly increasing per (sender, run): replay protection.
+    model_id: the generator's model identifier (free text, e.g. ``smollm2-135m+lora``).
+    tokenizer_fp: fingerprint of the generator's tokenizer (see ``policies.tokenizer_fingerprint``);
+        token-level importance ratios are only valid when it equals the receiver's.
+    vocab_size: the generator's vocabulary size; every token id must be below it.
+    sampling: the sampling parameters the log-probs belong to.
+    groups: one PromptGroup per prompt.
+    """
+
+    sender: str
+    run_id: str
+    round: int
+    seq: int
+    model_id: str
+    tokenizer_fp: str
+    vocab_size: int
+    sampling: SamplingParams
+    groups: tuple[PromptGroup, ...]
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_completions(self) -> int:
+        return sum(g.size for g in self.groups)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(g.num_completion_tokens for g in self.groups)
+
+    def validate(self, max_tokens: int = DEFAULT_MAX_TOKENS) -> "CompletionBatch":
+        """Check every field; raise BatchValidationError naming the first violation."""
+        for name in ("sender", "run_id", "model_id", "tokenizer_fp"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                _fail("missing_field", f"{name}={v!r}: must be a non-empty string")
+            if len(v) > 256:
+                _fail("too_large", f"{name} has {len(v)} characters: limit 256")
+        for name in ("round", "seq", "vocab_size"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+                _fail("bad_header", f"{name}={v!r}: must be an integer >= 0")
+        if not 1 <= self.vocab_size <= 1 << 32:
+            _fail("bad_header", f"vocab_size={self.vocab_size}: must be in [1, 2**32]")
+        if not isinstance(self.sampling, SamplingParams):
+            _fail("missing_field", "sampling: must be a SamplingParams")
+        if not self.groups:
+            _fail("missing_field", "groups: a batch needs at least one prompt group")
+        total = self.num_completion_tokens
+        if total > max_tokens:
+            _fail("too_large", f"batch has {total} completion tokens: limit {max_tokens}")
+        for gi, g in enumerate(self.groups):
+            _validate_group(g, gi, self.vocab_size, self.sampling.max_new_tokens)
+        return self
+
+
+def _check_ids(ids: np.ndarray, where: str, vocab_size: int) -> None:
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        _fail("bad_ids", f"{where}: must be a 1-D integer array, got {type(ids).__name__}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        _fail("id_out_of_range",
+              f"{where}: ids must be in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+
+
+def _validate_group(g: PromptGroup, gi: int, vocab_size: int, max_new_tokens: int) -> None:
+    where = f"groups[{gi}]"
+    if not isinstance(g.task_id, str) or not g.task_id:
+        _fail("missing_field", f"{where}.task_id: must be a non-empty string")
+    if not isinstance(g.reference, str):
+        _fail("missing_field", f"{where}.reference: must be a string")
+    _check_ids(g.prompt_ids, f"{where}.prompt_ids", vocab_size)
+    if g.prompt_ids.size == 0:
+        _fail("length_mismatch", f"{where}.prompt_ids: a prompt needs at least one token")
+    G = len(g.completion_ids)
+    if G < 1:
+        _fail("missing_field", f"{where}.completion_ids: a group needs at least one completion")
+    if len(g.logprobs) != G:
+        _fail("length_mismatch", f"{where}.logprobs: {len(g.logprobs)} arrays for {G} completions")
+    rewards = np.asarray(g.rewards)
+    if rewards.shape != (G,):
+        _fail("length_mismatch", f"{where}.rewards: shape {rewards.shape}, expected ({G},)")
+    if not np.all(np.isfinite(rewards)):
+        _fail("bad_reward", f"{where}.rewards: must be finite")
+    if g.completion_texts and len(g.completion_texts) != G:
+        _fail("length_mismatch", f"{where}.completion_texts: {len(g.completion_texts)} texts for {G} completions")
+    for i, (ids, lp) in enumerate(zip(g.completion_ids, g.logprobs)):
+        _check_ids(ids, f"{where}.completion_ids[{i}]", vocab_size)
+        if len(ids) > max_new_tokens:
+            _fail("length_mismatch",
+                  f"{where}.completion_ids[{i}]: {len(ids)} tokens, limit sampling.max_new_tokens={max_new_tokens}")
+        if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype.kind != "f":
+            _fail("missing_field", f"{where}.logprobs[{i}]: must be a 1-D float array")
+        if lp.shape != ids.shape:
+            _fail("length_mismatch", f"{where}.logprobs[{i}]: {lp.shape[0]} log-probs for {ids.shape[0]} tokens")
+        if lp.size:
+            if not np.all(np.isfinite(lp)):
+                _fail("nonfinite_logprob", f"{where}.logprobs[{i}]: NaN or inf (a sampled token has finite log-prob)")
+            if float(lp.max()) > 0.0:
+                _fail("positive_logprob", f"{where}.logprobs[{i}]: max {float(lp.max()):.4g} > 0 (a log-probability is <= 0)")
+
+
+def make_group(
+    prompt_ids, completion_ids, logprobs, rewards, task_id: str, reference: str,
+    prompt_text: str = "", completion_texts=(),
+) -> PromptGroup:
+    """Build a PromptGroup from lists/tensors, normalising dtypes (int64 ids, float32 log-probs)."""
+    as_ids = lambda x: np.asarray(x, dtype=np.int64).reshape(-1)  # noqa: E731
+    as_lp = lambda x: np.asarray(x, dtype=np.float32).reshape(-1)  # noqa: E731
+    return PromptGroup(
+        prompt_ids=as_ids(prompt_ids),
+        completion_ids=tuple(as_ids(c) for c in completion_ids),
+        logprobs=tuple(as_lp(lp) for lp in logprobs),
+        rewards=np.asarray(rewards, dtype=np.float32).reshape(-1),
+        task_id=task_id,
+        reference=reference,
+        prompt_text=prompt_text,
+        completion_texts=tuple(completion_texts),
+    )
