@@ -1,0 +1,274 @@
+"""Bench of the wire format on real rollouts: bytes per completion token, everything counted.
+
+Prints ONE JSON line: our frame size per completion token (header, prompt ids, rewards, strings,
+signature: everything) without and with texts, the paper's format on the same rollouts in the same
+run (4-byte ids + float32 log-probs + the same metadata and signature, uncompressed), the maximum
+log-prob error, and the encode+sign+verify+decode throughput.
+
+    ftis-fed bench wire                      # 8 prompts x 8 completions x 64 tokens
+    ftis-fed bench wire --source synthetic   # no model (smoke test)
+
+The rollout source is one small function (``SOURCES``): ``policy`` uses the project's policy API
+(``build_policy(PolicyConfig(model=...)).generate``), ``transformers`` plain ``generate`` with
+``output_scores`` (the same sampling-distribution log-probs), ``synthetic`` random data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ..batch import CompletionBatch, SamplingParams, make_group
+from ..signing import KeyDirectory, sign_batch, sign_body, verify_frame
+from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body
+
+if TYPE_CHECKING:                       # policies import torch: only the model sources need it
+    from ..policies.base import Prompt, Rollout
+
+
+@dataclass(frozen=True)
+class RolloutSet:
+    """What a generator produced, with what the batch header needs."""
+
+    rollouts: list[Rollout]
+    sampling: SamplingParams
+    model_id: str
+    tokenizer_fp: str
+    vocab_size: int
+
+
+def arithmetic_prompts(n: int, seed: int = 0) -> list[Prompt]:
+    """n simple addition questions (reference = the sum)."""
+    from ..policies.base import Prompt
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(2, 60), rng.randint(2, 60)
+        out.append(Prompt(f"bench/add/{i}", f"What is {a} + {b}? Answer with a number.", str(a + b)))
+    return out
+
+
+def policy_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
+                    model: str = "smollm2") -> RolloutSet:
+    """Rollouts from the project's policy API (the path a participant takes)."""
+    from ..policies import PolicyConfig, build_policy
+
+    policy = build_policy(PolicyConfig(model=model, seed=seed))
+    rolls = policy.generate(prompts, group_size, sampling, seed)
+    return RolloutSet(rolls, sampling, policy.model_id, policy.tokenizer_fp, policy.vocab_size)
+
+
+def transformers_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
+                          model: str = "smollm2") -> RolloutSet:
+    """Rollouts from plain transformers ``generate``: log_softmax of the processed scores."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..policies.base import Rollout, tokenizer_fingerprint
+    from ..policies.models import resolve_model
+
+    path = resolve_model(model)
+    tok = AutoTokenizer.from_pretrained(path)
+    lm = AutoModelForCausalLM.from_pretrained(path).eval()
+    enc = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False) for p in prompts]
+    P = max(len(e) for e in enc)
+    ids = torch.full((len(enc), P), tok.pad_token_id, dtype=torch.long)   # (n, P) left-padded
+    att = torch.zeros_like(ids)
+    for i, e in enumerate(enc):
+        ids[i, P - len(e):], att[i, P - len(e):] = torch.tensor(e), 1
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = lm.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=sampling.temperature,
+                          top_k=sampling.top_k, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
+                          num_return_sequences=group_size, output_scores=True, return_dict_in_generate=True)
+    gen = out.sequences[:, P:]                                                    # (n*G, T)
+    lp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1)               # (n*G, T, V)
+    lp = lp.gather(-1, gen.unsqueeze(-1)).squeeze(-1).numpy()                     # (n*G, T)
+    rolls = []
+    for pi, p in enumerate(prompts):
+        c_ids, c_lp, texts = [], [], []
+        for r in range(pi * group_size, (pi + 1) * group_size):
+            s = gen[r].tolist()
+            n = s.index(tok.eos_token_id) + 1 if tok.eos_token_id in s else len(s)
+            c_ids.append(np.asarray(s[:n], dtype=np.int64))
+            c_lp.append(np.minimum(lp[r, :n], 0.0).astype(np.float32))
+            texts.append(tok.decode(s[:n], skip_special_tokens=True))
+        rolls.append(Rollout(p, np.asarray(enc[pi], dtype=np.int64), c_ids, c_lp, texts))
+    return RolloutSet(rolls, sampling, model, tokenizer_fingerprint(tok), int(lm.config.vocab_size))
+
+
+def synthetic_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
+                       vocab_size: int = 49152) -> RolloutSet:
+    """Random rollouts (Zipf-like ids, exponential -log-probs): no model, for smoke tests only."""
+    from ..policies.base import Rollout
+
+    rng = np.random.default_rng(seed)
+    rolls = []
+    for p in prompts:
+        lens = rng.integers(1, sampling.max_new_tokens + 1, size=group_size)
+        c_ids = [np.minimum(rng.zipf(1.3, size=n) - 1, vocab_size - 1).astype(np.int64) for n in lens]
+        c_lp = [(-rng.exponential(0.6, size=n)).astype(np.float32) for n in lens]
+        prompt_ids = rng.integers(0, vocab_size, size=30).astype(np.int64)
+        rolls.append(Rollout(p, prompt_ids, c_ids, c_lp, [" ".join(map(str, c)) for c in c_ids]))
+    return RolloutSet(rolls, sampling, "synthetic", "tok-synthetic", vocab_size)
+
+
+SOURCES = {"policy": policy_rollouts, "transformers": transformers_rollouts, "synthetic": synthetic_rollouts}
+
+
+def _reward(text: str, reference: str) -> float:
+    """1.0 when the last integer in the text is the reference, else 0.0."""
+    nums = re.findall(r"-?\d+", text)
+    return float(bool(nums) and nums[-1] == reference)
+
+
+def rollouts_to_batch(rs: RolloutSet, sender: str = "bench", run_id: str = "bench-run", round: int = 0,
+                      seq: int = 0) -> CompletionBatch:
+    """One CompletionBatch (texts included) from a RolloutSet."""
+    groups = tuple(make_group(r.prompt_ids, r.completion_ids, r.logprobs,
+                              [_reward(t, r.prompt.reference) for t in r.completion_texts],
+                              r.prompt.task_id, r.prompt.reference, r.prompt.text, r.completion_texts)
+                   for r in rs.rollouts)
+    return CompletionBatch(sender, run_id, round, seq, rs.model_id, rs.tokenizer_fp, rs.vocab_size,
+                           rs.sampling, groups).validate()
+
+
+def max_logprob_error(a: CompletionBatch, b: CompletionBatch) -> float:
+    errs = [np.abs(x.astype(np.float64) - y).max() for ga, gb in zip(a.groups, b.groups)
+            for x, y in zip(ga.logprobs, gb.logprobs) if x.size]
+    return float(max(errs, default=0.0))
+
+
+def ids_equal(a: CompletionBatch, b: CompletionBatch) -> bool:
+    return all(np.array_equal(ga.prompt_ids, gb.prompt_ids)
+               and all(np.array_equal(x, y) for x, y in zip(ga.completion_ids, gb.completion_ids))
+               for ga, gb in zip(a.groups, b.groups)) and len(a.groups) == len(b.groups)
+
+
+def section_breakdown(batch: CompletionBatch, level: int = 19) -> dict:
+    """Bytes per completion token of each part, zstd-compressed on its own (what pays where)."""
+    import zstandard as zstd
+
+    from ..wire import _planes, quantize_logprobs
+
+    z = zstd.ZstdCompressor(level=level)
+    gs = batch.groups
+    N = batch.num_completion_tokens
+    ids = np.concatenate([c for g in gs for c in g.completion_ids]).astype("<u2")
+    lp = np.concatenate([x for g in gs for x in g.logprobs])
+    codes, _ = quantize_logprobs(lp, 8)
+    texts = "".join(g.prompt_text + "".join(g.completion_texts) for g in gs).encode()
+    parts = {"completion_ids_u16": ids.tobytes(), "logprob_codes_planes": _planes(codes),
+             "logprob_codes_u16": codes.astype("<u2").tobytes(),
+             "prompt_ids_u16": np.concatenate([g.prompt_ids for g in gs]).astype("<u2").tobytes(),
+             "texts": texts}
+    return {k: round(len(z.compress(v)) / N, 3) for k, v in parts.items()}
+
+
+def time_round_trip(batch: CompletionBatch, options: WireOptions, repeats: int) -> dict:
+    """Mean ms per stage of validate+encode+sign / verify / decode+validate over ``repeats`` runs."""
+    key = Ed25519PrivateKey.generate()
+    keys = KeyDirectory({batch.sender: key.public_key()})
+    t = {"encode_sign": 0.0, "verify": 0.0, "decode": 0.0}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        frame = sign_batch(batch, key, options)
+        t1 = time.perf_counter()
+        h, body = verify_frame(frame, keys)
+        t2 = time.perf_counter()
+        decode_payload(h, body).validate()
+        t3 = time.perf_counter()
+        t["encode_sign"] += t1 - t0
+        t["verify"] += t2 - t1
+        t["decode"] += t3 - t2
+    total = sum(t.values())
+    out = {f"{k}_ms": round(1e3 * v / repeats, 3) for k, v in t.items()}
+    out["tokens_per_s"] = round(batch.num_completion_tokens * repeats / total)
+    return out
+
+
+def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int = 8,
+                   max_new_tokens: int = 64, temperature: float = 0.7, seed: int = 0,
+                   repeats: int = 20, model: str = "smollm2") -> dict:
+    """Generate rollouts from ``source`` and measure the wire format on them -> one result dict."""
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+    prompts = arithmetic_prompts(n_prompts, seed)
+    kwargs = {} if source == "synthetic" else {"model": model}
+    t0 = time.perf_counter()
+    rs = SOURCES[source](prompts, group_size, sampling, seed, **kwargs)
+    gen_s = time.perf_counter() - t0
+    batch = rollouts_to_batch(rs)
+    N = batch.num_completion_tokens
+    key = Ed25519PrivateKey.generate()
+    ours = WireOptions(texts=False)
+    frame = sign_batch(batch, key, ours)
+    frame_texts = sign_batch(batch, key, WireOptions(texts=True))
+    paper = sign_body(encode_body(batch, PAPER_OPTIONS), key)
+    decoded = decode_payload(*verify_frame(frame, {batch.sender: key.public_key()})).validate()
+    from ..flower_io import frames_to_record, record_nbytes
+
+    result = {
+        "bench": "wire", "source": source, "model": rs.model_id, "prompts": n_prompts,
+        "group_size": group_size, "max_new_tokens": max_new_tokens, "temperature": temperature,
+        "completion_tokens": N, "prompt_tokens": sum(len(g.prompt_ids) for g in batch.groups),
+        "bytes_per_token": round(len(frame) / N, 3),
+        "bytes_per_token_with_texts": round(len(frame_texts) / N, 3),
+        "paper_bytes_per_token": round(len(paper) / N, 3), "paper_nominal_bytes_per_token": 8.0,
+        "ratio_vs_paper": round(len(paper) / len(frame), 2),
+        "flower_record_bytes_per_token": round(record_nbytes(frames_to_record([frame])) / N, 3),
+        "frame_bytes": len(frame), "frame_bytes_with_texts": len(frame_texts), "paper_frame_bytes": len(paper),
+        "max_logprob_error": max_logprob_error(batch, decoded), "ids_exact": ids_equal(batch, decoded),
+        "generate_s": round(gen_s, 1),
+    }
+    result["zstd_level_bytes_per_token"] = {
+        lvl: round(len(sign_batch(batch, key, WireOptions(texts=False, zstd_level=lvl))) / N, 3) for lvl in (3, 9, 19)}
+    result["breakdown_bytes_per_token"] = section_breakdown(batch)
+    result.update(time_round_trip(batch, ours, repeats))
+    return result
+
+
+def _add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--source", choices=sorted(SOURCES), default="policy",
+                    help="rollouts from the policy API (default), plain transformers, or synthetic")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=20, help="timed encode/sign/verify/decode round trips")
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    """Handler: print the bench's one JSON line."""
+    print(json.dumps(run_bench_wire(a.source, a.prompts, a.group_size, a.max_new_tokens, a.temperature,
+                                    a.seed, a.repeats, a.model)))
+    return 0
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    """Add ``wire`` (e.g. under ``ftis-fed bench``) to an argparse subparsers object; handler in ``func``."""
+    ap = subparsers.add_parser("wire", help="bytes per token and throughput of signed completion batches")
+    _add_arguments(ap)
+    ap.set_defaults(func=run_cli)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ftis-fed bench wire", description=__doc__.split("\n")[0])
+    _add_arguments(ap)
+    return run_cli(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

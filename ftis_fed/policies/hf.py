@@ -1,0 +1,235 @@
+"""The transformers backend: full fine-tuning, LoRA, and 4-bit / 8-bit + LoRA (QLoRA).
+
+Generation uses ``model.generate`` with every built-in warper switched off and one logits processor
+of ours, ``RecordingSampler``, that applies ``processed_logprobs`` (temperature, top-k, top-p) and
+records the log-prob of each token the generator then samples from exactly that distribution. So
+the recorded log-probs are those of the actual sampling distribution by construction, and ``score``
+recomputes them with the same function (tests check the two agree).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from ..batch import SamplingParams
+from ..objective import ObjectiveConfig
+from ..training import TrainSample, ftis_step
+from . import quant as quantization
+from .base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
+from .config import PolicyConfig
+from .models import resolve_model
+from .scoring import token_logprobs
+
+
+def cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 present (Linux /proc/cpuinfo)."""
+    with contextlib.suppress(OSError):
+        flags = Path("/proc/cpuinfo").read_text()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False
+
+
+class RecordingSampler(LogitsProcessor):
+    """Turns the raw logits into the sampling distribution's log-probs and records, at each step,
+    the log-prob of the token sampled at the previous step (memory: one (B,V) row per step)."""
+
+    def __init__(self, sampling: SamplingParams, prompt_len: int):
+        self.sampling = sampling
+        self.prompt_len = prompt_len
+        self.prev: torch.Tensor | None = None                                    # (B,V)
+        self.recorded: list[torch.Tensor] = []                                   # each (B,)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.shape[1] > self.prompt_len:
+            self._record(input_ids[:, -1])
+        self.prev = processed_logprobs(scores, self.sampling)
+        return self.prev
+
+    def _record(self, tokens: torch.Tensor) -> None:
+        self.recorded.append(self.prev.gather(-1, tokens[:, None]).squeeze(-1).float())
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(B, T) recorded log-probs of the generated part of ``sequences``."""
+        if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.recorded):
+            self._record(sequences[:, -1])
+        return torch.stack(self.recorded, dim=1) if self.recorded else torch.zeros((sequences.shape[0], 0))
+
+
+class HFPolicy(Policy):
+    """A transformers causal LM that generates, scores and trains on the F-TIS objective."""
+
+    def __init__(self, cfg: PolicyConfig, objective: ObjectiveConfig | None = None):
+        self.cfg = cfg
+        self.objective = objective or ObjectiveConfig()
+        torch.manual_seed(cfg.seed)
+        path = resolve_model(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = self._load_model(path)
+        self.model_id = cfg.label
+        self.tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
+        self.vocab_size = int(max(len(self.tokenizer), self.model.get_input_embeddings().weight.shape[0]))
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.effective_lr, weight_decay=cfg.weight_decay)
+        self.autocast = self._autocast_dtype()
+        self.steps = 0
+
+    # ------------------------------------------------------------------ loading
+    def _load_model(self, path: str) -> torch.nn.Module:
+        kwargs: dict = {"dtype": torch.float32}
+        if self.cfg.quant != "none":
+            kwargs["quantization_config"] = quantization.bnb_config(self.cfg.quant)
+            kwargs["device_map"] = {"": "cuda:0" if torch.cuda.is_available() else "cpu"}
+        elif torch.cuda.is_available():
+            kwargs["device_map"] = {"": "cuda:0"}
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if self.cfg.quant != "none":
+            quantization.disable_cpu_bf16_repacking(model)
+        if self.cfg.adapter == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            for p in model.parameters():
+                p.requires_grad_(False)
+            lora = LoraConfig(r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha,
+                              lora_dropout=self.cfg.lora_dropout, target_modules="all-linear",
+                              task_type="CAUSAL_LM")
+            model = get_peft_model(model, lora)
+        return model
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        if self.cfg.dtype == "fp32":
+            return None
+        if self.cfg.dtype == "bf16" or torch.cuda.is_available() or cpu_has_bf16():
+            return torch.bfloat16
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
+                              enabled=self.autocast is not None)
+
+    # ------------------------------------------------------------------ generate
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingParams,
+                 seed: int) -> list[Rollout]:
+        """G completions per prompt, all prompts in one left-padded batch."""
+        if group_size < 1:
+            raise ValueError(f"group_size={group_size}: must be >= 1")
+        tok = self.tokenizer
+        prompt_ids = [self.format_prompt(p.text) for p in prompts]
+        rows = [ids for ids in prompt_ids for _ in range(group_size)]
+        P = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), P), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(input_ids)
+        for i, r in enumerate(rows):
+            input_ids[i, P - len(r):] = torch.tensor(r)
+            attn[i, P - len(r):] = 1
+        sampler = RecordingSampler(sampling, prompt_len=P)
+        gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                   max_new_tokens=sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+        torch.manual_seed(seed)
+        self.model.eval()
+        with self._autocast():
+            seqs = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
+                                       generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]))
+        seqs = seqs.cpu()
+        logps = sampler.finish(seqs).cpu()                                       # (N, T)
+        gen = seqs[:, P:]                                                        # (N, T)
+        out: list[Rollout] = []
+        for pi, p in enumerate(prompts):
+            c_ids, c_lp, texts = [], [], []
+            for j in range(group_size):
+                r = pi * group_size + j
+                ids = gen[r].tolist()
+                n = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
+                c_ids.append(np.asarray(ids[:n], dtype=np.int64))
+                c_lp.append(np.minimum(logps[r, :n].numpy().astype(np.float32), 0.0))
+                texts.append(tok.decode(ids[:n], skip_special_tokens=True))
+            out.append(Rollout(p, np.asarray(prompt_ids[pi], dtype=np.int64), c_ids, c_lp, texts))
+        return out
+
+    @torch.no_grad()
+    def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int = 32) -> list[str]:
+        tok = self.tokenizer
+        self.model.eval()
+        texts: list[str] = []
+        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+        for s in range(0, len(prompts), batch_size):
+            rows = [self.format_prompt(p.text) for p in prompts[s:s + batch_size]]
+            P = max(len(r) for r in rows)
+            input_ids = torch.full((len(rows), P), tok.pad_token_id, dtype=torch.long)
+            attn = torch.zeros_like(input_ids)
+            for i, r in enumerate(rows):
+                input_ids[i, P - len(r):] = torch.tensor(r)
+                attn[i, P - len(r):] = 1
+            with self._autocast():
+                seqs = self.model.generate(input_ids=input_ids.to(self.device),
+                                           attention_mask=attn.to(self.device), generation_config=gen_cfg)
+            texts += tok.batch_decode(seqs[:, P:].cpu(), skip_special_tokens=True)
+        return texts
+
+    # ------------------------------------------------------------------ score / update
+    def score(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool = False) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        self.model.train(grad)
+        for s in range(0, len(prompt_ids), self.cfg.micro_batch):
+            lp = self.score_padded(prompt_ids[s:s + self.cfg.micro_batch],
+                                   completion_ids[s:s + self.cfg.micro_batch], sampling, grad)
+            out += [lp[i, : len(c)] for i, c in enumerate(completion_ids[s:s + self.cfg.micro_batch])]
+        return out
+
+    def score_padded(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool) -> torch.Tensor:
+        """(b,T) log-probs for one micro-batch (see scoring.token_logprobs)."""
+        return token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
+                              grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast).cpu()
+
+    def retokenize(self, prompt_text: str, completion_text: str) -> tuple[list[int], list[int]]:
+        """A peer's text in this model's tokenizer and chat template (EOS appended)."""
+        ids = self.tokenizer(completion_text, add_special_tokens=False)["input_ids"]
+        return self.format_prompt(prompt_text), list(ids) + [self.tokenizer.eos_token_id]
+
+    def update(self, samples: Sequence[TrainSample], sampling: SamplingParams) -> dict[str, float]:
+        """One F-TIS optimizer step on ``samples``; ``sampling`` defines pi_theta's distribution."""
+        self.model.train()
+        metrics = ftis_step(lambda p, c, g: self.score_padded(p, c, sampling, g), self.trainable, self.optimizer,
+                            samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm)
+        self.steps += 1
+        self.model.eval()
+        return metrics
+
+    # ------------------------------------------------------------------ state
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Trainable parameters + optimizer state + step count (resume)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"trainable": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                    "steps": self.steps, "model_id": self.model_id}, tmp)
+        tmp.replace(path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        names = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in state["trainable"].items():
+                if n not in names:
+                    raise ValueError(f"checkpoint {path}: parameter {n!r} not in model {self.model_id}")
+                names[n].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])

@@ -1,0 +1,91 @@
+"""Teacher-forced per-token log-probs without materialising batch x length x vocab logits.
+
+The decoder runs once per micro-batch of rows; the LM head and the sampling-distribution log-softmax
+run over chunks of completion positions. With gradients, each chunk is wrapped in activation
+checkpointing, so backward recomputes its (rows, chunk, V) logits instead of keeping them: peak
+memory is one chunk of logits, not the whole batch's (SmolLM2-135M, 8x8x64 tokens: a plain pass
+needs 11-15 GB).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..batch import SamplingParams
+from .base import processed_logprobs
+
+
+def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The underlying *ForCausalLM module (through a peft wrapper if any)."""
+    if hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def pad_rows(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int):
+    """Right-pad prompt+completion rows.
+
+    Returns input_ids (B,L), attention_mask (B,L), target_pos (B,T) long: the position whose hidden
+    state predicts completion token t (prompt_len - 1 + t), and tmask (B,T) bool.
+    """
+    rows = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    B = len(rows)
+    L = max(len(r) for r in rows)
+    T = max((len(c) for c in completion_ids), default=0)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)                     # (B,L)
+    attn = torch.zeros((B, L), dtype=torch.long)                                 # (B,L)
+    target_pos = torch.zeros((B, T), dtype=torch.long)                           # (B,T)
+    tmask = torch.zeros((B, T), dtype=torch.bool)                                # (B,T)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        n = len(p) + len(c)
+        input_ids[i, :n] = torch.tensor(rows[i], dtype=torch.long)
+        attn[i, :n] = 1
+        if len(c):
+            target_pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
+            tmask[i, : len(c)] = True
+    return input_ids, attn, target_pos, tmask
+
+
+def _chunk_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
+                    sampling: SamplingParams) -> torch.Tensor:
+    """(b,c,H) hidden, (b,c) targets -> (b,c) log-probs of the targets."""
+    logits = head(h)                                                             # (b,c,V)
+    lp = processed_logprobs(logits, sampling)                                    # (b,c,V)
+    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                      # (b,c)
+
+
+def token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
+                   completion_ids: Sequence[Sequence[int]], sampling: SamplingParams, pad_id: int,
+                   grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Padded (B,T) log-probs of each completion token under ``model`` and ``sampling``.
+
+    Positions past a completion's end hold 0. Runs as one micro-batch: callers split rows.
+    """
+    lm = unwrap_causal_lm(model)
+    decoder, head = lm.get_decoder(), lm.get_output_embeddings()
+    input_ids, attn, target_pos, tmask = pad_rows(prompt_ids, completion_ids, pad_id)
+    B, T = tmask.shape
+    if T == 0:
+        return torch.zeros((B, 0))
+    device = next(lm.parameters()).device
+    input_ids, attn, target_pos = input_ids.to(device), attn.to(device), target_pos.to(device)
+    targets = torch.zeros((B, T), dtype=torch.long, device=device)               # (B,T)
+    for i, c in enumerate(completion_ids):
+        if len(c):
+            targets[i, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+    with torch.set_grad_enabled(grad), torch.autocast(
+            device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        hidden = decoder(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B,L,H)
+        h = hidden.gather(1, target_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B,T,H)
+        outs = []
+        for s in range(0, T, chunk):
+            hc, tc = h[:, s:s + chunk], targets[:, s:s + chunk]
+            if grad:
+                outs.append(checkpoint(_chunk_logprobs, head, hc, tc, sampling, use_reentrant=False))
+            else:
+                outs.append(_chunk_logprobs(head, hc, tc, sampling))
+        lp = torch.cat(outs, dim=1).float()                                      # (B,T)
+    return torch.where(tmask.to(device), lp, torch.zeros_like(lp))

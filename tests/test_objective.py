@@ -1,0 +1,348 @@
+"""The F-TIS objective family against hand-computed values and a slow reference GRPO."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ftis_fed.objective import (MODES, LossInputs, ObjectiveConfig, aggregate, compute_advantages,
+                                count_denominators, filter_mask, ftis_loss, kl_estimate, merge_stats,
+                                finalize_stats)
+
+LN = math.log
+
+
+def two_samples(local=(True, False)):
+    """Sample A: pi_theta=.5, pi_gen=.1 (ratio 5), A=+1.  Sample B: .2 vs .8 (ratio .25), A=-1."""
+    logp = torch.tensor([[LN(0.5)], [LN(0.2)]], requires_grad=True)
+    x = LossInputs(logp=logp, logp_gen=torch.tensor([[LN(0.1)], [LN(0.8)]]),
+                   mask=torch.ones(2, 1, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]),
+                   source=torch.tensor([0, 1]), local=torch.tensor(local), source_names=("a", "b"))
+    return logp, x
+
+
+# mode -> (loss, dL/dlogp_A, dL/dlogp_B) with g = 1.0 (B's KL = log(.8/.2) = 1.386 >= 1 -> filtered)
+HAND = {
+    "noIS": (0.0, -0.5, 0.5),          # w=1: (-1 + 1)/2
+    "TIS": (-0.875, -1.0, 0.125),      # w_A=min(5,2)=2, w_B=.25: (-2 + .25)/2
+    "VIS": (-0.2, 0.0, 0.0),           # R_A=5 clipped to 1.2, R_B=.25 clipped to .8: (-1.2 + .8)/2
+    "F-noIS": (-0.5, -0.5, 0.0),       # B filtered: (-1 + 0)/2
+    "F-TIS": (-1.0, -1.0, 0.0),        # (-2 + 0)/2
+    "F-VIS": (-0.6, 0.0, 0.0),         # (-1.2 + 0)/2
+    "alone": (-1.0, -1.0, 0.0),        # only A (local): -1/1
+}
+
+
+@pytest.mark.parametrize("mode", sorted(HAND))
+def test_hand_computed_values_per_mode(mode):
+    logp, x = two_samples()
+    out = ftis_loss(x, ObjectiveConfig(mode=mode, filter_g=1.0))
+    out.loss.backward()
+    loss, ga, gb = HAND[mode]
+    assert out.loss.item() == pytest.approx(loss, abs=1e-6)
+    assert logp.grad[0, 0].item() == pytest.approx(ga, abs=1e-6)
+    assert logp.grad[1, 0].item() == pytest.approx(gb, abs=1e-6)
+
+
+def test_vis_inside_clip_has_ratio_gradient():
+    logp = torch.tensor([[LN(0.55)]], requires_grad=True)                  # ratio 1.1 vs gen .5
+    x = LossInputs(logp=logp, logp_gen=torch.tensor([[LN(0.5)]]), mask=torch.ones(1, 1, dtype=torch.bool),
+                   advantages=torch.tensor([1.0]), source=torch.tensor([0]), local=torch.tensor([False]),
+                   source_names=("p",))
+    out = ftis_loss(x, ObjectiveConfig(mode="VIS"))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-1.1, abs=1e-6)
+    assert logp.grad.item() == pytest.approx(-1.1, abs=1e-6)                 # d(-R A)/dlogp = -R A
+
+
+def test_diagnostics_hand_values():
+    _, x = two_samples()
+    m = ftis_loss(x, ObjectiveConfig(mode="F-TIS", filter_g=1.0)).metrics
+    assert m["offpolicy/a/ratio_mean"] == pytest.approx(5.0, rel=1e-5)      # raw, before truncation
+    assert m["offpolicy/a/truncated_frac"] == 1.0                          # 5 > C=2
+    assert m["offpolicy/b/truncated_frac"] == 0.0
+    assert m["offpolicy/a/filtered_frac"] == 0.0                           # positive advantage: kept
+    assert m["offpolicy/b/filtered_frac"] == 1.0
+    assert m["offpolicy/b/kl_mean"] == pytest.approx(LN(4.0), rel=1e-5)     # sum-k1 = log(.8/.2)
+    assert m["offpolicy/a/kl_mean"] == pytest.approx(LN(0.2), rel=1e-5)
+
+
+def test_kl_estimators_hand_values():
+    lr = torch.tensor([[LN(5.0), LN(0.25)]])                                # log(pi_theta/pi_gen)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    seq = torch.tensor([False])
+    k1 = -(LN(5.0) + LN(0.25))
+    k3 = (5 - 1 - LN(5.0)) + (0.25 - 1 - LN(0.25))
+    assert kl_estimate(lr, mask, seq, "sum-k1", 20.0).item() == pytest.approx(k1, rel=1e-6)
+    assert kl_estimate(lr, mask, seq, "mean-k1", 20.0).item() == pytest.approx(k1 / 2, rel=1e-6)
+    assert kl_estimate(lr, mask, seq, "sum-k3", 20.0).item() == pytest.approx(k3, rel=1e-6)
+    assert kl_estimate(lr, mask, seq, "mean-k3", 20.0).item() == pytest.approx(k3 / 2, rel=1e-6)
+
+
+def test_length_normalisations_hand_values():
+    per_tok = torch.tensor([[1.0, 2.0], [3.0, 99.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    rows = torch.tensor([True, True])
+    assert aggregate(per_tok, mask, rows, "sequence", 4).item() == pytest.approx((1.5 + 3) / 2)   # GRPO
+    assert aggregate(per_tok, mask, rows, "token", 4).item() == pytest.approx(6 / 3)              # DAPO
+    assert aggregate(per_tok, mask, rows, "constant", 4).item() == pytest.approx(6 / (2 * 4))     # Dr. GRPO
+
+
+def test_sequence_level_ratio_uses_product_of_token_ratios():
+    # token ratios 2 and .5 -> sequence ratio 1: TIS weight 1 on every token (token-level: 2 and .5)
+    logp = torch.tensor([[LN(0.5), LN(0.5)]], requires_grad=True)
+    x = LossInputs(logp=logp, logp_gen=torch.tensor([[LN(0.25), LN(1.0)]]), mask=torch.ones(1, 2, dtype=torch.bool),
+                   advantages=torch.tensor([1.0]), source=torch.tensor([0]), local=torch.tensor([False]),
+                   source_names=("p",))
+    out = ftis_loss(x, ObjectiveConfig(mode="TIS", ratio_level="sequence"))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-1.0, abs=1e-6)
+    assert logp.grad[0].tolist() == pytest.approx([-0.5, -0.5], abs=1e-6)
+    logp.grad = None
+    out = ftis_loss(x, ObjectiveConfig(mode="TIS"))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-(2 + 0.5) / 2, abs=1e-6)
+
+
+def test_cross_tokenizer_rows_use_given_sequence_logprob():
+    logp = torch.tensor([[LN(0.5), LN(0.5)]], requires_grad=True)
+    x = LossInputs(logp=logp, logp_gen=torch.zeros(1, 2), mask=torch.ones(1, 2, dtype=torch.bool),
+                   advantages=torch.tensor([1.0]), source=torch.tensor([0]), local=torch.tensor([False]),
+                   source_names=("p",), seq_level=torch.tensor([True]),
+                   seq_logp_gen=torch.tensor([LN(0.125)]))                    # ratio .25 / .125 = 2
+    out = ftis_loss(x, ObjectiveConfig(mode="TIS", trunc_c=10.0))
+    assert out.loss.item() == pytest.approx(-2.0, abs=1e-5)
+
+
+def test_advantages_hand_values():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 3.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    adv = compute_advantages(r, g)
+    std = math.sqrt(4 * 0.25 / 3)
+    assert adv[:4].tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1 + [-0.5 / (std + 1e-4),
+                                              0.5 / (std + 1e-4)], rel=1e-6)
+    assert adv[4:].tolist() == [0.0, 0.0, 0.0]                               # all-equal and singleton
+    assert compute_advantages(r, g, scale="none")[:4].tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
+
+
+# ------------------------------------------------------------------ F-TIS == GRPO when nothing is off-policy
+
+def reference_grpo(logp: torch.Tensor, lengths: list[int], adv: torch.Tensor, eps: float = 0.2) -> torch.Tensor:
+    """Slow, obvious GRPO (per-sequence normalisation, one epoch, no KL)."""
+    total = 0.0
+    for i, n in enumerate(lengths):
+        s = 0.0
+        for t in range(n):
+            ratio = torch.exp(logp[i, t] - logp[i, t].detach())
+            s = s + torch.minimum(ratio * adv[i], ratio.clamp(1 - eps, 1 + eps) * adv[i])
+        total = total - s / max(n, 1)
+    return total / len(lengths)
+
+
+def test_ftis_equals_grpo_in_loss_and_gradients_when_on_policy():
+    torch.manual_seed(0)
+    B, T, V, H = 6, 7, 11, 5
+    W = torch.randn(V, H, requires_grad=True)                               # a real (tiny) model
+    h = torch.randn(B, T, H)
+    tokens = torch.randint(0, V, (B, T))
+    lengths = [7, 3, 0, 5, 7, 1]
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    adv = torch.randn(B)
+
+    def logp_of():
+        return torch.log_softmax(h @ W.T, -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+    ref = reference_grpo(logp_of(), lengths, adv)
+    (g_ref,) = torch.autograd.grad(ref, W)
+    lp = logp_of()
+    x = LossInputs(logp=lp, logp_gen=lp.detach(), mask=mask, advantages=adv, source=torch.tensor([0, 0, 1, 1, 2, 2]),
+                   local=torch.tensor([1, 1, 0, 0, 0, 0]).bool(), source_names=("me", "p1", "p2"))
+    out = ftis_loss(x, ObjectiveConfig(mode="F-TIS", trunc_c=math.inf, filter_g=math.inf))
+    (g,) = torch.autograd.grad(out.loss, W)
+    assert out.loss.item() == pytest.approx(ref.item(), abs=1e-6)
+    assert torch.allclose(g, g_ref, atol=1e-6)
+    assert g.abs().sum() > 0
+
+
+# ------------------------------------------------------------------ the filter
+
+def test_filter_drops_exactly_negative_advantage_samples_over_threshold():
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.0, 0.0, -0.5])
+    kl = torch.tensor([100.0, 1.0, 100.0, 1.0, 100.0, 1.0, 50.0])
+    assert filter_mask(adv, kl, 50.0).tolist() == [False, False, True, False, False, False, True]
+
+
+def test_filter_leaves_kept_samples_untouched():
+    torch.manual_seed(1)
+    B, T = 8, 4
+    lp = torch.log_softmax(torch.randn(B, T, 3), -1)[..., 0].clone().requires_grad_(True)
+    gen = lp.detach().clone()
+    gen[[1, 2, 5]] -= 30.0                                                   # rows 1,2,5 far off-policy (KL < 0)
+    gen[[3, 6]] = -1e3                                                       # huge ratio, KL very negative
+    gen[[0, 4]] = 0.0                                                        # KL = sum(lp) < 0 ... not > g
+    lp2 = lp.detach().clone()
+    lp2[[1, 2]] -= 80.0                                                      # pi_theta << pi_gen: KL large
+    lp2 = lp2.requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0])
+    base = dict(logp_gen=lp.detach(), mask=torch.ones(B, T, dtype=torch.bool), advantages=adv,
+                source=torch.zeros(B, dtype=torch.long), local=torch.zeros(B, dtype=torch.bool), source_names=("p",))
+    x = LossInputs(logp=lp2, **base)
+    out_f = ftis_loss(x, ObjectiveConfig(mode="F-TIS"))
+    out_f.loss.backward()
+    g_f = lp2.grad.clone()
+    lp2.grad = None
+    out_t = ftis_loss(x, ObjectiveConfig(mode="TIS"))
+    out_t.loss.backward()
+    g_t = lp2.grad.clone()
+    # row 1: negative advantage, KL = 4*80 = 320 >= 50 -> dropped; row 2: positive -> kept
+    assert g_f[1].abs().sum() == 0 and g_t[1].abs().sum() > 0
+    keep = [0, 2, 3, 4, 5, 6, 7]
+    assert torch.allclose(g_f[keep], g_t[keep])
+    assert out_f.metrics["offpolicy/p/filtered_frac"] == pytest.approx(1 / 8)
+
+
+# ------------------------------------------------------------------ extreme inputs
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("est", ["sum-k1", "sum-k3", "mean-k1", "mean-k3"])
+@pytest.mark.parametrize("norm", ["sequence", "token", "constant"])
+def test_extreme_inputs_give_finite_loss_and_gradients(mode, est, norm):
+    B, T = 6, 5
+    logp = torch.tensor([[-1e4] * T, [-1e-3] * T, [-2.0] * T, [-0.5] * T, [-1.0] * T, [-1.0] * T], requires_grad=True)
+    gen = torch.tensor([[0.0] * T, [-1e4] * T, [float("-inf")] * T, [-0.5] * T, [-1.0] * T, [-3.0] * T])
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[4] = False                                                          # an empty completion
+    mask[5, 2:] = False
+    for adv in (torch.tensor([1.0, -1.0, -2.0, 0.5, -1.0, 3.0]), torch.zeros(B)):  # incl. all-equal rewards
+        logp.grad = None
+        x = LossInputs(logp=logp, logp_gen=gen, mask=mask, advantages=adv, source=torch.tensor([0, 0, 1, 1, 2, 2]),
+                       local=torch.tensor([1, 0, 0, 1, 0, 1]).bool(), source_names=("a", "b", "c"))
+        out = ftis_loss(x, ObjectiveConfig(mode=mode, kl_estimator=est, length_norm=norm, ratio_level="token"))
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        assert torch.isfinite(logp.grad).all()
+        assert all(math.isfinite(v) for v in out.metrics.values())
+
+
+def test_all_empty_completions_are_finite():
+    logp = torch.zeros(3, 0, requires_grad=True)
+    x = LossInputs(logp=logp, logp_gen=torch.zeros(3, 0), mask=torch.zeros(3, 0, dtype=torch.bool),
+                   advantages=torch.tensor([1.0, -1.0, 0.0]), source=torch.zeros(3, dtype=torch.long),
+                   local=torch.ones(3, dtype=torch.bool), source_names=("a",))
+    for mode in MODES:
+        out = ftis_loss(x, ObjectiveConfig(mode=mode))
+        assert out.loss.item() == 0.0
+
+
+def test_bad_config_names_field_and_limit():
+    with pytest.raises(ValueError, match=r"objective.mode='FTIS'.*one of"):
+        ObjectiveConfig(mode="FTIS")
+    with pytest.raises(ValueError, match=r"objective.clip_eps=1.5.*\[0, 1\)"):
+        ObjectiveConfig(clip_eps=1.5)
+    with pytest.raises(ValueError, match="objective.kl_estimator"):
+        ObjectiveConfig(kl_estimator="max-k2")
+
+
+# ------------------------------------------------------------------ properties over random batches
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 6))
+    T = draw(st.integers(0, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, 4, generator=g) * draw(st.sampled_from([0.1, 1.0, 30.0]))
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None] < lengths[:, None]
+    scale = draw(st.sampled_from([0.0, 1.0, 50.0, 1e4]))
+    gen = -(torch.rand(B, T, generator=g) * scale)
+    adv = torch.randn(B, generator=g) * draw(st.sampled_from([0.0, 1.0, 100.0]))
+    src = torch.randint(0, 3, (B,), generator=g)
+    seq = torch.rand(B, generator=g) < 0.3
+    return logits, mask, gen, adv, src, seq
+
+
+def _inputs(logits, mask, gen, adv, src, seq, rows=slice(None)):
+    logp = torch.log_softmax(logits[rows], -1)[..., 0] if logits.shape[1] else torch.zeros(logits[rows].shape[0], 0)
+    return LossInputs(logp=logp, logp_gen=gen[rows], mask=mask[rows], advantages=adv[rows], source=src[rows],
+                      local=(src[rows] == 0), source_names=("me", "p1", "p2"), seq_level=seq[rows])
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.sampled_from(sorted(MODES)), st.sampled_from(["sequence", "token", "constant"]))
+def test_random_batches_finite_and_microbatches_add_up(b, mode, norm):
+    logits, mask, gen, adv, src, seq = b
+    logits = logits.clone().requires_grad_(True)
+    cfg = ObjectiveConfig(mode=mode, length_norm=norm, norm_constant=8)
+    full = ftis_loss(_inputs(logits, mask, gen, adv, src, seq), cfg)
+    assert torch.isfinite(full.loss)
+    (g_full,) = torch.autograd.grad(full.loss, logits, allow_unused=True) if full.loss.requires_grad else (None,)
+    rows_all = (src == 0) if MODES[mode].local_only else torch.ones_like(src, dtype=torch.bool)
+    den = count_denominators(mask, rows_all)
+    B = logits.shape[0]
+    parts, stats = [], {}
+    for s in range(0, B, 2):
+        out = ftis_loss(_inputs(logits, mask, gen, adv, src, seq, slice(s, s + 2)), cfg, den)
+        parts.append(out.loss)
+        out.stats.pop("loss/value")
+        stats = merge_stats(stats, out.stats)
+    total = sum(parts)
+    assert total.item() == pytest.approx(full.loss.item(), rel=1e-4, abs=1e-5)
+    if g_full is not None and total.requires_grad:
+        (g_parts,) = torch.autograd.grad(total, logits)
+        assert torch.isfinite(g_parts).all()
+        assert torch.allclose(g_parts, g_full, rtol=1e-4, atol=1e-5)
+    m_full = dict(full.metrics)
+    m_full.pop("loss/value")
+    m_parts = finalize_stats(stats)
+    assert m_parts.keys() == m_full.keys()
+    for k in m_full:
+        assert m_parts[k] == pytest.approx(m_full[k], rel=1e-4, abs=1e-5), k
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.floats(0.5, 10.0))
+def test_truncated_weight_never_exceeds_c(b, c):
+    logits, mask, gen, adv, src, seq = b
+    logp = torch.log_softmax(logits, -1)[..., 0] if logits.shape[1] else torch.zeros(logits.shape[0], 0)
+    logp = logp.detach().requires_grad_(True)
+    adv_pos = adv.abs() + 1.0
+    x = LossInputs(logp=logp, logp_gen=gen, mask=mask, advantages=adv_pos, source=src, local=src == 0,
+                   source_names=("me", "p1", "p2"))
+    out = ftis_loss(x, ObjectiveConfig(mode="TIS", trunc_c=c, length_norm="token"))
+    if not out.loss.requires_grad:
+        return
+    out.loss.backward()
+    # d/dlogp of -(w * R * A)/N with R=1 in value: -w*A/N, so |grad| * N / A is the weight w <= C
+    n_tok = max(int(mask.sum()), 1)
+    w = (-logp.grad * n_tok / adv_pos[:, None])[mask]
+    assert (w <= c + 1e-4).all() and (w >= 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches())
+def test_filter_only_changes_filtered_rows(b):
+    logits, mask, gen, adv, src, seq = b
+    if logits.shape[1] == 0:
+        return
+    cfg_f, cfg_t = ObjectiveConfig(mode="F-TIS", filter_g=5.0), ObjectiveConfig(mode="TIS")
+    grads = []
+    for cfg in (cfg_f, cfg_t):
+        lg = logits.clone().requires_grad_(True)
+        out = ftis_loss(_inputs(lg, mask, gen, adv, src, seq), cfg)
+        if out.loss.requires_grad:
+            out.loss.backward()
+        grads.append(torch.zeros_like(lg) if lg.grad is None else lg.grad)
+    x = _inputs(logits, mask, gen, adv, src, seq)
+    from ftis_fed.objective import log_ratios
+    lp = torch.where(x.mask, x.logp, torch.zeros_like(x.logp)).clamp(min=-1e4)
+    raw = log_ratios(lp, torch.where(x.mask, gen, torch.zeros_like(gen)).clamp(-1e4, 0), x.mask,
+                     torch.zeros_like(seq), None)
+    kl = kl_estimate(raw, x.mask, torch.zeros_like(seq), "sum-k1", 20.0)
+    dropped = filter_mask(adv, kl, 5.0)
+    keep = ~dropped
+    assert torch.allclose(grads[0][keep], grads[1][keep], atol=1e-6)
+    assert (grads[0][dropped] == 0).all()

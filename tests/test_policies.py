@@ -1,0 +1,157 @@
+"""HF policies with the real SmolLM2-135M: log-prob fidelity, training, LoRA, resume, tokenizers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
+from ftis_fed.objective import ObjectiveConfig
+from ftis_fed.policies import PolicyConfig, Prompt, build_policy, processed_logprobs
+from ftis_fed.training import samples_from_batches
+
+PROMPTS = [Prompt("add/0", "What is 3 + 4? Reply with just the number.", "7"),
+           Prompt("add/1", "What is 12 + 35? Reply with just the number.", "47")]
+SAMPLINGS = [SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16),
+             SamplingParams(temperature=1.3, top_k=50, max_new_tokens=16)]
+
+#: fp32: recorded vs recomputed differ only by KV-cache vs full-sequence arithmetic (measured <= 3e-5).
+FP32_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return build_policy(PolicyConfig(model="smollm2", dtype="fp32", micro_batch=4))
+
+
+def rollout_rows(rolls):
+    P = [r.prompt_ids.tolist() for r in rolls for _ in r.completion_ids]
+    C = [c.tolist() for r in rolls for c in r.completion_ids]
+    rec = [lp for r in rolls for lp in r.logprobs]
+    return P, C, rec
+
+
+def as_batch(pol, rolls, sender, sampling, rewards=None, texts=True):
+    groups = []
+    for k, r in enumerate(rolls):
+        rw = rewards[k] if rewards is not None else np.arange(len(r.completion_ids), dtype=np.float32) % 2
+        groups.append(make_group(r.prompt_ids, r.completion_ids, r.logprobs, rw, r.prompt.task_id,
+                                 r.prompt.reference, r.prompt.text if texts else "",
+                                 r.completion_texts if texts else ()))
+    return CompletionBatch(sender=sender, run_id="t", round=0, seq=0, model_id=pol.model_id,
+                           tokenizer_fp=pol.tokenizer_fp, vocab_size=pol.vocab_size, sampling=sampling,
+                           groups=tuple(groups)).validate()
+
+
+def test_processed_logprobs_match_hf_warpers():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300) * 3
+    for sp in SAMPLINGS + [SamplingParams(temperature=0.5, top_k=7, top_p=0.8)]:
+        warpers = LogitsProcessorList()
+        warpers.append(TemperatureLogitsWarper(sp.temperature))
+        if sp.top_k:
+            warpers.append(TopKLogitsWarper(sp.top_k))
+        if sp.top_p < 1:
+            warpers.append(TopPLogitsWarper(sp.top_p))
+        ref = torch.log_softmax(warpers(None, logits.clone()), -1)
+        ours = processed_logprobs(logits, sp)
+        assert torch.equal(torch.isinf(ref), torch.isinf(ours))
+        assert torch.allclose(ref[~torch.isinf(ref)], ours[~torch.isinf(ours)], atol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T0.7-p0.9", "T1.3-k50"])
+def test_recorded_logprobs_equal_teacher_forced_recomputation(smol, sampling):
+    rolls = smol.generate(PROMPTS, 3, sampling, seed=1)
+    P, C, rec = rollout_rows(rolls)
+    assert all(len(c) >= 1 for c in C)
+    scored = smol.score(P, C, sampling)
+    diff = torch.cat([(s - torch.as_tensor(r)).abs() for s, r in zip(scored, rec)])
+    assert diff.max().item() <= FP32_TOL
+    # and the recorded values are of the *processed* distribution, not the raw model's
+    raw = smol.score(P, C, SamplingParams(max_new_tokens=16))
+    assert max((s - torch.as_tensor(r)).abs().max().item() for s, r in zip(raw, rec)) > 10 * FP32_TOL
+
+
+def test_generation_is_seeded_and_stops_at_eos(smol):
+    sp = SAMPLINGS[0]
+    a = smol.generate(PROMPTS, 2, sp, seed=3)
+    b = smol.generate(PROMPTS, 2, sp, seed=3)
+    for ra, rb in zip(a, b):
+        for x, y in zip(ra.completion_ids, rb.completion_ids):
+            assert np.array_equal(x, y)
+        for c in ra.completion_ids:
+            eos = smol.tokenizer.eos_token_id
+            assert eos not in c[:-1].tolist()                                    # nothing after EOS
+
+
+def test_bf16_autocast_fidelity_within_stated_tolerance():
+    pol = build_policy(PolicyConfig(model="smollm2", dtype="bf16", micro_batch=4))
+    sp = SAMPLINGS[0]
+    rolls = pol.generate(PROMPTS, 2, sp, seed=1)
+    P, C, rec = rollout_rows(rolls)
+    diff = torch.cat([(s - torch.as_tensor(r)).abs() for s, r in zip(pol.score(P, C, sp), rec)])
+    # bf16 KV-cache decoding vs a full bf16 pass: measured mean 0.02-0.03, max 0.2 nats
+    assert diff.mean().item() <= 0.08 and diff.max().item() <= 1.0
+
+
+def test_full_update_changes_weights_and_own_samples_are_on_policy(smol):
+    sp = SAMPLINGS[0]
+    rolls = smol.generate(PROMPTS, 4, sp, seed=2)
+    batch = as_batch(smol, rolls, "me", sp)
+    samples = samples_from_batches([batch], "me", smol.tokenizer_fp, ObjectiveConfig())
+    before = {n: p.detach().clone() for n, p in smol.model.named_parameters()}
+    m = smol.update(samples, sp)
+    assert np.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+    assert abs(m["offpolicy/me/ratio_mean"] - 1.0) < 1e-3                     # own fp32 samples: ratio 1
+    assert m["offpolicy/me/truncated_frac"] == 0.0
+    changed = sum(not torch.equal(before[n], p) for n, p in smol.model.named_parameters())
+    assert changed > 100
+
+
+def test_lora_trains_only_adapters_and_resumes(tmp_path):
+    pol = build_policy(PolicyConfig(model="smollm2", adapter="lora", dtype="fp32", micro_batch=4, lora_r=4))
+    sp = SAMPLINGS[0]
+    rolls = pol.generate(PROMPTS, 4, sp, seed=4)
+    P, C, rec = rollout_rows(rolls)
+    diff = torch.cat([(s - torch.as_tensor(r)).abs() for s, r in zip(pol.score(P, C, sp), rec)])
+    assert diff.max().item() <= FP32_TOL
+    frozen = {n: p.detach().clone() for n, p in pol.model.named_parameters() if not p.requires_grad}
+    samples = samples_from_batches([as_batch(pol, rolls, "me", sp)], "me", pol.tokenizer_fp, ObjectiveConfig())
+    m = pol.update(samples, sp)
+    assert m["train/grad_norm"] > 0
+    assert all(torch.equal(frozen[n], p) for n, p in pol.model.named_parameters() if not p.requires_grad)
+    assert all("lora_" in n for n, p in pol.model.named_parameters() if p.requires_grad)
+    pol.save(tmp_path / "state.pt")
+    twin = build_policy(PolicyConfig(model="smollm2", adapter="lora", dtype="fp32", micro_batch=4, lora_r=4, seed=9))
+    twin.load(tmp_path / "state.pt")
+    a, b = pol.trainable_state(), twin.trainable_state()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert twin.steps == 1
+    assert twin.optimizer.state_dict()["state"].keys() == pol.optimizer.state_dict()["state"].keys()
+    # the resumed twin scores exactly like the original
+    s1, s2 = pol.score(P[:2], C[:2], sp), twin.score(P[:2], C[:2], sp)
+    assert all(torch.allclose(x, y) for x, y in zip(s1, s2))
+
+
+def test_cross_tokenizer_batches_train_at_sequence_level(smol):
+    """A SmolLM2 batch used by the bpe8k participant (different tokenizer) and vice versa."""
+    other = build_policy(PolicyConfig(model="smollm2-bpe8k", dtype="fp32", micro_batch=4))
+    assert other.tokenizer_fp != smol.tokenizer_fp and other.vocab_size < smol.vocab_size
+    sp = SAMPLINGS[0]
+    b_smol = as_batch(smol, smol.generate(PROMPTS, 2, sp, seed=5), "smol", sp)
+    b_other = as_batch(other, other.generate(PROMPTS, 2, sp, seed=6), "bpe", sp)
+    cfg = ObjectiveConfig(mode="F-TIS")
+    samples = samples_from_batches([b_other, b_smol], "bpe", other.tokenizer_fp, cfg, retokenize=other.retokenize)
+    peer = [s for s in samples if s.source == "smol"]
+    assert peer and all(s.seq_level for s in peer) and not any(s.seq_level for s in samples if s.local)
+    assert all(max(s.completion_ids) < other.vocab_size for s in peer)
+    m = other.update(samples, sp)
+    assert np.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+    assert "offpolicy/smol/kl_mean" in m and np.isfinite(m["offpolicy/smol/ratio_mean"])
+    with pytest.raises(ValueError, match="retokenize"):
+        samples_from_batches([b_smol], "bpe", other.tokenizer_fp, cfg)
+    no_text = as_batch(smol, smol.generate(PROMPTS[:1], 2, sp, seed=5), "smol", sp, texts=False)
+    with pytest.raises(ValueError, match="completion_texts"):
+        samples_from_batches([no_text], "bpe", other.tokenizer_fp, cfg, retokenize=other.retokenize)

@@ -1,0 +1,62 @@
+"""4-bit + LoRA (QLoRA) on the CPU: the bitsandbytes repacking trap and its workaround (FTIS.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from ftis_fed.batch import CompletionBatch, SamplingParams, make_group  # noqa: E402
+from ftis_fed.objective import ObjectiveConfig  # noqa: E402
+from ftis_fed.policies import PolicyConfig, Prompt, build_policy  # noqa: E402
+from ftis_fed.policies.hf import cpu_has_bf16  # noqa: E402
+from ftis_fed.training import samples_from_batches  # noqa: E402
+
+SP = SamplingParams(temperature=0.7, max_new_tokens=12)
+PROMPTS = [Prompt("add/0", "What is 3 + 4? Reply with just the number.", "7"),
+           Prompt("add/1", "What is 5 + 2? Reply with just the number.", "7")]
+
+
+def lora_grads(pol, P, C):
+    pol.model.zero_grad(set_to_none=True)
+    pol.model.train()
+    pol.score_padded(P, C, SP, grad=True).sum().backward()
+    return {n: (0.0 if p.grad is None else p.grad.abs().sum().item())
+            for n, p in pol.model.named_parameters() if p.requires_grad}
+
+
+def test_4bit_lora_learns_after_generating():
+    pol = build_policy(PolicyConfig(model="smollm2", adapter="lora", quant="4bit", dtype="fp32", lora_r=4,
+                                    lr=1e-3, micro_batch=8))
+    layers = [m for m in pol.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    rolls = pol.generate(PROMPTS, 3, SP, seed=0)                                 # eval-mode 4-bit forward
+    P = [r.prompt_ids.tolist() for r in rolls for _ in r.completion_ids]
+    C = [c.tolist() for r in rolls for c in r.completion_ids]
+    grads = lora_grads(pol, P, C)
+    # LoRA B starts at zero, so A's first gradient is zero by construction; every B must move,
+    # the lowest layer's included (the trap kills gradients below the first repacked layer)
+    b_grads = {n: g for n, g in grads.items() if "lora_B" in n}
+    assert len(b_grads) == len(layers) and all(g > 0 for g in b_grads.values())
+
+    groups = tuple(make_group(r.prompt_ids, r.completion_ids, r.logprobs, [1.0, 0.0, 0.0], r.prompt.task_id,
+                              r.prompt.reference) for r in rolls)
+    batch = CompletionBatch("me", "t", 0, 0, pol.model_id, pol.tokenizer_fp, pol.vocab_size, SP, groups).validate()
+    samples = samples_from_batches([batch], "me", pol.tokenizer_fp, ObjectiveConfig())
+    before = sum(s.float().sum().item() for s in pol.score(P, C, SP))
+    for _ in range(3):
+        m = pol.update(samples, SP)
+        assert m["train/grad_norm"] > 0
+        pol.generate(PROMPTS[:1], 1, SP, seed=1)                                  # generating between steps
+    after = sum(s.float().sum().item() for s in pol.score(P, C, SP))
+    assert abs(after - before) > 1e-3                                            # the loss moved
+    assert all(g > 0 for n, g in lora_grads(pol, P, C).items())                  # now A moves too
+
+    if cpu_has_bf16():
+        # negative control: re-enable the repacking, generate once, and lower layers go silent
+        for m in layers:
+            m.support_avx512bf16_for_cpu = True
+        pol.generate(PROMPTS[:1], 1, SP, seed=2)
+        broken = lora_grads(pol, P, C)
+        assert any(g == 0.0 for n, g in broken.items() if "layers.0." in n)
