@@ -1,0 +1,326 @@
+"""Ed25519 keys, the run's directory of participants' public keys, signing and verifying frames,
+and the replay guard.
+
+Key layout (``generate_keypair(participant, "keys")``)::
+
+    keys/private/<participant>.key   PEM PKCS#8 Ed25519 private key, unencrypted, mode 0600
+    keys/public/<participant>.pub    PEM SubjectPublicKeyInfo (a file holding the 64 hex digits of
+                                     the raw 32-byte public key is accepted too)
+
+Every participant keeps its own ``private/`` file; the run (server and every participant) is
+configured with the same ``public/`` directory. A name appears at most once and a key under at
+most one name, so no participant can sign as another.
+
+Signature: ``frame = body || Ed25519(private_key, digest)`` with
+
+    digest = SHA-256( DOMAIN || u16 len + run_id || u16 len + sender || u64 round || u64 seq ||
+                      u64 len(body) || body )
+
+``body`` (see :mod:`ftis_fed.wire`) already holds those header fields; repeating them in the digest
+makes the binding explicit and independent of the layout. Whoever relays a frame (the server) has
+no private key, so it can neither forge nor alter one: receivers verify with the *sender's* key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
+from .wire import WireHeader, WireLimits, WireOptions, encode_body, parse_header
+
+DOMAIN = b"ftis-fed/signed-completion-batch/v1\x00"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_MAX_KEY_FILE = 4096
+
+
+# ------------------------------------------------------------------------------------------- keys
+
+def check_participant(name: str) -> str:
+    """A participant id is 1-64 of [A-Za-z0-9._-], not starting with '.', '_' or '-' (a file name)."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"participant {name!r}: must match {_NAME.pattern} (it names the key files)")
+    return name
+
+
+@dataclass(frozen=True)
+class KeyPaths:
+    private: Path
+    public: Path
+
+
+def key_paths(participant: str, key_dir: str | os.PathLike) -> KeyPaths:
+    d = Path(key_dir)
+    check_participant(participant)
+    return KeyPaths(d / "private" / f"{participant}.key", d / "public" / f"{participant}.pub")
+
+
+def generate_keypair(participant: str, out_dir: str | os.PathLike, overwrite: bool = False) -> KeyPaths:
+    """Create ``out_dir/private/<p>.key`` (0600, in a 0700 folder) and ``out_dir/public/<p>.pub``.
+
+    Refuses to replace an existing key unless ``overwrite``. The private file is created with mode
+    0600 from the start (never readable by others, even briefly).
+    """
+    paths = key_paths(participant, out_dir)
+    if not overwrite and (paths.private.exists() or paths.public.exists()):
+        raise FileExistsError(f"{paths.private} or {paths.public} exists: pass overwrite=True (--force) to replace it")
+    paths.private.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(paths.private.parent, 0o700)
+    paths.public.parent.mkdir(parents=True, exist_ok=True)
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    tmp = paths.private.with_suffix(".key.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(pem)
+    os.replace(tmp, paths.private)
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo)
+    paths.public.write_bytes(pub)
+    return paths
+
+
+def load_private_key(path: str | os.PathLike, check_permissions: bool = True) -> Ed25519PrivateKey:
+    """A PEM PKCS#8 Ed25519 private key. Refuses files readable by group/others (like ssh)."""
+    p = Path(path)
+    if check_permissions and os.name == "posix" and p.stat().st_mode & 0o077:
+        raise PermissionError(f"{p}: private key is accessible by others (mode "
+                              f"{oct(p.stat().st_mode & 0o777)}): run chmod 600 {p}")
+    key = serialization.load_pem_private_key(_read_small(p), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{p}: not an Ed25519 private key ({type(key).__name__})")
+    return key
+
+
+def load_public_key(path: str | os.PathLike) -> Ed25519PublicKey:
+    """A PEM SubjectPublicKeyInfo Ed25519 key, or 64 hex digits of the raw 32-byte key."""
+    p = Path(path)
+    data = _read_small(p)
+    text = data.strip()
+    if re.fullmatch(rb"[0-9a-fA-F]{64}", text):
+        return Ed25519PublicKey.from_public_bytes(bytes.fromhex(text.decode()))
+    key = serialization.load_pem_public_key(data)
+    if not isinstance(key, Ed25519PublicKey):
+        raise ValueError(f"{p}: not an Ed25519 public key ({type(key).__name__})")
+    return key
+
+
+def _read_small(p: Path) -> bytes:
+    if p.stat().st_size > _MAX_KEY_FILE:
+        raise ValueError(f"{p}: {p.stat().st_size} bytes, too large for a key file (limit {_MAX_KEY_FILE})")
+    return p.read_bytes()
+
+
+def raw_public(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def fingerprint(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
+    """``ed25519:`` + the first 16 hex digits of SHA-256 of the raw public key."""
+    if isinstance(key, Ed25519PrivateKey):
+        key = key.public_key()
+    return "ed25519:" + hashlib.sha256(raw_public(key)).hexdigest()[:16]
+
+
+class KeyDirectory(Mapping):
+    """participant id -> Ed25519PublicKey, as the run is configured (read-only mapping)."""
+
+    def __init__(self, keys: Mapping[str, Ed25519PublicKey]):
+        seen: dict[bytes, str] = {}
+        for name, key in keys.items():
+            check_participant(name)
+            raw = raw_public(key)
+            if raw in seen:
+                raise ValueError(f"public key of {name!r} is also registered for {seen[raw]!r}: "
+                                 "one key may belong to one participant only")
+            seen[raw] = name
+        self._keys = dict(keys)
+
+    def __getitem__(self, name: str) -> Ed25519PublicKey:
+        return self._keys[name]
+
+    def __iter__(self):
+        return iter(sorted(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def fingerprints(self) -> dict[str, str]:
+        return {n: fingerprint(self._keys[n]) for n in self}
+
+
+def load_key_directory(path: str | os.PathLike) -> KeyDirectory:
+    """Every ``<participant>.pub`` in ``path/public`` (or in ``path`` itself if it has none)."""
+    d = Path(path)
+    if (d / "public").is_dir():
+        d = d / "public"
+    if not d.is_dir():
+        raise FileNotFoundError(f"{path}: no key directory (expected <dir>/public/<participant>.pub)")
+    return KeyDirectory({p.stem: load_public_key(p) for p in sorted(d.glob("*.pub"))})
+
+
+# --------------------------------------------------------------------------------- sign / verify
+
+def signing_digest(h: WireHeader, body: bytes) -> bytes:
+    """The 32 bytes the Ed25519 signature covers (see module docstring)."""
+    d = hashlib.sha256(DOMAIN)
+    for s in (h.run_id, h.sender):
+        raw = s.encode("utf-8")
+        d.update(struct.pack("<H", len(raw)) + raw)
+    d.update(struct.pack("<QQQ", h.round, h.seq, len(body)))
+    d.update(body)
+    return d.digest()
+
+
+def sign_body(body: bytes, key: Ed25519PrivateKey, limits: WireLimits = WireLimits()) -> bytes:
+    """An encoded body (``wire.encode_body``) -> signed frame ``body || signature``."""
+    h = parse_header(body, limits, signature_len=0)
+    return bytes(body) + key.sign(signing_digest(h, body))
+
+
+def sign_batch(batch: CompletionBatch, key: Ed25519PrivateKey, options: WireOptions = WireOptions(),
+               max_tokens: int = DEFAULT_MAX_TOKENS) -> bytes:
+    """Validate, encode and sign: what a participant sends. Raises BatchValidationError if invalid."""
+    batch.validate(max_tokens)
+    return sign_body(encode_body(batch, options), key)
+
+
+def verify_frame(frame: bytes, keys: Mapping[str, Ed25519PublicKey],
+                 limits: WireLimits = WireLimits()) -> tuple[WireHeader, bytes]:
+    """Check a frame's signature with its sender's registered key -> (header, body).
+
+    Reasons: ``unknown_sender`` (no key for the header's sender), ``bad_signature``, and the
+    header's own (``undecodable``, ``too_large``, ``unsupported_version``). Nothing of the
+    payload is decompressed before the signature holds.
+    """
+    h = parse_header(frame, limits)
+    key = keys.get(h.sender)
+    if key is None:
+        raise BatchValidationError("unknown_sender", f"sender {h.sender!r}: not in the key directory "
+                                                     f"({len(keys)} participants registered)")
+    frame = bytes(frame)
+    body, sig = frame[:h.body_len], frame[h.body_len:]
+    try:
+        key.verify(sig, signing_digest(h, body))
+    except InvalidSignature:
+        raise BatchValidationError("bad_signature", f"signature of a batch from {h.sender!r} (run "
+                                                    f"{h.run_id!r}, round {h.round}, seq {h.seq}) does "
+                                                    "not verify with its registered key") from None
+    return h, body
+
+
+# ---------------------------------------------------------------------------------- replay guard
+
+class ReplayGuard:
+    """Per (run_id, sender): the highest accepted ``seq`` and the latest ``round``.
+
+    A batch passes when its seq is above every seq accepted from that sender in that run, its
+    round is not older than the latest accepted one, and (when given) it equals the expected
+    round. ``check`` only looks; ``commit`` records an accepted batch. State is JSON (resume).
+    """
+
+    FORMAT = "ftis-fed/replay-guard/v1"
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], tuple[int, int]] = {}     # -> (round, seq)
+
+    def check(self, run_id: str, sender: str, round: int, seq: int, expected_round: int | None = None) -> None:
+        """Raise BatchValidationError ``replay`` (old round / seen seq) or ``wrong_round`` (future)."""
+        where = f"batch from {sender!r} (run {run_id!r}, round {round}, seq {seq})"
+        if expected_round is not None and round < expected_round:
+            raise BatchValidationError("replay", f"{where}: round is older than the current round {expected_round}")
+        if expected_round is not None and round > expected_round:
+            raise BatchValidationError("wrong_round", f"{where}: round is ahead of the current round {expected_round}")
+        last = self._last.get((run_id, sender))
+        if last is not None:
+            if seq <= last[1]:
+                raise BatchValidationError("replay", f"{where}: seq must exceed the last accepted seq {last[1]}")
+            if round < last[0]:
+                raise BatchValidationError("replay", f"{where}: round is older than the last accepted round {last[0]}")
+
+    def commit(self, run_id: str, sender: str, round: int, seq: int) -> None:
+        last = self._last.get((run_id, sender), (round, seq))
+        self._last[(run_id, sender)] = (max(last[0], round), max(last[1], seq))
+
+    def last(self, run_id: str, sender: str) -> tuple[int, int] | None:
+        """(round, seq) last accepted from sender in run, or None."""
+        return self._last.get((run_id, sender))
+
+    def to_json(self) -> str:
+        entries = [{"run_id": r, "sender": s, "round": rd, "seq": sq}
+                   for (r, s), (rd, sq) in sorted(self._last.items())]
+        return json.dumps({"format": self.FORMAT, "entries": entries}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ReplayGuard":
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
+            raise ValueError(f"replay-guard state: format must be {cls.FORMAT!r}")
+        g = cls()
+        for e in data["entries"]:
+            g._last[(str(e["run_id"]), str(e["sender"]))] = (int(e["round"]), int(e["seq"]))
+        return g
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Atomic write (tmp file + rename)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ReplayGuard":
+        """The saved state, or an empty guard when the file does not exist yet."""
+        p = Path(path)
+        return cls.from_json(p.read_text()) if p.exists() else cls()
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    """Add ``keys generate|list|show`` to an argparse subparsers object; handler in ``func``."""
+    keys = subparsers.add_parser("keys", help="participants' Ed25519 signing keys")
+    sub = keys.add_subparsers(dest="keys_command", required=True)
+    gen = sub.add_parser("generate", help="create keys/private/<p>.key (0600) and keys/public/<p>.pub")
+    gen.add_argument("participants", nargs="+", help="participant ids")
+    gen.add_argument("--dir", default="keys", help="key directory (default: keys)")
+    gen.add_argument("--force", action="store_true", help="replace existing keys")
+    ls = sub.add_parser("list", help="list the registered public keys and their fingerprints")
+    ls.add_argument("--dir", default="keys")
+    show = sub.add_parser("show", help="print one participant's public key (PEM) and fingerprint")
+    show.add_argument("participant")
+    show.add_argument("--dir", default="keys")
+    keys.set_defaults(func=run_keys_cli)
+    return keys
+
+
+def run_keys_cli(args: argparse.Namespace) -> int:
+    """Handler for ``ftis-fed keys ...``; returns the exit code."""
+    if args.keys_command == "generate":
+        for p in args.participants:
+            paths = generate_keypair(p, args.dir, overwrite=args.force)
+            print(f"{p}\t{fingerprint(load_public_key(paths.public))}\t{paths.private}\t{paths.public}")
+    elif args.keys_command == "list":
+        for name, fp in load_key_directory(args.dir).fingerprints().items():
+            print(f"{name}\t{fp}")
+    elif args.keys_command == "show":
+        path = key_paths(args.participant, args.dir).public
+        key = load_public_key(path)
+        print(f"# {args.participant} {fingerprint(key)} ({path})")
+        print(key.public_bytes(serialization.Encoding.PEM,
+                               serialization.PublicFormat.SubjectPublicKeyInfo).decode(), end="")
+    return 0
