@@ -24,9 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftis-fed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench(sub)
-    from . import signing
+    from . import launch, signing
 
     signing.add_cli(sub)
+    launch.add_cli(sub)
     return parser
 
 

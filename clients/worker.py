@@ -1,0 +1,220 @@
+"""The long-lived participant process: one per (run, participant), model loaded once.
+
+Flower starts a new ClientApp process for every message in deployment (and runs ClientApps in
+shared Ray actors in simulation), so the model cannot live in the ClientApp. The ClientApp calls
+``ensure_worker`` which connects to this participant's worker over a Unix socket in a private
+runtime folder, starting it (detached) on first use; requests and replies are small dicts
+(``op`` + arguments; frames as bytes). The worker exits on ``shutdown`` (sent at the end of the
+run), after ``worker-idle-timeout-s`` without requests, or when its state is unrecoverable.
+
+    python -m clients.worker --spec <json>     # normally started by ensure_worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any
+
+
+def runtime_dir() -> Path:
+    """Private (0700) folder for sockets and auth keys."""
+    d = Path(os.environ.get("FTIS_FED_RUNTIME", f"/tmp/ftis-fed-{os.getuid()}"))
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    return d
+
+
+def worker_id(run_key: str, participant: str) -> str:
+    return hashlib.sha256(f"{run_key}\0{participant}".encode()).hexdigest()[:20]
+
+
+class WorkerError(RuntimeError):
+    """The worker raised while handling a request (its traceback is in the message)."""
+
+
+def _connect(sock: Path, authkey: bytes, timeout: float = 2.0):
+    """Connect, or None when nobody listens there."""
+    if not sock.exists():
+        return None
+    try:
+        return Client(str(sock), family="AF_UNIX", authkey=authkey)
+    except (ConnectionRefusedError, FileNotFoundError, OSError):
+        return None
+
+
+def existing_worker(run_key: str, participant: str):
+    """A connection to the participant's running worker, or None (never starts one)."""
+    rt = runtime_dir()
+    wid = worker_id(run_key, participant)
+    keyfile = rt / f"{wid}.key"
+    return _connect(rt / f"{wid}.sock", keyfile.read_bytes()) if keyfile.exists() else None
+
+
+def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_path: Path,
+                  start_timeout: float = 1800.0):
+    """A connection to the participant's worker, starting it when none runs.
+
+    payload: what the worker needs to build its Participant (run config, node config, run key).
+    Concurrent callers are serialised by a lock file, so a participant is started once.
+    """
+    rt = runtime_dir()
+    wid = worker_id(run_key, participant)
+    sock, keyfile, lockfile = rt / f"{wid}.sock", rt / f"{wid}.key", rt / f"{wid}.lock"
+    with open(lockfile, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if keyfile.exists():
+            conn = _connect(sock, keyfile.read_bytes())
+            if conn is not None:
+                return conn
+        keyfile.write_bytes(secrets.token_bytes(32))
+        os.chmod(keyfile, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        spec_path = rt / f"{wid}.json"
+        spec_path.write_text(json.dumps({**payload, "socket": str(sock), "keyfile": str(keyfile)}))
+        os.chmod(spec_path, 0o600)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)          # the folder holding clients/, ftis_fed/
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "clients.worker", "--spec", str(spec_path)],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True, cwd=root)
+        deadline = time.monotonic() + start_timeout
+        authkey = keyfile.read_bytes()
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+                raise WorkerError(f"participant {participant!r}: worker exited with code {proc.returncode} "
+                                  f"while starting; log {log_path}:\n{tail}")
+            conn = _connect(sock, authkey)
+            if conn is not None:
+                return conn
+            time.sleep(0.2)
+        raise WorkerError(f"participant {participant!r}: worker did not start within {start_timeout:.0f} s")
+
+
+def call(conn, op: str, **kwargs) -> Any:
+    """One request; raises WorkerError when the worker raised, ConnectionError when it died."""
+    try:
+        conn.send({"op": op, **kwargs})
+        reply = conn.recv()
+    except (EOFError, OSError) as e:
+        raise ConnectionError(f"worker connection lost during {op!r}: {e}") from e
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+    if reply.get("error"):
+        raise WorkerError(reply["error"])
+    return reply["result"]
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+class Worker:
+    """Serves one Participant; single-threaded: requests are handled one at a time."""
+
+    def __init__(self, spec: dict[str, Any]):
+        import torch
+
+        from ftis_fed.config import federation_from_run_config, participant_spec
+        from ftis_fed.participant import Participant
+
+        self.run_config, self.node_config = spec["run_config"], spec["node_config"]
+        fed = federation_from_run_config(self.run_config)
+        pspec = participant_spec(self.run_config, self.node_config, fed)
+        threads = fed.threads or max(1, (os.cpu_count() or 1) // max(1, int(spec.get("concurrent", 1))))
+        torch.set_num_threads(threads)
+        self.idle_timeout = fed.worker_idle_timeout_s
+        self.last_request = time.monotonic()
+        self.busy = False
+        print(f"[worker {pspec.name}] pid {os.getpid()} loading {pspec.policy.label} "
+              f"({threads} threads)", flush=True)
+        t0 = time.perf_counter()
+        self.participant = Participant(pspec, fed, run_key=str(spec.get("run_key", "")))
+        print(f"[worker {pspec.name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def handle(self, req: dict[str, Any]) -> Any:
+        p, op = self.participant, req["op"]
+        if op == "hello":
+            return p.hello()
+        if op == "generate":
+            return p.generate(req["round"], req["texts"])
+        if op == "learn":
+            return p.learn(req["round"], req["frames"])
+        if op == "exchange":
+            return p.exchange(req["round"], req["frames"], req["texts"])
+        if op == "evaluate":
+            return p.evaluate(req["round"])
+        if op == "shutdown":
+            return {"stopped": True}
+        raise ValueError(f"unknown op {op!r}")
+
+    def serve(self, sock: str, authkey: bytes) -> None:
+        listener = Listener(sock, family="AF_UNIX", authkey=authkey)
+        threading.Thread(target=self._watchdog, daemon=True).start()
+        while True:
+            try:
+                conn = listener.accept()
+            except Exception as e:  # failed authentication, etc.: keep serving
+                print(f"[worker] rejected a connection: {e}", flush=True)
+                continue
+            self.last_request = time.monotonic()
+            with conn:
+                try:
+                    req = conn.recv()
+                except (EOFError, OSError):
+                    continue
+                t0 = time.perf_counter()
+                self.busy = True
+                try:
+                    reply = {"result": self.handle(req)}
+                except Exception:
+                    reply = {"error": traceback.format_exc()}
+                finally:
+                    self.busy = False
+                print(f"[worker {self.participant.name}] {req.get('op')} round {req.get('round', '-')}: "
+                      f"{'error' if 'error' in reply else 'ok'} in {time.perf_counter() - t0:.1f} s", flush=True)
+                with contextlib.suppress(OSError):
+                    conn.send(reply)
+                self.last_request = time.monotonic()
+                if req.get("op") == "shutdown":
+                    listener.close()
+                    return
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(5)
+            if not self.busy and time.monotonic() - self.last_request > self.idle_timeout:
+                print(f"[worker] idle for {self.idle_timeout:.0f} s: exiting", flush=True)
+                os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", required=True, help="JSON written by ensure_worker")
+    a = ap.parse_args(argv)
+    spec = json.loads(Path(a.spec).read_text())
+    worker = Worker(spec)
+    worker.serve(spec["socket"], Path(spec["keyfile"]).read_bytes())
+    with contextlib.suppress(FileNotFoundError):
+        Path(spec["socket"]).unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

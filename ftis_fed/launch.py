@@ -1,0 +1,182 @@
+"""``ftis-fed sim``: run the federation with ``flwr run``, using the connections in ``flower.toml``.
+
+What it does, so the same can be done by hand:
+
+1. ``FLWR_HOME`` = ``<app>/.flwr`` (or ``$FLWR_HOME``); ``flower.toml`` is installed there as
+   ``config.toml``, which is where ``flwr`` reads its SuperLink connections.
+2. ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``: otherwise every ``flwr run`` would ``uv sync``
+   the app's dependencies (torch included) into a fresh environment.
+3. For a connection on this machine with ``ftis-managed = true`` (``local-sim``), a simulation
+   SuperLink is started on its address (working directory: ``FLWR_HOME``, so the app is imported
+   from the FAB) and stopped at the end.
+4. ``flwr run <app> <connection> --run-config ... --federation-config "num-supernodes=N
+   init-args-num-cpus=N client-resources-num-cpus=1"``: one simulated SuperNode per participant
+   (``p<i>-model``), all able to work at once (each runs its model in its own process);
+   ``output-dir`` is made absolute against the current directory.
+5. The run's log is streamed; the exit status is the run's (``flwr run`` itself exits 0 even when the
+   run failed), read with ``flwr ls --run-id``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from urllib.error import URLError
+from urllib.request import urlopen
+
+from .config import participant_names
+
+
+def _flwr_bin(name: str) -> str:
+    exe = Path(sys.executable).parent / name
+    return str(exe) if exe.exists() else name
+
+
+def load_flower_toml(app: Path) -> dict:
+    path = app / "flower.toml"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the project's SuperLink connections are missing")
+    return tomllib.loads(path.read_text())
+
+
+def install_flower_config(app: Path, home: Path, connection: str | None = None,
+                          address: str | None = None) -> Path:
+    """Write flower.toml to $FLWR_HOME/config.toml (what `flwr` reads); ``address`` replaces the
+    address of ``connection`` (e.g. a free port for tests)."""
+    home.mkdir(parents=True, exist_ok=True)
+    dst = home / "config.toml"
+    if address is None:
+        shutil.copyfile(app / "flower.toml", dst)
+        return dst
+    import tomli_w
+
+    cfg = load_flower_toml(app)
+    cfg["superlink"][connection]["address"] = address
+    dst.write_text(tomli_w.dumps(cfg))
+    return dst
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`--run-config "a=1 b='x'"` items -> dict, with Flower's own parser."""
+    from flwr.common.config import parse_config_args
+
+    return dict(parse_config_args(items)) if items else {}
+
+
+def merged_run_config(app: Path, overrides: dict) -> dict:
+    cfg = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    return {**cfg, **overrides}
+
+
+def _healthy(address: str) -> bool:
+    try:
+        with urlopen(f"http://{address}/health", timeout=0.5) as r:
+            return r.status == 200
+    except (URLError, OSError, ValueError):
+        return False
+
+
+def start_superlink(address: str, home: Path, env: dict) -> subprocess.Popen:
+    host, port = address.rsplit(":", 1)
+    log = open(home / "superlink.log", "ab")
+    proc = subprocess.Popen([_flwr_bin("flower-superlink"), "--insecure", "--simulation", "--host", host,
+                             "--port", port, "--database", str(home / "superlink-state.db")],
+                            cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {proc.returncode}; see {home / 'superlink.log'}")
+        if _healthy(address):
+            return proc
+        time.sleep(0.3)
+    stop(proc)
+    raise RuntimeError(f"flower-superlink did not become healthy on {address}; see {home / 'superlink.log'}")
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_status(connection: str, run_id: str, env: dict) -> dict:
+    r = subprocess.run([_flwr_bin("flwr"), "ls", connection, "--run-id", run_id, "--format", "json"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(r.stdout)["runs"][0]
+
+
+def simulate(app: str | Path = ".", connection: str | None = None, run_config: list[str] | None = None,
+             keep_superlink: bool = False, stream: bool = True, address: str | None = None) -> int:
+    """Run the federation; returns 0 when the run finished:completed."""
+    app = Path(app).resolve()
+    flower = load_flower_toml(app)
+    connection = connection or flower["superlink"]["default"]
+    conn = flower["superlink"].get(connection)
+    if conn is None:
+        raise ValueError(f"connection {connection!r} is not in {app / 'flower.toml'}: "
+                         f"{sorted(k for k in flower['superlink'] if k != 'default')}")
+    if address:
+        conn = {**conn, "address": address}
+    home = Path(os.environ.get("FLWR_HOME", app / ".flwr")).resolve()
+    install_flower_config(app, home, connection, address)
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    overrides = parse_overrides(run_config or [])
+    cfg = merged_run_config(app, overrides)
+    out = Path(str(cfg.get("output-dir", "outputs/default")))
+    extra = [f'output-dir="{out.resolve()}"'] if not out.is_absolute() else []
+    n = len(participant_names(cfg))
+    if n == 0:
+        raise ValueError("no participants: set p0-model (and p1-model, ...) in the run config")
+    link = None
+    if conn.get("ftis-managed") and not _healthy(conn["address"]):
+        print(f"[ftis-fed] starting a simulation SuperLink on {conn['address']} (FLWR_HOME={home})", flush=True)
+        link = start_superlink(conn["address"], home, env)
+    try:
+        cmd = [_flwr_bin("flwr"), "run", str(app), connection, "--format", "json",
+               "--federation-config", f"num-supernodes={n} init-args-num-cpus={n} client-resources-num-cpus=1"]
+        for item in (run_config or []) + extra:
+            cmd += ["--run-config", item]
+        print("[ftis-fed] " + " ".join(cmd), flush=True)
+        started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        try:
+            run_id = json.loads(started.stdout)["run-id"]
+        except (json.JSONDecodeError, KeyError):
+            print(started.stdout + started.stderr, file=sys.stderr)
+            return 2
+        print(f"[ftis-fed] run {run_id}: {n} participants, results in {out.resolve()}", flush=True)
+        if stream:
+            subprocess.run([_flwr_bin("flwr"), "log", run_id, connection, "--stream"], env=env)
+        while True:
+            status = run_status(connection, run_id, env)
+            if str(status.get("status", "")).startswith("finished"):
+                break
+            time.sleep(2)
+        print(f"[ftis-fed] run {run_id}: {status['status']} {status.get('status-details', '')} "
+              f"elapsed {float(status.get('elapsed', 0)):.0f} s", flush=True)
+        return 0 if status["status"] == "finished:completed" else 1
+    finally:
+        if not keep_superlink:
+            stop(link)
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("sim", help="run the federation with flwr run (simulation on this machine)")
+    p.add_argument("--app", default=".", help="the Flower app folder (default: .)")
+    p.add_argument("--connection", default=None, help="a connection of flower.toml (default: its default)")
+    p.add_argument("--run-config", action="append", default=[], help='overrides, e.g. "num-rounds=2"')
+    p.add_argument("--keep-superlink", action="store_true", help="leave the SuperLink running afterwards")
+    p.add_argument("--address", default=None, help="host:port replacing the connection's address")
+    p.set_defaults(func=lambda a: simulate(a.app, a.connection, a.run_config, a.keep_superlink,
+                                           address=a.address))

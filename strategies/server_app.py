@@ -1,0 +1,41 @@
+"""The ServerApp: read the run config, prepare keys and the output folder, run the RelayStrategy."""
+
+from __future__ import annotations
+
+from logging import INFO
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+
+from ftis_fed.config import federation_from_run_config, participant_names
+from ftis_fed.signing import generate_keypair, key_paths, load_key_directory
+
+from .relay import RelayStrategy
+
+app = ServerApp()
+
+
+def prepare_keys(keys_dir: str, output_dir: Path, names: list[str]) -> Path:
+    """The run's key folder. '' (simulation): a key pair per participant in output_dir/keys,
+    kept on resume. Otherwise the configured folder, which must hold ``public/``."""
+    if keys_dir:
+        return Path(keys_dir)
+    path = output_dir / "keys"
+    for name in names:
+        if not key_paths(name, path).private.exists():
+            generate_keypair(name, path)
+    return path
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_config = dict(context.run_config)
+    fed = federation_from_run_config(run_config)
+    out = Path(fed.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    keys = prepare_keys(fed.keys_dir, out, participant_names(run_config))
+    log(INFO, "ftis-fed: output folder %s, keys %s", out, keys)
+    strategy = RelayStrategy(fed, load_key_directory(keys / "public"), out)
+    strategy.start(grid)

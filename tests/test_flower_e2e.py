@@ -1,0 +1,145 @@
+"""End to end through the real `flwr run` simulation (tiny models, 3 participants, 2 rounds).
+
+Each test starts its own simulation SuperLink on a free port with a private FLWR_HOME (via
+``ftis-fed sim --address``), so nothing leaks between tests or into the user's ~/.flwr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ('p0-participant="alice" p0-model="tiny-arith" p0-adapter="full" p0-quant="none" '
+        'p1-participant="bob" p1-model="tiny-arith" p1-adapter="lora" p1-quant="none" '
+        'p2-participant="carol" p2-model="tiny-llama-b" p2-adapter="full" p2-quant="none" p3-model="" '
+        'task-families="add1x1" group-size=4 prompts-per-round=3 max-new-tokens=6 eval-every=2 eval-size=8 '
+        'eval-max-new-tokens=6 lr=0.001')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_sim(tmp: Path, extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLWR_HOME": str(tmp / "flwr-home"), "FTIS_FED_RUNTIME": str(tmp / "rt")}
+    cmd = [sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(ROOT), "--address", f"127.0.0.1:{free_port()}",
+           "--run-config", f'{TINY} output-dir="{tmp / "out"}" {extra}']
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    finally:
+        _kill_leftover_workers(tmp / "rt")
+
+
+def _kill_leftover_workers(rt: Path) -> None:
+    """Workers of this test only (their spec files live in this test's runtime folder)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "clients.worker" in cmd and str(rt) in cmd:
+            os.kill(int(d.name), signal.SIGKILL)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def normal_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    proc = run_sim(tmp, "num-rounds=2")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return tmp / "out", proc.stdout + proc.stderr
+
+
+def test_batches_cross_between_participants_and_verify(normal_run):
+    out, log = normal_run
+    train = [r for r in rows(out) if r["phase"] == "train"]
+    fed = {r["round"]: r for r in train if r["participant"] == "_federation"}
+    assert sorted(fed) == [1, 2]
+    for rnd in (1, 2):
+        assert fed[rnd]["fed/replies"] == 3 and fed[rnd]["fed/frames_verified"] == 3
+        assert fed[rnd]["fed/rejected"] == 0 and fed[rnd]["fed/bytes_relayed"] > 0
+    people = [r for r in train if r["participant"] != "_federation"]
+    assert {r["participant"] for r in people} == {"alice", "bob", "carol"}
+    for r in people:
+        me = r["participant"]
+        peers = {"alice", "bob", "carol"} - {me}
+        assert r["offpolicy/received"] == 2 and r["offpolicy/accepted"] == 2       # receivers verified both
+        for p in peers:                                                         # and trained on them
+            assert r[f"offpolicy/{p}/samples"] == 12
+        assert r["train/own_samples"] == 12 and r["train/peer_samples"] == 24
+        assert abs(r["train/loss"]) < 1e6 and r["train/grad_norm"] == r["train/grad_norm"]  # finite
+        assert abs(r[f"offpolicy/{me}/ratio_mean"] - 1.0) < 1e-3                   # own samples on-policy
+
+
+def test_parameters_changed_and_models_loaded_once(normal_run):
+    out, _ = normal_run
+    people = [r for r in rows(out) if r["phase"] == "train" and r["participant"] != "_federation"]
+    for name in ("alice", "bob", "carol"):
+        mine = [r for r in people if r["participant"] == name]
+        assert len(mine) == 2
+        assert len({r["worker/pid"] for r in mine}) == 1                           # one long-lived process
+        assert all(r["worker/model_loads"] == 1 for r in mine)                   # model loaded once per run
+        assert any(r["train/grad_norm"] > 0 for r in mine)
+    from transformers import AutoModelForCausalLM
+
+    from ftis_fed.policies.models import resolve_model
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-arith")).state_dict()
+    saved = torch.load(out / "participants" / "alice" / "policy.pt", weights_only=True)["trainable"]
+    assert any(not torch.equal(saved[k], base[k]) for k in saved if k in base)
+    lora = torch.load(out / "participants" / "bob" / "policy.pt", weights_only=True)["trainable"]
+    assert lora and all("lora_" in k for k in lora)
+
+
+def test_metrics_and_plots_written(normal_run):
+    out, log = normal_run
+    for f in ("metrics.jsonl", "metrics.csv", "reward.png", "accuracy.png", "fed.png", "config.json",
+              "server_state.json"):
+        assert (out / f).stat().st_size > 0, f
+    evals = [r for r in rows(out) if r["phase"] == "eval"]
+    assert {r["round"] for r in evals} == {0, 2}
+    assert all(0.0 <= r["eval/id/accuracy"] <= 1.0 for r in evals)
+    assert "round 2/2" in log and "finished:completed" in log
+    assert json.loads((out / "server_state.json").read_text())["completed_round"] == 2
+
+
+def test_a_participant_failing_mid_round_does_not_stall_it(tmp_path):
+    """carol's process dies in phase 2 of round 1 and hangs in phase 1 of round 2: both rounds
+    finish with the replies they have, within the round timeout, and the run completes."""
+    proc = run_sim(tmp_path, 'num-rounds=2 eval-every=0 round-timeout-s=25 p2-fault="exit:learn:1"')
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = tmp_path / "out"
+    fed = {r["round"]: r for r in rows(out) if r["participant"] == "_federation"}
+    assert fed[1]["fed/replies"] == 2 and fed[1]["fed/train_failures"] == 1
+    assert fed[1]["fed/complete"] == 1.0
+    # round 2: carol's worker is restarted by the next message (a new process, the model loaded again)
+    assert fed[2]["fed/replies"] == 3
+    r2 = {r["participant"]: r for r in rows(out) if r["round"] == 2 and r["participant"] != "_federation"}
+    assert r2["alice"]["offpolicy/accepted"] == 2
+    assert r2["carol"]["worker/model_loads"] == 2 and r2["alice"]["worker/model_loads"] == 1
+    assert "dropped from this phase" in proc.stdout + proc.stderr
+
+
+def test_a_hanging_participant_is_dropped_at_the_round_timeout(tmp_path):
+    proc = run_sim(tmp_path, 'num-rounds=2 eval-every=0 round-timeout-s=20 p1-fault="hang:generate:2"')
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    fed = {r["round"]: r for r in rows(tmp_path / "out") if r["participant"] == "_federation"}
+    assert fed[1]["fed/replies"] == 3
+    assert fed[2]["fed/generate_failures"] == 1 and fed[2]["fed/frames_verified"] == 2
+    assert fed[2]["fed/replies"] >= 2 and fed[2]["fed/complete"] == 1.0
