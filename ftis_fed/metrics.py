@@ -110,7 +110,8 @@ class MetricsWriter:
                 ax.set_xlabel("round")
                 ax.set_ylabel(label)
                 ax.grid(alpha=0.3)
-                ax.legend(fontsize=8)
+                if by_p:
+                    ax.legend(fontsize=8)
             fig.suptitle(title)
             fig.tight_layout()
             path = self.dir / fname

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from .batch import BatchValidationError, CompletionBatch, make_group
+from .batch import CompletionBatch, make_group
 from .config import FederationConfig, ParticipantSpec
 from .evaluation import evaluate as evaluate_policy
 from .inbox import Inbox, InboxConfig

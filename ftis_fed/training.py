@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .batch import CompletionBatch, SamplingParams
+from .batch import CompletionBatch
 from .objective import (LossInputs, ObjectiveConfig, compute_advantages, count_denominators, ftis_loss,
                         merge_stats, finalize_stats, MODES)
 
@@ -46,14 +46,12 @@ Retokenize = Callable[[str, str], tuple[list[int], list[int]]]
 
 def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, tokenizer_fp: str,
                          cfg: ObjectiveConfig, retokenize: Retokenize | None = None,
-                         reward_overrides: dict[tuple[int, int], np.ndarray] | None = None,
                          sample_weights: dict[tuple[int, int], np.ndarray] | None = None) -> list[TrainSample]:
     """Rows for ``ftis_step`` from all batches of one update.
 
     receiver: this participant's id (its own batches are ``local``).
     retokenize(prompt_text, completion_text) -> (prompt_ids, completion_ids) in the receiver's
         tokenizer; needed for batches whose ``tokenizer_fp`` differs (they must carry texts).
-    reward_overrides[(batch_index, group_index)]: re-verified rewards replacing the claimed ones.
     sample_weights[(batch_index, group_index)]: per-completion multipliers of the advantage
         (down-weighting after reward disagreement), applied after normalisation.
     """
@@ -64,7 +62,7 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
             raise ValueError(f"batch from {b.sender!r} has tokenizer {b.tokenizer_fp}, receiver has "
                              f"{tokenizer_fp}: a retokenize function is needed")
         for gi, g in enumerate(b.groups):
-            rewards = (reward_overrides or {}).get((bi, gi), g.rewards)
+            rewards = g.rewards
             weights = (sample_weights or {}).get((bi, gi), np.ones(g.size))
             if cross and (not g.completion_texts or not g.prompt_text):
                 raise ValueError(f"batch from {b.sender!r}: cross-tokenizer use needs prompt_text and "
