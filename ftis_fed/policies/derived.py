@@ -103,4 +103,4 @@ def build_sft(out: Path, base: str, families: tuple[str, ...], steps: int, lr: f
 
 #: Unit/e2e tests: a 2-layer random-init model taught to answer one-digit sums (it gets some right,
 #: so GRPO groups carry signal). ~1 min on 2 cores.
-OFFLINE_MODELS["tiny-arith"] = lambda out: build_sft(out, "tiny-llama", ("add1x1",), steps=300, lr=3e-3, batch=32)
+OFFLINE_MODELS["tiny-arith"] = lambda out: build_sft(out, "tiny-llama", ("add1",), steps=300, lr=3e-3, batch=32)

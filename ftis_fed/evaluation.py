@@ -1,0 +1,176 @@
+"""Held-out evaluation: greedy pass@1 on the in-distribution and out-of-distribution sets.
+
+``evaluate(policy, sets)`` works with any object that has ``generate_greedy(prompts,
+max_new_tokens) -> list[str]`` (every ``ftis_fed.policies.base.Policy`` does) and scores each reply
+with a ``Verifier``. Metric keys: ``eval/id/accuracy`` and ``eval/ood/<family>/accuracy`` (plus
+``.../n``), ``eval/ood/accuracy`` (mean over OOD families) and, for GSM8K / MATH-500 sets loaded
+from files, ``eval/<name>/accuracy``.
+
+``TextGenerator`` is a plain, real Hugging Face generator (batched, left-padded ``generate``) for
+scripts that only need text: calibration, and ``run_eval_cli`` when no policy backend is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from .policies.base import Prompt
+from .rewards import Verifier
+from .tasks.families import ID_FAMILIES, OOD_FAMILIES
+from .tasks.suite import eval_sets
+
+
+class GreedyGenerator(Protocol):
+    def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]: ...
+
+
+def pass_at_1(policy: GreedyGenerator, prompts: Sequence[Prompt], verifier: Verifier,
+              max_new_tokens: int = 32, batch_size: int = 64) -> float:
+    """Share of ``prompts`` whose greedy reply solves the task (a rule's format bonus does not count)."""
+    if not prompts:
+        raise ValueError("prompts is empty: pass@1 needs at least one prompt")
+    solved = 0
+    for i in range(0, len(prompts), batch_size):
+        chunk = list(prompts[i:i + batch_size])
+        replies = policy.generate_greedy(chunk, max_new_tokens)
+        if len(replies) != len(chunk):
+            raise ValueError(f"generate_greedy returned {len(replies)} replies for {len(chunk)} prompts")
+        solved += sum(verifier.check(p.task_id, r, p.reference, p.text)[0] for p, r in zip(chunk, replies))
+    return solved / len(prompts)
+
+
+def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], verifier: Verifier | None = None,
+             max_new_tokens: int | Mapping[str, int] = 32, batch_size: int = 64) -> dict[str, float]:
+    """Greedy pass@1 on every named set.
+
+    sets: ``"id"`` -> the ID held-out set; an OOD family name -> its held-out set; ``"gsm8k"`` /
+        ``"math500"`` (or any other name) -> a benchmark set. Keys become ``eval/id/...``,
+        ``eval/ood/<family>/...`` and ``eval/<name>/...``.
+    max_new_tokens: one generation budget, or one per set name (missing names get 32).
+    """
+    verifier = verifier or Verifier()
+    out: dict[str, float] = {}
+    ood = []
+    for name, prompts in sets.items():
+        budget = max_new_tokens.get(name, 32) if isinstance(max_new_tokens, Mapping) else max_new_tokens
+        acc = pass_at_1(policy, prompts, verifier, budget, batch_size)
+        prefix = "eval/id" if name == "id" else f"eval/ood/{name}" if name in OOD_FAMILIES else f"eval/{name}"
+        out[f"{prefix}/accuracy"] = acc
+        out[f"{prefix}/n"] = float(len(prompts))
+        if name in OOD_FAMILIES:
+            ood.append(acc)
+    if ood:
+        out["eval/ood/accuracy"] = sum(ood) / len(ood)
+    return out
+
+
+def heldout_sets(split: str, n: int, seed: int = 0, gsm8k: str | None = None,
+                 math500: str | None = None) -> dict[str, list[Prompt]]:
+    """The evaluation sets of ``split``: ``id`` (ID held-out), ``ood`` (every OOD family, plus
+    GSM8K / MATH-500 when a local path or hub id is given), or ``all``."""
+    from .tasks.benchmarks import load_gsm8k, load_math500
+
+    if split not in ("id", "ood", "all"):
+        raise ValueError(f"split={split!r}: must be 'id', 'ood' or 'all'")
+    if isinstance(n, bool) or int(n) != n or n < 1:
+        raise ValueError(f"n={n!r}: must be an integer >= 1")
+    procedural = eval_sets(n, seed, ID_FAMILIES, OOD_FAMILIES)
+    sets: dict[str, list[Prompt]] = {}
+    if split in ("id", "all"):
+        sets["id"] = procedural["id"]
+    if split in ("ood", "all"):
+        sets.update({f: procedural[f] for f in OOD_FAMILIES})
+        if gsm8k:
+            sets["gsm8k"] = load_gsm8k(gsm8k, split="test", limit=n)
+        if math500:
+            sets["math500"] = load_math500(math500, limit=n)
+    return sets
+
+
+# ----------------------------------------------------------------------------- a plain HF generator
+
+class TextGenerator:
+    """A real causal LM + tokenizer that turns user messages into replies (chat template applied).
+
+    model: a name ``resolve_model`` knows (``smollm2``, ``tiny-llama``), a local directory, or a
+    hub id (needs a reachable hub). Generation is batched with left padding.
+    """
+
+    def __init__(self, model: str, batch_size: int = 32):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .policies.models import resolve_model
+
+        path = resolve_model(model)
+        self.model_id = model
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.batch_size = batch_size
+
+    def _format(self, text: str) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+        return text
+
+    def generate_texts(self, texts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
+                       seed: int = 0) -> list[str]:
+        """One reply per user message; ``temperature`` 0 is greedy, > 0 samples (seeded)."""
+        import torch
+
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature={temperature!r}: must be finite and >= 0 (0 = greedy)")
+        out: list[str] = []
+        for i in range(0, len(texts), self.batch_size):
+            chunk = [self._format(t) for t in texts[i:i + self.batch_size]]
+            enc = self.tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": self.tokenizer.pad_token_id}
+            if temperature > 0:
+                torch.manual_seed(seed + i)
+                kwargs.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            else:
+                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            with torch.no_grad():
+                gen = self.model.generate(**enc, **kwargs)                        # (B, P + T)
+            new = gen[:, enc["input_ids"].shape[1]:]                              # (B, T)
+            out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
+        return out
+
+    def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]:
+        return self.generate_texts([p.text for p in prompts], max_new_tokens, temperature=0.0)
+
+
+def _policy_for(model: str, backend: str) -> GreedyGenerator:
+    """The project's policy backend when it is installed, else a plain ``TextGenerator``."""
+    try:
+        from .policies import PolicyConfig, build_policy
+    except ImportError:
+        return TextGenerator(model)
+    return build_policy(PolicyConfig(model=model, backend=backend))
+
+
+def run_eval_cli(model: str, split: str = "id", n: int = 64, seed: int = 0, max_new_tokens: int = 32,
+                 gsm8k: str | None = None, math500: str | None = None, benchmark_max_new_tokens: int = 512,
+                 backend: str = "hf", batch_size: int = 32, print_json: bool = True) -> dict:
+    """``ftis-fed eval --model M --split id|ood|all``: greedy pass@1, printed as one JSON line.
+
+    model: any ``PolicyConfig.model`` (``smollm2``, a local directory, ...); split: ``id`` (the ID
+    held-out set), ``ood`` (every OOD family, plus GSM8K / MATH-500 when ``gsm8k`` / ``math500`` name
+    a local path or hub id) or ``all``; n: prompts per set (>= 1); max_new_tokens: budget for the
+    procedural sets (32, as calibrated); benchmark_max_new_tokens: budget for GSM8K / MATH-500.
+    """
+    sets = heldout_sets(split, n, seed, gsm8k, math500)
+    budgets = {name: (benchmark_max_new_tokens if name in ("gsm8k", "math500") else max_new_tokens) for name in sets}
+    policy = _policy_for(model, backend)
+    result: dict = {"model": model, "split": split, "n": n, "seed": seed, "max_new_tokens": max_new_tokens}
+    result.update(evaluate(policy, sets, Verifier(), budgets, batch_size))
+    if print_json:
+        print(json.dumps(result, sort_keys=True))
+    return result

@@ -1,0 +1,397 @@
+"""Verifiable rewards: answer extraction, numeric equivalence, and the ``Verifier`` every node uses.
+
+Senders compute rewards with a :class:`Verifier`; receivers re-compute them with their own
+(``ftis_fed.reverify``). Both go through the same pure functions here, so an honest sender and a
+receiver with the same rules always agree.
+
+Pieces, bottom up:
+
+- extraction: ``extract_boxed`` (last ``\\boxed{...}``, nested braces), ``extract_gsm8k`` (after the
+  last ``####``), ``extract_last_number``; ``extract_answer`` tries several in order.
+- equivalence: ``parse_number`` (``1,234``, ``-3``, ``0.50``, ``3/4``, ``\\frac{3}{4}``, ``$18``,
+  ``42.``, ``18 dollars`` ...) to an exact ``Fraction``; ``answers_match`` compares numerically when
+  both sides parse, otherwise as normalised LaTeX strings (element-wise for tuples).
+- rules: a :class:`RewardRule` per task family (which extractors, which format check, whether the
+  format is required); :class:`Verifier` maps a task id's family prefix (``add30/train/0/17`` ->
+  ``add30``) to its rule.
+- TRL: ``accuracy_reward`` / ``format_reward`` have TRL's reward-function signature
+  ``fn(prompts, completions, **kwargs) -> list[float]``; a rule may wrap any such function
+  (``RewardRule(fn=...)``), and ``Verifier.as_trl_reward()`` turns a verifier into one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+RewardFn = Callable[..., list]
+
+# ----------------------------------------------------------------------------- extraction
+
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BOXED_BARE_RE = re.compile(r"\\boxed\s+([^\s$]+)")
+_NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
+_LAST_NUM_RE = re.compile(
+    r"(?P<frac>-?\\[dt]?frac\s*\{\s*-?\d+(?:\.\d+)?\s*\}\s*\{\s*-?\d+(?:\.\d+)?\s*\})"
+    rf"|(?P<num>(?:(?<![\w)])[-\u2212])?(?:{_NUM})(?:\s*/\s*\d+(?![\d.]))?)"
+)
+
+
+def completion_text(completion) -> str:
+    """A completion as plain text: TRL passes ``str`` or a list of chat messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    if isinstance(completion, (list, tuple)):
+        return "".join(completion_text(m) for m in completion)
+    raise TypeError(f"completion of type {type(completion).__name__}: expected str or chat messages")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces matched; None if absent."""
+    starts = [m.end() for m in _BOXED_RE.finditer(text)]
+    for start in reversed(starts):
+        depth, i = 1, start
+        while i < len(text):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i].strip()
+            i += 1
+    bare = _BOXED_BARE_RE.findall(text)
+    return bare[-1].strip() if bare else None
+
+
+def extract_gsm8k(text: str) -> str | None:
+    """What follows the last ``####`` on its line (GSM8K's answer marker); None if absent or empty."""
+    idx = text.rfind("####")
+    if idx < 0:
+        return None
+    ans = text[idx + 4:].strip().split("\n", 1)[0].strip()
+    return ans or None
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in ``text`` (``1,234``, ``-5``, ``0.5``, ``3/4``, ``\\frac{3}{4}``); None if none."""
+    matches = list(_LAST_NUM_RE.finditer(text))
+    return matches[-1].group(0).strip() if matches else None
+
+
+EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "boxed": extract_boxed,
+    "gsm8k": extract_gsm8k,
+    "last_number": extract_last_number,
+}
+
+
+def extract_answer(text: str, order: Sequence[str] = ("boxed", "gsm8k", "last_number")) -> str | None:
+    """The first answer found by the extractors named in ``order`` (keys of ``EXTRACTORS``)."""
+    for name in order:
+        if name not in EXTRACTORS:
+            raise ValueError(f"extractor {name!r} is unknown: valid extractors are {sorted(EXTRACTORS)}")
+        ans = EXTRACTORS[name](text)
+        if ans is not None:
+            return ans
+    return None
+
+
+def gsm8k_reference(solution: str) -> str:
+    """The reference answer of a GSM8K ``answer`` field (``"... #### 1,234"`` -> ``"1234"``)."""
+    ans = extract_gsm8k(solution)
+    if ans is None:
+        raise ValueError(f"GSM8K answer field has no '#### <answer>' marker: {solution[-80:]!r}")
+    return ans.replace(",", "").replace("$", "").strip()
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+#: What may follow a number and still leave it one number: \text{..}, degrees, percent, or unit words
+#: after a space (two letters or more, so ``2x`` is not the number 2).
+_UNIT = r"(?:\s*\\(?:text|mbox|mathrm)\{[^{}]*\}|\s*\^\s*\{?\\circ\}?|\s*°|\s*\\?%|\s+[A-Za-z]{2,}(?:\s+[A-Za-z]+)*)"
+_NUMBER_FULL_RE = re.compile(
+    rf"^(?P<sign>[-+]?)\s*(?:(?P<frac>\\[dt]?frac\s*\{{\s*(?P<fn>-?\d+(?:\.\d+)?)\s*\}}\s*\{{\s*(?P<fd>-?\d+(?:\.\d+)?)\s*\}})"
+    rf"|(?P<sfrac>\\[dt]?frac(?P<sn>\d)(?P<sd>\d))"
+    rf"|(?P<slash>(?P<pn>{_NUM})\s*/\s*(?P<pd>{_NUM}))"
+    rf"|(?P<num>{_NUM}))"
+    rf"(?:{_UNIT})?\s*\.?$"
+)
+
+
+def _strip_wrappers(s: str) -> str:
+    s = s.strip().replace("\u2212", "-").replace("{,}", "").replace("\\!", "").replace("\\,", "")
+    s = s.replace("\\$", "").replace("$", "").strip()
+    for _ in range(3):  # \boxed{...} / \text{...} / {...} around a whole answer
+        m = re.fullmatch(r"\\(?:boxed|text|mathrm|mbox)\s*\{(.*)\}|\{(.*)\}", s)
+        if not m:
+            break
+        s = (m.group(1) if m.group(1) is not None else m.group(2)).strip()
+    return s
+
+
+def parse_number(s: str | None) -> Fraction | None:
+    """``s`` as an exact number, or None when it is not one number (possibly with a unit)."""
+    if s is None:
+        return None
+    s = _strip_wrappers(str(s))
+    m = _NUMBER_FULL_RE.match(s)
+    if not m:
+        return None
+    try:
+        if m.group("frac"):
+            den = Fraction(m.group("fd"))
+            val = Fraction(m.group("fn")) / den if den else None
+        elif m.group("sfrac"):
+            den = Fraction(m.group("sd"))
+            val = Fraction(m.group("sn")) / den if den else None
+        elif m.group("slash"):
+            den = Fraction(m.group("pd").replace(",", ""))
+            val = Fraction(m.group("pn").replace(",", "")) / den if den else None
+        else:
+            val = Fraction(m.group("num").replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+    if val is None:
+        return None
+    return -val if m.group("sign") == "-" else val
+
+
+def normalize_latex(s: str) -> str:
+    """A canonical string form for non-numeric answers (spacing, ``\\left``, ``\\dfrac``, ...)."""
+    s = _strip_wrappers(s)
+    s = re.sub(r"\\(?:left|right|displaystyle)\b", "", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s)
+    s = re.sub(r"\\[;:, ]", "", s)
+    s = s.replace("\\!", "")
+    s = re.sub(r"\s+", "", s)
+    return s.rstrip(".")
+
+
+def _split_top_level(s: str) -> list[str] | None:
+    """``(a, b)`` / ``[a,b]`` / ``a, b`` -> [a, b] at bracket depth 0; None if no top-level comma."""
+    s = s.strip()
+    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
+        s = s[1:-1]
+    parts, depth, cur = [], 0, []
+    for ch in s:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return parts if len(parts) > 1 else None
+
+
+def answers_match(pred: str | None, ref: str | None, rel_tol: float = 0.0) -> bool:
+    """True when ``pred`` and ``ref`` denote the same answer.
+
+    Numbers compare exactly as fractions (``"0.50" == "1/2" == "\\frac{1}{2}"``, ``"1,234" ==
+    "1234"``), or within ``rel_tol`` when it is > 0 (0 by default: a reward must not call 10**9 and
+    10**9 - 1 equal); anything else compares as ``normalize_latex`` strings, tuples and
+    intervals element-wise.
+    """
+    if pred is None or ref is None:
+        return False
+    a, b = parse_number(pred), parse_number(ref)
+    if a is not None and b is not None:
+        return a == b or (rel_tol > 0 and math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=0.0))
+    na, nb = normalize_latex(pred), normalize_latex(ref)
+    if na == nb and na:
+        return True
+    pa, pb = _split_top_level(na), _split_top_level(nb)
+    if pa and pb and len(pa) == len(pb) and na[:1] == nb[:1] and na[-1:] == nb[-1:]:
+        return all(answers_match(x, y, rel_tol) for x, y in zip(pa, pb))
+    return False
+
+
+# ----------------------------------------------------------------------------- format checks
+
+def is_bare_number(text: str) -> bool:
+    """The whole reply is one number (``"42"``, ``"42."``, ``" -3/4 "``): "Reply with just the number"."""
+    s = _strip_wrappers(text)
+    return parse_number(s) is not None and not re.search(r"[A-Za-z]{2,}", re.sub(r"\\[dt]?frac", "", s))
+
+
+FORMATS: dict[str, Callable[[str], bool]] = {
+    "none": lambda text: True,
+    "bare_number": is_bare_number,
+    "gsm8k": lambda text: extract_gsm8k(text) is not None,
+    "boxed": lambda text: extract_boxed(text) is not None,
+}
+
+
+# ----------------------------------------------------------------------------- rules & verifier
+
+@dataclass(frozen=True)
+class RewardRule:
+    """How completions of one task family are scored.
+
+    extract: extractor names (``EXTRACTORS``) tried in order to find the final answer.
+    format: the format check (``FORMATS``): ``none``, ``bare_number``, ``gsm8k`` or ``boxed``.
+    require_format: if True, a correct answer in the wrong format scores 0 (the paper's binary
+        "format and answer correct"); default False (small models rarely follow formats at first).
+    format_bonus: added to the reward when the format check passes, >= 0 (0.0: binary reward).
+    fn: optional TRL-signature reward function used *instead* of the built-in check. It is called as
+        TRL's GRPOTrainer calls it, with keywords: ``fn(prompts=[p], completions=[c], reference=[r],
+        answer=[r], solution=[r], task_id=[t])``; a None or non-finite result counts as 0.
+    conversational: with ``fn``, pass prompt and completion as chat messages
+        (``[{"role": "assistant", "content": text}]``), as TRL's own reward functions expect (True);
+        False passes plain strings.
+    """
+
+    extract: tuple[str, ...] = ("boxed", "gsm8k", "last_number")
+    format: str = "none"
+    require_format: bool = False
+    format_bonus: float = 0.0
+    fn: RewardFn | None = None
+    conversational: bool = True
+
+    def __post_init__(self) -> None:
+        for name in self.extract:
+            if name not in EXTRACTORS:
+                raise ValueError(f"reward_rule.extract has {name!r}: valid extractors are {sorted(EXTRACTORS)}")
+        if self.format not in FORMATS:
+            raise ValueError(f"reward_rule.format={self.format!r}: valid formats are {sorted(FORMATS)}")
+        if not (math.isfinite(self.format_bonus) and self.format_bonus >= 0):
+            raise ValueError(f"reward_rule.format_bonus={self.format_bonus!r}: must be finite and >= 0")
+
+    def check(self, completion: str, reference: str, task_id: str = "", prompt: str = "") -> tuple[bool, float]:
+        """(solved, reward) of one completion against ``reference``; ``solved`` ignores the bonus.
+
+        With ``fn``, solved means a reward > 0 (a non-finite reward from ``fn`` counts as 0).
+        """
+        if self.fn is not None:
+            if self.conversational:
+                p, c = [{"role": "user", "content": prompt}], [{"role": "assistant", "content": completion}]
+            else:
+                p, c = prompt, completion
+            out = self.fn(prompts=[p], completions=[c], reference=[reference], answer=[reference],
+                          solution=[reference], task_id=[task_id])
+            value = float(out[0]) if out and out[0] is not None else 0.0
+            value = value if math.isfinite(value) else 0.0
+            return value > 0, value
+        fmt_ok = FORMATS[self.format](completion)
+        correct = answers_match(extract_answer(completion, self.extract), reference)
+        solved = correct and (fmt_ok or not self.require_format)
+        return solved, (1.0 if solved else 0.0) + (self.format_bonus if fmt_ok else 0.0)
+
+    def score(self, completion: str, reference: str, task_id: str = "", prompt: str = "") -> float:
+        """The reward of one completion against ``reference``."""
+        return self.check(completion, reference, task_id, prompt)[1]
+
+
+def default_rules() -> dict[str, RewardRule]:
+    """The built-in rules: procedural families take the last number; GSM8K / MATH-500 prefer their markers."""
+    from .tasks.families import FAMILIES
+
+    procedural = RewardRule(extract=("last_number",), format="bare_number")
+    rules = {name: procedural for name in FAMILIES}
+    rules["gsm8k"] = RewardRule(extract=("gsm8k", "boxed", "last_number"), format="gsm8k")
+    rules["math500"] = RewardRule(extract=("boxed", "last_number"), format="boxed")
+    return rules
+
+
+def family_of(task_id: str) -> str:
+    """The family prefix of a task id: everything before the first ``/``."""
+    return task_id.split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """Task id + completion + reference -> reward, the same on senders and receivers.
+
+    rules: family name -> RewardRule (default ``default_rules()``).
+    fallback: rule for families not in ``rules``; None (default) makes unknown families an error,
+        so a receiver never silently scores a task it does not know.
+    """
+
+    rules: Mapping[str, RewardRule] = field(default_factory=default_rules)
+    fallback: RewardRule | None = None
+
+    def knows(self, task_id: str) -> bool:
+        return family_of(task_id) in self.rules or self.fallback is not None
+
+    def rule_for(self, task_id: str) -> RewardRule:
+        fam = family_of(task_id)
+        rule = self.rules.get(fam, self.fallback)
+        if rule is None:
+            raise ValueError(f"task_id={task_id!r}: no reward rule for family {fam!r}; "
+                             f"known families are {sorted(self.rules)}")
+        return rule
+
+    def check(self, task_id: str, completion, reference: str, prompt: str = "") -> tuple[bool, float]:
+        """(solved, reward) of one completion: see ``RewardRule.check``."""
+        return self.rule_for(task_id).check(completion_text(completion), reference, task_id, prompt)
+
+    def reward(self, task_id: str, completion, reference: str, prompt: str = "") -> float:
+        """The reward of one completion of task ``task_id`` against ``reference``."""
+        return self.check(task_id, completion, reference, prompt)[1]
+
+    def rewards(self, task_ids: Sequence[str], completions: Sequence, references: Sequence[str]) -> list[float]:
+        if not len(task_ids) == len(completions) == len(references):
+            raise ValueError(f"lengths differ: {len(task_ids)} task_ids, {len(completions)} completions, "
+                             f"{len(references)} references")
+        return [self.reward(t, c, r) for t, c, r in zip(task_ids, completions, references)]
+
+    def as_trl_reward(self) -> RewardFn:
+        """This verifier as a TRL reward function; needs ``task_id`` and ``reference`` (or ``answer``) columns."""
+        def verifier_reward(prompts, completions, **kwargs) -> list[float]:
+            refs = _references(kwargs, len(completions))
+            ids = kwargs.get("task_id")
+            if ids is None:
+                raise ValueError("verifier_reward needs a 'task_id' column (family prefix picks the rule)")
+            return [self.reward(t, c, r, completion_text(p) if p is not None else "")
+                    for t, c, r, p in zip(ids, completions, refs, prompts or [None] * len(completions))]
+        return verifier_reward
+
+
+# ----------------------------------------------------------------------------- TRL-signature functions
+
+def _references(kwargs: dict, n: int) -> list[str]:
+    """The reference answers from TRL kwargs: ``reference``, else ``answer``, else ``solution``.
+
+    A GSM8K ``answer`` column (full solution ending ``#### 42``) is reduced to its final answer; a
+    MATH ``solution`` column to its last ``\\boxed{}``.
+    """
+    for key in ("reference", "answer", "solution"):
+        if kwargs.get(key) is not None:
+            refs = [str(r) for r in kwargs[key]]
+            break
+    else:
+        raise ValueError("reward function needs a 'reference', 'answer' or 'solution' keyword (one per completion)")
+    if len(refs) != n:
+        raise ValueError(f"{len(refs)} references for {n} completions")
+    out = []
+    for r in refs:
+        if "####" in r:
+            r = gsm8k_reference(r)
+        elif "\\boxed" in r:
+            r = extract_boxed(r) or r
+        out.append(r)
+    return out
+
+
+def accuracy_reward(prompts, completions, **kwargs) -> list[float]:
+    """1.0 when the completion's final answer (boxed, ####, else last number) matches the reference."""
+    refs = _references(kwargs, len(completions))
+    return [1.0 if answers_match(extract_answer(completion_text(c)), r) else 0.0
+            for c, r in zip(completions, refs)]
+
+
+def format_reward(prompts, completions, **kwargs) -> list[float]:
+    """1.0 when the completion states a final answer in a checkable format: boxed, ``####``, or a bare number."""
+    def ok(text: str) -> bool:
+        return extract_boxed(text) is not None or extract_gsm8k(text) is not None or is_bare_number(text)
+    return [1.0 if ok(completion_text(c)) else 0.0 for c in completions]

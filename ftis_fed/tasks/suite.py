@@ -1,0 +1,227 @@
+"""The task suite: deterministic task instances, disjoint splits, per-participant partitions.
+
+Every instance is a ``Prompt(task_id, text, reference)`` and is a pure function of
+``(family, split, seed, index)``; its task id is ``"{family}/{split}/{seed}/{index}"``.
+
+Splits are disjoint **by content**: a problem's split is a hash of its family and content key
+(``split_of``), and an instance of split s is drawn by rejection sampling until the drawn problem
+belongs to s. So no eval question is ever a train question, whatever seeds or indices anyone uses.
+``Family.eval_percent`` of each family's problem space is held out (20 % ID, 50 % OOD).
+
+Partitions decide which *mixture* of in-distribution sub-families each participant trains on:
+
+- ``iid``: every participant draws from the uniform mixture of ``families``.
+- ``expertise``: participant p is the expert of ``families[p % len(families)]``: a share ``skew`` of
+  its prompts come from that sub-family, the rest uniformly from the others (``skew=1``: only its own).
+- ``dirichlet``: mixture weights ~ Dirichlet(alpha), seeded per participant (the usual non-IID
+  federated benchmark; small alpha = more skewed).
+- ``shared``: every participant gets the *same* prompts each round (for "horizontal" advantage groups,
+  where all participants complete the same task).
+
+Within a round, participants never share an instance (except under ``shared``), and no instance
+repeats across rounds: the train index of prompt j of participant p in round r is
+``(r * num_partitions + p) * k + j``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..policies.base import Prompt
+from .families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
+
+SPLITS = ("train", "eval")
+SCHEMES = ("iid", "expertise", "dirichlet", "shared")
+
+#: Rejection-sampling budget per instance (the eval split accepts ~1 draw in 5).
+_MAX_DRAWS = 10_000
+
+
+def _stable_int(*parts: object) -> int:
+    """A 64-bit integer hash of ``parts``, identical on every machine and Python run."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big")
+
+
+def split_of(family: str, key: tuple) -> str:
+    """The split a problem with content ``key`` belongs to (``train`` or ``eval``)."""
+    return "eval" if _stable_int("split", family, key) % 100 < get_family(family).eval_percent else "train"
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: must be one of {SPLITS}")
+
+
+def _check_nonneg(name: str, value: int) -> None:
+    if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name}={value!r}: must be an integer >= 0")
+
+
+def task_id(family: str, split: str, seed: int, index: int) -> str:
+    return f"{family}/{split}/{seed}/{index}"
+
+
+def _draw(family: str, split: str, seed: int, index: int) -> Problem:
+    """The problem behind ``task_at``: rejection-sample ``family`` until the draw is in ``split``."""
+    fam = get_family(family)
+    _check_split(split)
+    _check_nonneg("seed", seed)
+    _check_nonneg("index", index)
+    rng = random.Random(_stable_int("task", family, split, int(seed), int(index)))
+    for _ in range(_MAX_DRAWS):
+        p = fam.make(rng)
+        if split_of(family, p.key) == split:
+            return p
+    raise RuntimeError(f"family {family!r}: no {split} problem in {_MAX_DRAWS} draws (problem space too small)")
+
+
+def task_at(family: str, split: str, seed: int, index: int) -> Prompt:
+    """Instance ``index`` of ``family``'s ``split`` under ``seed``: a pure function of the four."""
+    p = _draw(family, split, seed, index)
+    return Prompt(task_id(family, split, seed, index), f"{p.question} {INSTRUCTION}", str(p.answer))
+
+
+def content_key(family: str, split: str, seed: int, index: int) -> tuple:
+    """The content key of ``task_at(family, split, seed, index)`` (for disjointness checks)."""
+    return _draw(family, split, seed, index).key
+
+
+def make_tasks(family: str, split: str, n: int, seed: int = 0, distinct: bool = True) -> list[Prompt]:
+    """``n`` instances of ``family``'s ``split``, scanning indices 0, 1, 2, ... under ``seed``.
+
+    distinct: skip instances whose question repeats an earlier one (what evaluation sets want);
+        a ValueError says so when the family's split has fewer than ``n`` distinct problems.
+    """
+    _check_nonneg("n", n)
+    out: list[Prompt] = []
+    seen: set[str] = set()
+    index = 0
+    while len(out) < n:
+        p = task_at(family, split, seed, index)
+        index += 1
+        if distinct and p.text in seen:
+            if index > 50 * (n + 10):
+                raise ValueError(f"n={n}: family {family!r} has only {len(out)} distinct {split} problems "
+                                 f"(found within {index} draws); ask for fewer")
+            continue
+        seen.add(p.text)
+        out.append(p)
+    return out
+
+
+# ----------------------------------------------------------------------------- partitions
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a participant trains on; each field is a Flower run-config key (kebab-case in brackets).
+
+    scheme [task-scheme]: how the ID sub-families are split among participants, one of ``SCHEMES``
+        (``iid`` default).
+    families [task-families]: the in-distribution sub-families to mix (default ``ID_FAMILIES``).
+    skew [task-skew]: ``expertise`` only: share of a participant's prompts from its own sub-family,
+        in [0, 1] (1.0: only its own; 1/len(families): IID).
+    alpha [task-alpha]: ``dirichlet`` only: concentration, > 0 (0.5; smaller = more skewed).
+    seed [task-seed]: seeds instances and mixtures, >= 0 (0).
+    prompts_per_round [prompts-per-round]: k, prompts a participant generates per round, >= 1 (8).
+    """
+
+    scheme: str = "iid"
+    families: tuple[str, ...] = ID_FAMILIES
+    skew: float = 1.0
+    alpha: float = 0.5
+    seed: int = 0
+    prompts_per_round: int = 8
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"task.scheme={self.scheme!r}: must be one of {SCHEMES}")
+        if not self.families:
+            raise ValueError("task.families=(): need at least one family")
+        for f in self.families:
+            get_family(f)
+        if len(set(self.families)) != len(self.families):
+            raise ValueError(f"task.families={self.families!r}: names must be distinct")
+        if not 0.0 <= self.skew <= 1.0:
+            raise ValueError(f"task.skew={self.skew!r}: must be in [0, 1]")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"task.alpha={self.alpha!r}: must be finite and > 0")
+        _check_nonneg("task.seed", self.seed)
+        if isinstance(self.prompts_per_round, bool) or int(self.prompts_per_round) != self.prompts_per_round \
+                or self.prompts_per_round < 1:
+            raise ValueError(f"task.prompts_per_round={self.prompts_per_round!r}: must be an integer >= 1")
+
+    def mixture(self, partition_id: int, num_partitions: int) -> dict[str, float]:
+        """Participant ``partition_id``'s sampling weights over ``families`` (they sum to 1)."""
+        _check_partition(partition_id, num_partitions)
+        fams, F = self.families, len(self.families)
+        if self.scheme in ("iid", "shared") or F == 1:
+            w = np.full(F, 1.0 / F)
+        elif self.scheme == "expertise":
+            own = partition_id % F
+            w = np.full(F, (1.0 - self.skew) / (F - 1))
+            w[own] = self.skew
+        else:  # dirichlet
+            rng = np.random.default_rng([self.seed, partition_id, 0xD1])
+            w = rng.dirichlet(np.full(F, self.alpha))
+        return {f: float(x) for f, x in zip(fams, w)}
+
+    def prompts_for_round(self, partition_id: int, num_partitions: int, round: int) -> list[Prompt]:
+        """The k train prompts participant ``partition_id`` generates in server round ``round``."""
+        _check_partition(partition_id, num_partitions)
+        _check_nonneg("round", round)
+        k = int(self.prompts_per_round)
+        weights = self.mixture(partition_id, num_partitions)
+        fams, cdf = list(weights), np.cumsum(list(weights.values()))
+        slot = round if self.scheme == "shared" else round * num_partitions + partition_id
+        who = -1 if self.scheme == "shared" else partition_id
+        out = []
+        for j in range(k):
+            u = random.Random(_stable_int("pick", self.seed, who, round, j)).random()
+            fam = fams[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(fams) - 1)]
+            out.append(task_at(fam, "train", self.seed, slot * k + j))
+        return out
+
+
+def _check_partition(partition_id: int, num_partitions: int) -> None:
+    if isinstance(num_partitions, bool) or int(num_partitions) != num_partitions or num_partitions < 1:
+        raise ValueError(f"num_partitions={num_partitions!r}: must be an integer >= 1")
+    if isinstance(partition_id, bool) or int(partition_id) != partition_id \
+            or not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition_id={partition_id!r}: must be an integer in [0, {num_partitions})")
+
+
+def partition(num_partitions: int, scheme: str = "iid", seed: int = 0, **kwargs) -> list[dict[str, float]]:
+    """Every participant's mixture weights under ``scheme`` (see ``TaskSpec`` for ``kwargs``)."""
+    spec = TaskSpec(scheme=scheme, seed=seed, **kwargs)
+    return [spec.mixture(p, num_partitions) for p in range(num_partitions)]
+
+
+def prompts_for_round(partition_id: int, num_partitions: int, round: int, k: int, seed: int = 0,
+                      scheme: str = "iid", **kwargs) -> list[Prompt]:
+    """Shorthand for ``TaskSpec(scheme, seed=seed, prompts_per_round=k, **kwargs).prompts_for_round``."""
+    spec = TaskSpec(scheme=scheme, seed=seed, prompts_per_round=k, **kwargs)
+    return spec.prompts_for_round(partition_id, num_partitions, round)
+
+
+def shard(prompts: list[Prompt], partition_id: int, num_partitions: int) -> list[Prompt]:
+    """IID strided shard of a fixed pool (e.g. GSM8K train): items ``partition_id::num_partitions``."""
+    _check_partition(partition_id, num_partitions)
+    return list(prompts[partition_id::num_partitions])
+
+
+def eval_sets(n: int, seed: int = 0, id_families: tuple[str, ...] = ID_FAMILIES,
+              ood_families: tuple[str, ...] | None = None) -> dict[str, list[Prompt]]:
+    """Held-out sets: ``"id"`` (n distinct prompts, round-robin over ``id_families``) and one set of
+    n per OOD family, keyed by family name."""
+    ood_families = OOD_FAMILIES if ood_families is None else ood_families
+    per = [make_tasks(f, "eval", math.ceil(n / len(id_families)), seed) for f in id_families]
+    id_set = [per[i % len(per)][i // len(per)] for i in range(n)]
+    out = {"id": id_set}
+    for f in ood_families:
+        out[f] = make_tasks(f, "eval", n, seed)
+    return out
