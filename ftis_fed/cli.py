@@ -20,10 +20,31 @@ def _bench(sub) -> None:
     wire.add_cli(b)
 
 
+def _eval(sub) -> None:
+    p = sub.add_parser("eval", help="greedy pass@1 of a model on held-out ID / OOD sets (one JSON line)")
+    p.add_argument("--model", default="smollm2", help="offline name, local folder or hub id")
+    p.add_argument("--split", default="id", choices=["id", "ood", "all"])
+    p.add_argument("--n", type=int, default=64, help="prompts per set")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--gsm8k", default=None, help="GSM8K file/folder (official JSONL or parquet layout)")
+    p.add_argument("--math500", default=None, help="MATH-500 file/folder (HuggingFaceH4 layout)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"])
+
+    def run(a):
+        from .evaluation import run_eval_cli
+
+        run_eval_cli(a.model, a.split, n=a.n, seed=a.seed, max_new_tokens=a.max_new_tokens, gsm8k=a.gsm8k,
+                     math500=a.math500, dtype=a.dtype)
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftis-fed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench(sub)
+    _eval(sub)
     from . import launch, signing
 
     signing.add_cli(sub)

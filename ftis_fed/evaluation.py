@@ -7,7 +7,7 @@ with a ``Verifier``. Metric keys: ``eval/id/accuracy`` and ``eval/ood/<family>/a
 from files, ``eval/<name>/accuracy``.
 
 ``TextGenerator`` is a plain, real Hugging Face generator (batched, left-padded ``generate``) for
-scripts that only need text: calibration, and ``run_eval_cli`` when no policy backend is installed.
+scripts that only need text (calibration).
 """
 
 from __future__ import annotations
@@ -147,18 +147,16 @@ class TextGenerator:
         return self.generate_texts([p.text for p in prompts], max_new_tokens, temperature=0.0)
 
 
-def _policy_for(model: str, backend: str) -> GreedyGenerator:
-    """The project's policy backend when it is installed, else a plain ``TextGenerator``."""
-    try:
-        from .policies import PolicyConfig, build_policy
-    except ImportError:
-        return TextGenerator(model)
-    return build_policy(PolicyConfig(model=model, backend=backend))
+def _policy_for(model: str, backend: str, dtype: str = "fp32") -> GreedyGenerator:
+    """The project's policy backend for ``model``."""
+    from .policies import PolicyConfig, build_policy
+
+    return build_policy(PolicyConfig(model=model, backend=backend, dtype=dtype))
 
 
 def run_eval_cli(model: str, split: str = "id", n: int = 64, seed: int = 0, max_new_tokens: int = 32,
                  gsm8k: str | None = None, math500: str | None = None, benchmark_max_new_tokens: int = 512,
-                 backend: str = "hf", batch_size: int = 32, print_json: bool = True) -> dict:
+                 backend: str = "hf", batch_size: int = 32, print_json: bool = True, dtype: str = "fp32") -> dict:
     """``ftis-fed eval --model M --split id|ood|all``: greedy pass@1, printed as one JSON line.
 
     model: any ``PolicyConfig.model`` (``smollm2``, a local directory, ...); split: ``id`` (the ID
@@ -168,8 +166,9 @@ def run_eval_cli(model: str, split: str = "id", n: int = 64, seed: int = 0, max_
     """
     sets = heldout_sets(split, n, seed, gsm8k, math500)
     budgets = {name: (benchmark_max_new_tokens if name in ("gsm8k", "math500") else max_new_tokens) for name in sets}
-    policy = _policy_for(model, backend)
-    result: dict = {"model": model, "split": split, "n": n, "seed": seed, "max_new_tokens": max_new_tokens}
+    policy = _policy_for(model, backend, dtype)
+    result: dict = {"model": model, "split": split, "n": n, "seed": seed, "max_new_tokens": max_new_tokens,
+                    "dtype": dtype}
     result.update(evaluate(policy, sets, Verifier(), budgets, batch_size))
     if print_json:
         print(json.dumps(result, sort_keys=True))
