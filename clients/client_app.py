@@ -20,7 +20,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.worker import call, ensure_worker, existing_worker
+from clients.worker import call, ensure_worker, existing_worker, kill_worker
 from ftis_fed.config import absolute_paths, federation_from_run_config, participant_spec
 from ftis_fed.flower_io import frames_to_record, get_frames
 
@@ -34,12 +34,17 @@ def _spec(context: Context):
 
 
 def _worker(context: Context):
+    """(connection to this participant's worker, seconds to wait for a round's answer)."""
     run_config, node_config, spec = _spec(context)
+    fed = federation_from_run_config(run_config)
     concurrent = 1 if "participant" in node_config else int(node_config.get("num-partitions", 1))
     payload = {"run_config": run_config, "node_config": node_config, "concurrent": concurrent,
                "run_key": str(context.run_id)}
-    conn = ensure_worker(f"{context.run_id}", spec.name, payload, Path(spec.state_dir) / "worker.log")
-    return conn
+    conn = ensure_worker(str(context.run_id), spec.name, payload, Path(spec.state_dir) / "worker.log",
+                         start_timeout=fed.wait_for_participants_s)
+    # The server stops waiting after round-timeout-s; so does the ClientApp, which frees it (and a
+    # simulation's actor) from a hung participant.
+    return conn, fed.round_timeout_s
 
 
 def _config(msg: Message) -> ConfigRecord:
@@ -60,13 +65,15 @@ def _reply(msg: Message, metrics: dict | None = None, frames: list[bytes] | None
 
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
-    return _reply(msg, info=call(_worker(context), "hello"))
+    conn, timeout = _worker(context)
+    return _reply(msg, info=call(conn, "hello", timeout=timeout))
 
 
 @app.query("generate")
 def generate(msg: Message, context: Context) -> Message:
     cfg = _config(msg)
-    frame, metrics = call(_worker(context), "generate", round=int(cfg["round"]), texts=bool(cfg["texts"]))
+    conn, timeout = _worker(context)
+    frame, metrics = call(conn, "generate", timeout=timeout, round=int(cfg["round"]), texts=bool(cfg["texts"]))
     return _reply(msg, metrics=metrics, frames=[frame])
 
 
@@ -74,19 +81,28 @@ def generate(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     cfg = _config(msg)
     frames = get_frames(msg.content)
-    conn = _worker(context)
+    conn, timeout = _worker(context)
     if cfg.get("scheme", "sync") == "pipelined":
-        frame, metrics = call(conn, "exchange", round=int(cfg["round"]), frames=frames, texts=bool(cfg["texts"]))
+        frame, metrics = call(conn, "exchange", timeout=timeout, round=int(cfg["round"]), frames=frames,
+                              texts=bool(cfg["texts"]))
         return _reply(msg, metrics=metrics, frames=[frame])
-    return _reply(msg, metrics=call(conn, "learn", round=int(cfg["round"]), frames=frames))
+    return _reply(msg, metrics=call(conn, "learn", timeout=timeout, round=int(cfg["round"]), frames=frames))
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    return _reply(msg, metrics=call(_worker(context), "evaluate", round=int(_config(msg)["round"])))
+    conn, timeout = _worker(context)
+    return _reply(msg, metrics=call(conn, "evaluate", timeout=timeout, round=int(_config(msg)["round"])))
 
 
 @app.query("finish")
 def finish(msg: Message, context: Context) -> Message:
-    conn = existing_worker(str(context.run_id), _spec(context)[2].name)
-    return _reply(msg, info=call(conn, "shutdown") if conn is not None else {"stopped": False})
+    """End of run: stop the worker; one that does not answer (hung) is killed."""
+    name = _spec(context)[2].name
+    conn = existing_worker(str(context.run_id), name)
+    if conn is None:
+        return _reply(msg, info={"stopped": False})
+    try:
+        return _reply(msg, info=call(conn, "shutdown", timeout=30.0))
+    except (TimeoutError, ConnectionError):
+        return _reply(msg, info={"stopped": False, "killed": kill_worker(str(context.run_id), name)})

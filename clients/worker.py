@@ -18,7 +18,9 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -94,6 +96,7 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
             proc = subprocess.Popen([sys.executable, "-m", "clients.worker", "--spec", str(spec_path)],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True, cwd=root)
+        (rt / f"{wid}.pid").write_text(str(proc.pid))
         deadline = time.monotonic() + start_timeout
         authkey = keyfile.read_bytes()
         while time.monotonic() < deadline:
@@ -108,10 +111,23 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
         raise WorkerError(f"participant {participant!r}: worker did not start within {start_timeout:.0f} s")
 
 
-def call(conn, op: str, **kwargs) -> Any:
-    """One request; raises WorkerError when the worker raised, ConnectionError when it died."""
+def kill_worker(run_key: str, participant: str) -> bool:
+    """SIGKILL the participant's worker (one that no longer answers); True if one was running."""
+    pid_file = runtime_dir() / f"{worker_id(run_key, participant)}.pid"
     try:
-        conn.send({"op": op, **kwargs})
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        return True
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return False
+
+
+def call(conn, op: str, timeout: float | None = None, **kwargs) -> Any:
+    """One request; raises WorkerError when the worker raised, ConnectionError when it died,
+    TimeoutError when it did not answer within ``timeout`` seconds (it keeps running)."""
+    try:
+        conn.send({"op": op, "deadline": None if timeout is None else time.time() + timeout, **kwargs})
+        if timeout is not None and not conn.poll(timeout):
+            raise TimeoutError(f"worker did not answer {op!r} within {timeout:.0f} s")
         reply = conn.recv()
     except (EOFError, OSError) as e:
         raise ConnectionError(f"worker connection lost during {op!r}: {e}") from e
@@ -165,19 +181,33 @@ class Worker:
         raise ValueError(f"unknown op {op!r}")
 
     def serve(self, sock: str, authkey: bytes) -> None:
+        """Accept (and authenticate) connections on a thread, so a client never blocks on a busy
+        worker; handle their requests one at a time, in arrival order, skipping expired ones."""
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
+        pending: queue.Queue = queue.Queue()
+
+        def accept_loop() -> None:
+            while True:
+                try:
+                    pending.put(listener.accept())
+                except OSError:                         # listener closed: shutting down
+                    return
+                except Exception as e:                  # failed authentication, etc.: keep serving
+                    print(f"[worker] rejected a connection: {e}", flush=True)
+
+        threading.Thread(target=accept_loop, daemon=True).start()
         threading.Thread(target=self._watchdog, daemon=True).start()
         while True:
-            try:
-                conn = listener.accept()
-            except Exception as e:  # failed authentication, etc.: keep serving
-                print(f"[worker] rejected a connection: {e}", flush=True)
-                continue
+            conn = pending.get()
             self.last_request = time.monotonic()
             with conn:
                 try:
                     req = conn.recv()
                 except (EOFError, OSError):
+                    continue
+                if req.get("deadline") is not None and time.time() > req["deadline"]:
+                    print(f"[worker {self.participant.name}] {req.get('op')} round {req.get('round', '-')}: "
+                          "skipped, its caller stopped waiting", flush=True)
                     continue
                 t0 = time.perf_counter()
                 self.busy = True

@@ -34,7 +34,8 @@ class FederationConfig:
         batch and its peers' batches of the previous round, which arrive with the same message).
     min_participants [min-participants]: participants that must be connected before round 1 and
         reply in a round for it to count as complete, >= 1.
-    wait_for_participants_s [wait-for-participants-s]: how long to wait for them, > 0.
+    wait_for_participants_s [wait-for-participants-s]: how long to wait for them to connect and
+        answer hello (their first message, which loads their model), > 0.
     round_timeout_s [round-timeout-s]: per phase; a participant that has not replied by then is
         treated as dropped for that round (the round finishes with the replies it has), > 0.
     group_size [group-size]: G, completions per prompt, >= 2.

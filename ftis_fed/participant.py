@@ -105,7 +105,9 @@ class Participant:
             lengths += [len(c) for c in r.completion_ids]
             groups.append(make_group(r.prompt_ids, r.completion_ids, r.logprobs, rw, r.prompt.task_id,
                                      r.prompt.reference, r.prompt.text, r.completion_texts))
-        self.seq += 1
+        # Strictly increasing per sender, also across a restart without checkpoint (the round
+        # moves on): receivers' replay guards reject any seq they have seen.
+        self.seq = max(self.seq + 1, round << 16)
         batch = CompletionBatch(sender=self.name, run_id=fed.run_name, round=round, seq=self.seq,
                                 model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
                                 vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))

@@ -127,7 +127,7 @@ class RelayStrategy(Strategy):
         self._save_config()
         if fed.resume:
             self._load_state()
-        self._hello(grid, timeout)
+        self._hello(grid, fed.wait_for_participants_s)
         if self.start_round == 1 and is_eval_round(0, num_rounds, fed.eval_every):
             self._evaluate(grid, 0, evaluate_config, timeout)
         for rnd in range(self.start_round, num_rounds + 1):
@@ -181,7 +181,9 @@ class RelayStrategy(Strategy):
             time.sleep(1.0)
 
     def _hello(self, grid: Grid, timeout: float) -> None:
-        """Meet every connected node: which participant it runs, checked against the key directory."""
+        """Meet every connected node: which participant it runs, checked against the key directory.
+        The first message starts each participant's process and loads its model, hence its own
+        timeout (wait-for-participants-s)."""
         nodes = self._wait_for_nodes(grid)
         msgs = [Message(RecordDict({"config": ConfigRecord({})}), n, "query.hello", group_id="hello") for n in nodes]
         replies, failed = self._send(grid, msgs, timeout)

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ('p0-participant="alice" p0-model="tiny-arith" p0-adapter="full" p0-quant="none" '
-        'p1-participant="bob" p1-model="tiny-arith" p1-adapter="lora" p1-quant="none" '
-        'p2-participant="carol" p2-model="tiny-llama-b" p2-adapter="full" p2-quant="none" p3-model="" '
-        'task-families="add1x1" group-size=4 prompts-per-round=3 max-new-tokens=6 eval-every=2 eval-size=8 '
-        'eval-max-new-tokens=6 lr=0.001')
+TINY = {"p0-participant": "alice", "p0-model": "tiny-arith", "p0-adapter": "full", "p0-quant": "none",
+        "p1-participant": "bob", "p1-model": "tiny-arith", "p1-adapter": "lora", "p1-quant": "none",
+        "p2-participant": "carol", "p2-model": "tiny-llama-b", "p2-adapter": "full", "p2-quant": "none",
+        "p3-model": "", "task-families": "add1", "group-size": 4, "prompts-per-round": 8, "max-new-tokens": 6,
+        "eval-every": 2, "eval-size": 8, "eval-max-new-tokens": 6, "lr": 0.001}
 
 
 def free_port() -> int:
@@ -31,10 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_sim(tmp: Path, extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_sim(tmp: Path, extra: dict, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLWR_HOME": str(tmp / "flwr-home"), "FTIS_FED_RUNTIME": str(tmp / "rt")}
+    cfg = {**TINY, "output-dir": str(tmp / "out"), **extra}
+    overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
     cmd = [sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(ROOT), "--address", f"127.0.0.1:{free_port()}",
-           "--run-config", f'{TINY} output-dir="{tmp / "out"}" {extra}']
+           "--run-config", overrides]
     try:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
     finally:
@@ -61,7 +63,7 @@ def rows(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def normal_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
-    proc = run_sim(tmp, "num-rounds=2")
+    proc = run_sim(tmp, {"num-rounds": 2})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return tmp / "out", proc.stdout + proc.stderr
 
@@ -81,8 +83,8 @@ def test_batches_cross_between_participants_and_verify(normal_run):
         peers = {"alice", "bob", "carol"} - {me}
         assert r["offpolicy/received"] == 2 and r["offpolicy/accepted"] == 2       # receivers verified both
         for p in peers:                                                         # and trained on them
-            assert r[f"offpolicy/{p}/samples"] == 12
-        assert r["train/own_samples"] == 12 and r["train/peer_samples"] == 24
+            assert r[f"offpolicy/{p}/samples"] == 32
+        assert r["train/own_samples"] == 32 and r["train/peer_samples"] == 64
         assert abs(r["train/loss"]) < 1e6 and r["train/grad_norm"] == r["train/grad_norm"]  # finite
         assert abs(r[f"offpolicy/{me}/ratio_mean"] - 1.0) < 1e-3                   # own samples on-policy
 
@@ -122,7 +124,7 @@ def test_metrics_and_plots_written(normal_run):
 def test_a_participant_failing_mid_round_does_not_stall_it(tmp_path):
     """carol's process dies in phase 2 of round 1 and hangs in phase 1 of round 2: both rounds
     finish with the replies they have, within the round timeout, and the run completes."""
-    proc = run_sim(tmp_path, 'num-rounds=2 eval-every=0 round-timeout-s=25 p2-fault="exit:learn:1"')
+    proc = run_sim(tmp_path, {"num-rounds": 2, "eval-every": 0, "round-timeout-s": 25.0, "p2-fault": "exit:learn:1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = tmp_path / "out"
     fed = {r["round"]: r for r in rows(out) if r["participant"] == "_federation"}
@@ -137,7 +139,7 @@ def test_a_participant_failing_mid_round_does_not_stall_it(tmp_path):
 
 
 def test_a_hanging_participant_is_dropped_at_the_round_timeout(tmp_path):
-    proc = run_sim(tmp_path, 'num-rounds=2 eval-every=0 round-timeout-s=20 p1-fault="hang:generate:2"')
+    proc = run_sim(tmp_path, {"num-rounds": 2, "eval-every": 0, "round-timeout-s": 20.0, "p1-fault": "hang:generate:2"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     fed = {r["round"]: r for r in rows(tmp_path / "out") if r["participant"] == "_federation"}
     assert fed[1]["fed/replies"] == 3

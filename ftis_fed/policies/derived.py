@@ -81,17 +81,22 @@ def build_sft(out: Path, base: str, families: tuple[str, ...], steps: int, lr: f
         target = tok(reply.format(answer=p.reference), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         return list(prompt), list(target)
 
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
     for step in range(steps):
         rows = [example(step * batch + j) for j in range(batch)]
         L = max(len(p) + len(t) for p, t in rows)
         ids = torch.full((batch, L), tok.pad_token_id, dtype=torch.long)            # (B,L)
-        labels = torch.full((batch, L), -100, dtype=torch.long)                     # (B,L)
-        attn = torch.zeros((batch, L), dtype=torch.long)
+        attn = torch.zeros((batch, L), dtype=torch.long)                            # (B,L)
+        pos, tgt = [], []                                                           # reply positions only
         for i, (p, t) in enumerate(rows):
             ids[i, : len(p) + len(t)] = torch.tensor(p + t)
-            labels[i, len(p): len(p) + len(t)] = torch.tensor(t)
             attn[i, : len(p) + len(t)] = 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            pos += [(i, len(p) - 1 + j) for j in range(len(t))]
+            tgt += t
+        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state      # (B,L,H)
+        rows_i, cols_i = zip(*pos)
+        logits = head(hidden[list(rows_i), list(cols_i)])                           # (N,V): no (B,L,V)
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tgt))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -102,5 +107,5 @@ def build_sft(out: Path, base: str, families: tuple[str, ...], steps: int, lr: f
 
 
 #: Unit/e2e tests: a 2-layer random-init model taught to answer one-digit sums (it gets some right,
-#: so GRPO groups carry signal). ~1 min on 2 cores.
-OFFLINE_MODELS["tiny-arith"] = lambda out: build_sft(out, "tiny-llama", ("add1",), steps=300, lr=3e-3, batch=32)
+#: so GRPO groups carry signal: ~11 % reward at T=0.7, a quarter of groups mixed).
+OFFLINE_MODELS["tiny-arith"] = lambda out: build_sft(out, "tiny-llama", ("add1",), steps=200, lr=3e-3, batch=32)

@@ -1,0 +1,414 @@
+"""``ftis-fed bench step``: one on-policy GRPO step of ours next to TRL's ``GRPOTrainer``.
+
+Prints ONE JSON line. Both sides run the same model, the same prompts, the same group size, the same
+number of new tokens, the same temperature and the same reward (``Verifier``); a step is
+
+    ours: HFPolicy.generate (G completions per prompt, one left-padded batch, sampling log-probs
+          recorded) -> Verifier rewards -> CompletionBatch -> samples_from_batches (F-TIS, vertical
+          groups) -> HFPolicy.update (one F-TIS optimizer step, micro-batches, chunked log-probs)
+    TRL:  GRPOTrainer.train() optimizer step: transformers generate (one batch of prompts x G) ->
+          reward -> advantages -> gradient_accumulation_steps micro-batches of forward + backward
+          (TRL's fused LM head) -> clip -> AdamW
+
+Each side runs in its own fresh subprocess (so the other's memory and caches do not leak in), with
+the same torch thread count; rounds alternate the order (ours, TRL / TRL, ours, ...). Inside a
+subprocess, ``--warmup`` steps run first (kernel set-up, optimizer state allocation) and the next
+``--steps`` steps are timed; TRL's step is timed from ``on_step_begin`` to ``on_step_end`` (generation
++ rewards + loss + backward + optimizer), ours from ``generate`` to the end of ``update``. Peak RSS is
+each subprocess's ``ru_maxrss`` (model load, warm-up and timed steps included).
+
+    ftis-fed bench step                                  # 8 prompts x 8 completions x 64 tokens
+    ftis-fed bench step --threads 1 --repeats 3          # shared / noisy machine: see docs/benchmarks.md
+    ftis-fed bench step --memory-sweep                   # + peak RSS of one update per micro_batch / logit_chunk
+
+Forcing the length: both sides set ``min_new_tokens = max_new_tokens`` (EOS is masked until the
+budget is reached: transformers' MinNewTokensLengthLogitsProcessor), so every completion has exactly
+``max_new_tokens`` tokens on both sides. Ours: on the policy's ``model.generation_config`` (the
+policy's own GenerationConfig leaves ``min_new_tokens`` unset, so generate merges it in; the EOS mask is
+applied before our RecordingSampler). TRL: ``GRPOConfig.generation_kwargs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+#: Written into the JSON so a reader knows what was compared without reading this file.
+NOTES = [
+    "ours: HFPolicy(PolicyConfig(model, dtype, micro_batch, logit_chunk)).generate -> Verifier rewards -> "
+    "CompletionBatch -> samples_from_batches(mode F-TIS, vertical groups) -> HFPolicy.update (one AdamW step)",
+    "trl: GRPOTrainer, one optimizer step timed on_step_begin -> on_step_end (generate + rewards + "
+    "forward/backward over gradient_accumulation_steps micro-batches + clip + AdamW)",
+    "same model (fp32 weights), prompts (tasks.make_tasks(ID_FAMILIES[0], 'train')), G, temperature, "
+    "top_p=1, top_k=0, reward (Verifier), lr, max_grad_norm=1, weight_decay=0, constant lr",
+    "exact length: min_new_tokens = max_new_tokens on both sides (EOS masked until the budget): every "
+    "completion has max_new_tokens tokens (checked, see completion_tokens)",
+    "trl: per_device_train_batch_size = micro_batch, gradient_accumulation_steps = prompts*G/micro_batch, "
+    "steps_per_generation = gradient_accumulation_steps (one generate of prompts*G rows per optimizer step, "
+    "no extra old-logprob pass), num_iterations=1, beta=0 (no reference model), loss_type='grpo' (per-sequence "
+    "length normalisation, as our length_norm='sequence'), scale_rewards='group', mask_truncated_completions="
+    "False (all completions hit the budget), no vLLM, no continuous batching, use_cpu=True, bf16 = ours autocasts "
+    "(both: fp32 weights, bf16 autocast), gradient_checkpointing per --trl-gradient-checkpointing, optimizer = "
+    "TRL default (adamw_torch_fused), logging/saving off, report_to=[]",
+    "each side in its own fresh subprocess, same torch thread count, order alternated per round; "
+    "warm-up step(s) first, then timed step(s); peak RSS = ru_maxrss of that subprocess",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def _prompts(n: int, seed: int):
+    from ..tasks.families import ID_FAMILIES
+    from ..tasks.suite import make_tasks
+
+    return make_tasks(ID_FAMILIES[0], "train", n, seed)
+
+
+def _autocast_bf16(dtype: str) -> bool:
+    """Whether our policy autocasts to bf16 for ``dtype`` here (TRL's ``bf16`` flag mirrors it)."""
+    import torch
+
+    from ..policies.hf import cpu_has_bf16
+
+    if dtype == "fp32":
+        return False
+    return dtype == "bf16" or torch.cuda.is_available() or cpu_has_bf16()
+
+
+# ----------------------------------------------------------------------------- workers (one per subprocess)
+
+def ours_worker(c: dict) -> dict:
+    """Our side: ``warmup + steps`` on-policy steps in this process; times of the last ``steps``."""
+    _set_threads(c["threads"])
+    import numpy as np
+    import torch
+
+    from ..batch import CompletionBatch, SamplingParams, make_group
+    from ..objective import ObjectiveConfig
+    from ..policies import PolicyConfig
+    from ..policies.hf import HFPolicy
+    from ..rewards import Verifier
+    from ..training import samples_from_batches
+
+    t0 = time.perf_counter()
+    pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
+                                logit_chunk=c["logit_chunk"], seed=c["seed"]))
+    pol.model.generation_config.min_new_tokens = c["max_new_tokens"]      # exactly max_new_tokens tokens
+    load_s = time.perf_counter() - t0
+    rss_loaded = _peak_rss_mb()
+    prompts = _prompts(c["prompts"], c["seed"])
+    sampling = SamplingParams(temperature=c["temperature"], max_new_tokens=c["max_new_tokens"])
+    objective = ObjectiveConfig(mode=c["mode"], norm_constant=c["max_new_tokens"])
+    verifier = Verifier()
+    steps, gen, train, tokens, rewards = [], [], [], [], []
+    for k in range(c["warmup"] + c["steps"]):
+        t0 = time.perf_counter()
+        rolls = pol.generate(prompts, c["group_size"], sampling, seed=c["seed"] + k)
+        t1 = time.perf_counter()
+        groups = []
+        for r in rolls:
+            rw = [verifier.reward(r.prompt.task_id, t, r.prompt.reference) for t in r.completion_texts]
+            groups.append(make_group(r.prompt_ids, r.completion_ids, r.logprobs, rw, r.prompt.task_id,
+                                     r.prompt.reference, r.prompt.text, r.completion_texts))
+        batch = CompletionBatch("bench", "bench-step", k, k, pol.model_id, pol.tokenizer_fp, pol.vocab_size,
+                                sampling, tuple(groups)).validate()
+        samples = samples_from_batches([batch], "bench", pol.tokenizer_fp, objective)
+        metrics = pol.update(samples, sampling)
+        t2 = time.perf_counter()
+        if k >= c["warmup"]:
+            steps.append(t2 - t0)
+            gen.append(t1 - t0)
+            train.append(t2 - t1)
+            tokens.append(batch.num_completion_tokens)
+            rewards.append(float(np.mean([x for g in groups for x in g.rewards])))
+        if not np.isfinite(metrics.get("train/loss", 0.0)):
+            raise RuntimeError(f"non-finite loss at step {k}: {metrics}")
+    return {"side": "ours", "step_s": steps, "generate_s": gen, "train_s": train, "load_s": load_s,
+            "completion_tokens": tokens, "reward_mean": rewards, "threads": torch.get_num_threads(),
+            "autocast": str(pol.autocast), "rss_after_load_mb": round(rss_loaded),
+            "peak_rss_mb": round(_peak_rss_mb())}
+
+
+def trl_worker(c: dict) -> dict:
+    """TRL's side: ``GRPOTrainer.train()`` for ``warmup + steps`` optimizer steps; times of the last ``steps``."""
+    _set_threads(c["threads"])
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ..policies.models import resolve_model
+    from ..rewards import Verifier
+
+    n_rows = c["prompts"] * c["group_size"]
+    if n_rows % c["micro_batch"]:
+        raise ValueError(f"prompts*group_size={n_rows} must be a multiple of micro_batch={c['micro_batch']}")
+    prompts = _prompts(c["prompts"], c["seed"])
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p.text}], "task_id": p.task_id,
+                             "reference": p.reference} for p in prompts])
+    out_dir = tempfile.mkdtemp(prefix="ftis-bench-trl-")
+    bf16 = _autocast_bf16(c["dtype"])
+    args = GRPOConfig(
+        output_dir=out_dir, use_cpu=not torch.cuda.is_available(), bf16=bf16,
+        gradient_checkpointing=c["trl_gradient_checkpointing"],
+        per_device_train_batch_size=c["micro_batch"], gradient_accumulation_steps=n_rows // c["micro_batch"],
+        num_generations=c["group_size"], max_completion_length=c["max_new_tokens"],
+        temperature=c["temperature"], top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="grpo",
+        scale_rewards="group", mask_truncated_completions=False, use_vllm=False,
+        learning_rate=c["lr"], lr_scheduler_type="constant", max_grad_norm=1.0, weight_decay=0.0,
+        max_steps=c["warmup"] + c["steps"], logging_strategy="no", save_strategy="no", report_to=[],
+        seed=c["seed"], dataloader_num_workers=0, log_completions=False,
+        generation_kwargs={"min_new_tokens": c["max_new_tokens"]},
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    assert args.steps_per_generation == args.gradient_accumulation_steps and args.generation_batch_size == n_rows
+
+    timing: dict[str, list] = {"step": [], "generate": [], "tokens": [], "rewards": []}
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            timing["step"].append(time.perf_counter() - self.t0)
+
+    verifier_reward = Verifier().as_trl_reward()
+
+    def reward(prompts, completions, **kw):                           # records the mean reward per call
+        out = verifier_reward(prompts, completions, **kw)
+        timing["rewards"].append(sum(out) / max(len(out), 1))
+        return out
+
+    reward.__name__ = verifier_reward.__name__
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=resolve_model(c["model"]), reward_funcs=reward, args=args,
+                          train_dataset=ds, callbacks=[StepTimer()])
+    load_s = time.perf_counter() - t0
+    rss_loaded = _peak_rss_mb()
+    generate = trainer._generate                                     # timing wrapper only
+
+    def timed_generate(prompts_):
+        t = time.perf_counter()
+        out = generate(prompts_)
+        timing["generate"].append(time.perf_counter() - t)
+        timing["tokens"].append(int(sum(len(x) for x in out[1])))
+        return out
+
+    trainer._generate = timed_generate
+    trainer.train()
+    w = c["warmup"]
+    if len(timing["step"]) != w + c["steps"] or len(timing["generate"]) != w + c["steps"]:
+        raise RuntimeError(f"expected {w + c['steps']} steps with one generate each, got {timing}")
+    steps, gen = timing["step"][w:], timing["generate"][w:]
+    return {"side": "trl", "step_s": steps, "generate_s": gen, "train_s": [s - g for s, g in zip(steps, gen)],
+            "load_s": load_s, "completion_tokens": timing["tokens"][w:], "reward_mean": timing["rewards"][w:],
+            "threads": torch.get_num_threads(), "bf16": bf16,
+            "gradient_checkpointing": bool(args.gradient_checkpointing), "optim": str(args.optim),
+            "rss_after_load_mb": round(rss_loaded), "peak_rss_mb": round(_peak_rss_mb())}
+
+
+def memory_worker(c: dict) -> dict:
+    """Peak RSS of one of our updates (no generation) on prompts*G rows of max_new_tokens random tokens:
+    how memory depends on micro_batch and logit_chunk. Warm-up update first (optimizer state), then one."""
+    _set_threads(c["threads"])
+    import numpy as np
+    import torch
+
+    from ..batch import SamplingParams
+    from ..policies import PolicyConfig
+    from ..policies.hf import HFPolicy
+    from ..training import TrainSample
+
+    pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
+                                logit_chunk=c["logit_chunk"], seed=c["seed"]))
+    rss_loaded = _peak_rss_mb()
+    sampling = SamplingParams(temperature=c["temperature"], max_new_tokens=c["max_new_tokens"])
+    g = torch.Generator().manual_seed(c["seed"])
+    prompts = [pol.format_prompt(p.text) for p in _prompts(c["prompts"], c["seed"])]
+    samples = []
+    for i in range(c["prompts"] * c["group_size"]):
+        comp = torch.randint(0, pol.vocab_size, (c["max_new_tokens"],), generator=g).tolist()
+        lp = -np.random.default_rng(i).exponential(1.0, c["max_new_tokens"]).astype(np.float32)
+        samples.append(TrainSample(prompts[i // c["group_size"]], comp, lp, float(lp.sum()),
+                                   float(np.random.default_rng(i).standard_normal()), "bench", True))
+    pol.update(samples, sampling)
+    after_warmup = _peak_rss_mb()
+    t = time.perf_counter()
+    pol.update(samples, sampling)
+    return {"micro_batch": c["micro_batch"], "logit_chunk": c["logit_chunk"], "update_s": round(time.perf_counter() - t, 2),
+            "rss_after_load_mb": round(rss_loaded), "peak_after_first_update_mb": round(after_warmup),
+            "peak_rss_mb": round(_peak_rss_mb())}
+
+
+#: (micro_batch, logit_chunk) pairs of ``--memory-sweep``: logit_chunk at a fixed micro-batch (is the LM-head
+#: memory flat?), then micro_batch at a fixed chunk (decoder activations scale with it).
+SWEEP = ((8, 8), (8, 32), (8, 64), (4, 32), (16, 32))
+
+WORKERS = {"ours": ours_worker, "trl": trl_worker, "memory": memory_worker}
+
+
+def spawn(side: str, c: dict, timeout: float | None = None) -> dict:
+    """Run one worker in a fresh interpreter (thread env vars set before torch loads); its result dict."""
+    env = dict(os.environ)
+    if c["threads"] > 0:
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[k] = str(c["threads"])
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    proc = subprocess.run([sys.executable, "-m", "ftis_fed.bench.step", "--worker", side, "--config", json.dumps(c)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bench step worker {side!r} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _median(xs):
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def run_bench_step(model: str = "smollm2", prompts: int = 8, group_size: int = 8, max_new_tokens: int = 64,
+                   temperature: float = 0.7, dtype: str = "auto", micro_batch: int = 8, logit_chunk: int = 32,
+                   mode: str = "F-TIS", lr: float = 1e-5, repeats: int = 2, warmup: int = 1, steps: int = 1,
+                   threads: int = 0, seed: int = 0, trl_gradient_checkpointing: bool = False,
+                   memory_sweep: bool = False, sides: tuple[str, ...] = ("ours", "trl"),
+                   log=None) -> dict:
+    """Alternate fresh-subprocess runs of each side ``repeats`` times -> one result dict."""
+    c = dict(model=model, prompts=prompts, group_size=group_size, max_new_tokens=max_new_tokens,
+             temperature=temperature, dtype=dtype, micro_batch=micro_batch, logit_chunk=logit_chunk, mode=mode,
+             lr=lr, warmup=warmup, steps=steps, threads=threads, seed=seed,
+             trl_gradient_checkpointing=trl_gradient_checkpointing)
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    for r in range(repeats):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            res = spawn(side, c)
+            runs[side].append(res)
+            if log:
+                log(f"round {r} {side}: step {res['step_s']} generate {res['generate_s']} "
+                    f"peak {res['peak_rss_mb']} MiB")
+    flat = {s: {k: [x for run in runs[s] for x in run[k]] for k in ("step_s", "generate_s", "train_s",
+                                                                    "completion_tokens", "reward_mean")}
+            for s in sides}
+    want = prompts * group_size * max_new_tokens
+    result = {
+        "bench": "step", "model": model, "prompts": prompts, "group_size": group_size,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "dtype": dtype, "micro_batch": micro_batch,
+        "logit_chunk": logit_chunk, "mode": mode, "repeats": repeats, "warmup_steps": warmup,
+        "timed_steps_per_run": steps, "threads": runs[sides[0]][0]["threads"],
+        "trl_gradient_checkpointing": trl_gradient_checkpointing,
+    }
+    for s in sides:
+        f = flat[s]
+        if any(t != want for t in f["completion_tokens"]):
+            raise RuntimeError(f"{s}: completion tokens per step {f['completion_tokens']}, expected {want}")
+        result[s] = {
+            "step_s": [round(x, 2) for x in f["step_s"]], "median_step_s": _median(f["step_s"]),
+            "median_generate_s": _median(f["generate_s"]), "median_train_s": _median(f["train_s"]),
+            "completion_tokens_per_step": want, "reward_mean": [round(x, 3) for x in f["reward_mean"]],
+            "peak_rss_mb": [run["peak_rss_mb"] for run in runs[s]],
+            "rss_after_load_mb": [run["rss_after_load_mb"] for run in runs[s]],
+            "load_s": [round(run["load_s"], 1) for run in runs[s]],
+        }
+        for k in ("autocast", "bf16", "gradient_checkpointing", "optim"):
+            if k in runs[s][0]:
+                result[s][k] = runs[s][0][k]
+    if set(sides) == {"ours", "trl"}:
+        o, t = result["ours"], result["trl"]
+        result["ours_over_trl_step"] = round(o["median_step_s"] / t["median_step_s"], 3)
+        result["ours_over_trl_generate"] = round(o["median_generate_s"] / t["median_generate_s"], 3)
+        result["ours_over_trl_train"] = round(o["median_train_s"] / t["median_train_s"], 3)
+        result["target_ratio"] = 1.0
+    if "ours" in sides:
+        result["ours_peak_rss_mb"] = max(result["ours"]["peak_rss_mb"])
+        result["target_peak_rss_mb"] = 4096
+    if memory_sweep:
+        sweep = []
+        for mb, ch in SWEEP:
+            res = spawn("memory", dict(c, micro_batch=mb, logit_chunk=ch))
+            sweep.append(res)
+            if log:
+                log(f"memory micro_batch={mb} logit_chunk={ch}: {res}")
+        result["memory_sweep"] = sweep
+    result["notes"] = NOTES
+    return result
+
+
+def _add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="our PolicyConfig.dtype; TRL's bf16 flag follows whether ours autocasts to bf16")
+    ap.add_argument("--micro-batch", type=int, default=8,
+                    help="our micro_batch = TRL's per_device_train_batch_size (rows per forward/backward)")
+    ap.add_argument("--logit-chunk", type=int, default=32)
+    ap.add_argument("--mode", default="F-TIS", help="our objective mode (alone, F-TIS, ...)")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--repeats", type=int, default=2, help="fresh subprocesses per side, order alternated")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per subprocess")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per subprocess")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per side (0 = torch default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
+                    help="TRL with gradient checkpointing (its own default; slower, less memory)")
+    ap.add_argument("--memory-sweep", action="store_true",
+                    help="also: peak RSS of our update alone for several micro_batch / logit_chunk values")
+    ap.add_argument("--sides", default="ours,trl", help="comma-separated subset of ours,trl")
+    ap.add_argument("--verbose", action="store_true", help="progress on stderr")
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if a.verbose else None
+    print(json.dumps(run_bench_step(
+        model=a.model, prompts=a.prompts, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature, dtype=a.dtype, micro_batch=a.micro_batch, logit_chunk=a.logit_chunk,
+        mode=a.mode, lr=a.lr, repeats=a.repeats, warmup=a.warmup, steps=a.steps, threads=a.threads, seed=a.seed,
+        trl_gradient_checkpointing=a.trl_gradient_checkpointing, memory_sweep=a.memory_sweep,
+        sides=tuple(s for s in a.sides.split(",") if s), log=log)), flush=True)
+    return 0
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    """Add ``step`` (under ``ftis-fed bench``) to an argparse subparsers object; handler in ``func``."""
+    ap = subparsers.add_parser("step", help="one on-policy GRPO step: ours vs TRL GRPOTrainer (time, peak RSS)")
+    _add_arguments(ap)
+    ap.set_defaults(func=run_cli)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ftis-fed bench step", description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    _add_arguments(ap)
+    a = ap.parse_args(argv)
+    if a.worker:
+        print(json.dumps(WORKERS[a.worker](json.loads(a.config))), flush=True)
+        return 0
+    return run_cli(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
