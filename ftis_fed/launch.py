@@ -92,7 +92,9 @@ def start_superlink(address: str, home: Path, env: dict) -> subprocess.Popen:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited with {proc.returncode}; see {home / 'superlink.log'}")
+            tail = (home / "superlink.log").read_text(errors="replace").strip().splitlines()[-6:]
+            raise RuntimeError(f"flower-superlink exited with {proc.returncode}; see {home / 'superlink.log'}:\n"
+                               + "\n".join(tail))
         if _healthy(address):
             return proc
         time.sleep(0.3)
@@ -130,7 +132,10 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
         conn = {**conn, "address": address}
     home = Path(os.environ.get("FLWR_HOME", app / ".flwr")).resolve()
     install_flower_config(app, home, connection, address)
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    # the SuperLink starts `flower-superexec` (which starts the apps) by name: our interpreter's
+    # bin directory goes first on PATH so `.venv/bin/ftis-fed` works without an activated venv
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_DISABLE_UPDATE_CHECK": "1"}
     overrides = parse_overrides(run_config or [])
     cfg = merged_run_config(app, overrides)

@@ -40,11 +40,12 @@ def run_sim(tmp: Path, extra: dict, timeout: int = 900) -> subprocess.CompletedP
     try:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
     finally:
-        _kill_leftover_workers(tmp / "rt")
+        _kill_leftovers(tmp)
 
 
-def _kill_leftover_workers(rt: Path) -> None:
-    """Workers of this test only (their spec files live in this test's runtime folder)."""
+def _kill_leftovers(tmp: Path) -> None:
+    """This test's processes only: workers (spec files in its runtime folder) and, if the launcher
+    was killed by the timeout, its SuperLink (database in its FLWR_HOME)."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -52,7 +53,7 @@ def _kill_leftover_workers(rt: Path) -> None:
             cmd = (d / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if "clients.worker" in cmd and str(rt) in cmd:
+        if ("clients.worker" in cmd or "flower-superlink" in cmd) and str(tmp) in cmd:
             os.kill(int(d.name), signal.SIGKILL)
 
 
