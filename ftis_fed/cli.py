@@ -15,8 +15,9 @@ def _bench(sub) -> None:
     lp.add_argument("--completion-len", type=int, default=64)
     lp.add_argument("--repeats", type=int, default=5)
     lp.set_defaults(func=lambda a: __import__("ftis_fed.bench.loss", fromlist=["main"]).main(a))
-    from .bench import wire
+    from .bench import step, wire
 
+    step.add_cli(b)
     wire.add_cli(b)
 
 

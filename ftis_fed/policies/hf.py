@@ -25,7 +25,7 @@ from . import quant as quantization
 from .base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
 from .config import PolicyConfig
 from .models import resolve_model
-from .scoring import token_logprobs
+from .scoring import token_logprobs, unwrap_causal_lm
 
 
 def cpu_has_bf16() -> bool:
@@ -74,6 +74,9 @@ class HFPolicy(Policy):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = self._load_model(path)
+        if cfg.grad_checkpointing:                      # active in train() mode only: generation keeps its cache
+            unwrap_causal_lm(self.model).gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_id = cfg.label
         self.tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
         self.vocab_size = int(max(len(self.tokenizer), self.model.get_input_embeddings().weight.shape[0]))

@@ -78,7 +78,7 @@ def token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
             targets[i, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
     with torch.set_grad_enabled(grad), torch.autocast(
             device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        hidden = decoder(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B,L,H)
+        hidden = decoder(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B,L,H)
         h = hidden.gather(1, target_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B,T,H)
         outs = []
         for s in range(0, T, chunk):

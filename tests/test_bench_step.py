@@ -1,0 +1,39 @@
+"""Smoke tests of ``ftis-fed bench step`` on the random-init tiny model (no timing assertions)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from ftis_fed.bench import step
+
+TINY = dict(model="tiny-llama", prompts=2, group_size=2, max_new_tokens=4, temperature=0.7, dtype="auto",
+            micro_batch=2, logit_chunk=2, mode="F-TIS", lr=1e-5, warmup=0, steps=1, threads=0, seed=0,
+            trl_gradient_checkpointing=False)
+
+
+def test_ours_worker_generates_exactly_max_new_tokens():
+    res = step.ours_worker(dict(TINY))
+    assert res["completion_tokens"] == [2 * 2 * 4]              # EOS masked until the budget
+    assert len(res["step_s"]) == 1 and res["step_s"][0] >= res["generate_s"][0] > 0
+    assert res["peak_rss_mb"] >= res["rss_after_load_mb"] > 0
+
+
+def test_cli_registers_step_with_handler():
+    ap = argparse.ArgumentParser()
+    step.add_cli(ap.add_subparsers(dest="bench"))
+    a = ap.parse_args(["step", "--threads", "1", "--sides", "ours"])
+    assert a.func is step.run_cli and a.threads == 1 and a.prompts == 8 and a.max_new_tokens == 64
+
+
+@pytest.mark.slow
+def test_side_by_side_json(capsys):
+    pytest.importorskip("trl")
+    a = argparse.Namespace(**{k.replace("-", "_"): v for k, v in TINY.items() if k not in ("warmup", "steps")},
+                           repeats=1, warmup=1, steps=1, memory_sweep=False, sides="ours,trl", verbose=False)
+    assert step.run_cli(a) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["bench"] == "step" and out["ours"]["completion_tokens_per_step"] == 16
+    assert out["ours_over_trl_step"] > 0 and out["trl"]["peak_rss_mb"][0] > 0
