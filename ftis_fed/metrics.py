@@ -106,7 +106,8 @@ class MetricsWriter:
                         by_p[r["participant"]].append((int(r["round"]), float(r[key])))
                 for name, pts in sorted(by_p.items()):
                     pts.sort()
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=name.lstrip("_"))               # matplotlib hides "_..." labels
                 ax.set_xlabel("round")
                 ax.set_ylabel(label)
                 ax.grid(alpha=0.3)
