@@ -49,7 +49,8 @@ class FederationConfig:
     max_batch_tokens [max-batch-tokens]: larger batches are rejected (``too_large``), >= 1.
     eval_every [eval-every]: greedy pass@1 on held-out ID/OOD sets before round 1 and every k
         rounds and after the last (0 = never).
-    eval_size [eval-size]: prompts per evaluation set, >= 1.
+    eval_size [eval-size]: prompts in the held-out ID set, >= 1.
+    eval_ood_size [eval-ood-size]: prompts per OOD family set (five families), >= 0; 0 = eval_size.
     eval_max_new_tokens [eval-max-new-tokens]: >= 1.
     run_name [run-name]: the run id batches are signed for (kept across a resume), non-empty.
     output_dir [output-dir]: results folder (metrics, plots, server state, participants' checkpoints
@@ -79,6 +80,7 @@ class FederationConfig:
     max_batch_tokens: int = 1 << 20
     eval_every: int = 0
     eval_size: int = 32
+    eval_ood_size: int = 0
     eval_max_new_tokens: int = 16
     run_name: str = "ftis-fed"
     output_dir: str = "outputs/default"
@@ -108,6 +110,7 @@ class FederationConfig:
         need(self.max_batch_tokens >= 1, "max_batch_tokens", "must be >= 1")
         need(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = never)")
         need(self.eval_size >= 1, "eval_size", "must be >= 1")
+        need(self.eval_ood_size >= 0, "eval_ood_size", "must be >= 0 (0 = eval_size)")
         need(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
         need(bool(self.run_name), "run_name", "must be non-empty")
         need(self.threads >= 0, "threads", "must be >= 0 (0 = auto)")

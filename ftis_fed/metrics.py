@@ -88,6 +88,7 @@ class MetricsWriter:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         rows = self.rows()
         written = []
@@ -109,6 +110,7 @@ class MetricsWriter:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                             label=name.lstrip("_"))               # matplotlib hides "_..." labels
                 ax.set_xlabel("round")
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 ax.set_ylabel(label)
                 ax.grid(alpha=0.3)
                 if by_p:

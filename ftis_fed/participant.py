@@ -198,7 +198,7 @@ class Participant:
     def evaluate(self, round: int) -> dict[str, float]:
         self._fault("evaluate", round)
         t0 = time.perf_counter()
-        sets = eval_sets(self.fed.eval_size, seed=self.fed.task.seed)
+        sets = eval_sets(self.fed.eval_size, seed=self.fed.task.seed, n_ood=self.fed.eval_ood_size or None)
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)
         out["eval/seconds"] = time.perf_counter() - t0
         return out

@@ -215,13 +215,13 @@ def shard(prompts: list[Prompt], partition_id: int, num_partitions: int) -> list
 
 
 def eval_sets(n: int, seed: int = 0, id_families: tuple[str, ...] = ID_FAMILIES,
-              ood_families: tuple[str, ...] | None = None) -> dict[str, list[Prompt]]:
+              ood_families: tuple[str, ...] | None = None, n_ood: int | None = None) -> dict[str, list[Prompt]]:
     """Held-out sets: ``"id"`` (n distinct prompts, round-robin over ``id_families``) and one set of
-    n per OOD family, keyed by family name."""
+    ``n_ood`` (default n) per OOD family, keyed by family name."""
     ood_families = OOD_FAMILIES if ood_families is None else ood_families
     per = [make_tasks(f, "eval", math.ceil(n / len(id_families)), seed) for f in id_families]
     id_set = [per[i % len(per)][i // len(per)] for i in range(n)]
     out = {"id": id_set}
     for f in ood_families:
-        out[f] = make_tasks(f, "eval", n, seed)
+        out[f] = make_tasks(f, "eval", n if n_ood is None else n_ood, seed)
     return out
