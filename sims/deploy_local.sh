@@ -84,7 +84,7 @@ EOF
 export FLWR_HOME="$B/cli"
 t0=$(date +%s)
 RID=$(flwr run "$APP" local-deploy --format json --run-config \
-  "num-rounds=$ROUNDS min-participants=$N keys-dir=\"$B/server-keys\" output-dir=\"$B/out\" eval-every=0 group-size=4 prompts-per-round=3 max-new-tokens=8 task-families=\"add30\" lr=0.001" \
+  "num-rounds=$ROUNDS min-participants=$N keys-dir=\"$B/server-keys\" output-dir=\"$B/out\" eval-every=0 group-size=4 prompts-per-round=3 max-new-tokens=8 task-families=\"add1\" lr=0.001" \
   | python3 -c 'import json,sys; print(json.load(sys.stdin)["run-id"])')
 echo "[deploy] run $RID submitted"
 while :; do
