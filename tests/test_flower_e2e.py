@@ -146,3 +146,30 @@ def test_a_hanging_participant_is_dropped_at_the_round_timeout(tmp_path):
     assert fed[1]["fed/replies"] == 3
     assert fed[2]["fed/generate_failures"] == 1 and fed[2]["fed/frames_verified"] == 2
     assert fed[2]["fed/replies"] >= 2 and fed[2]["fed/complete"] == 1.0
+
+
+def test_pipelined_run_resumes_where_the_server_stopped(tmp_path):
+    """Pipelined scheme: round 1 trains on own samples only and keeps the verified batches; the run
+    stops. A new run with resume=true starts at round 2, relays round 1's saved batches (one round
+    old) to every peer, and the participants continue from their checkpoints."""
+    base = {"scheme": "pipelined", "eval-every": 0, "run-name": "pipe"}
+    first = run_sim(tmp_path, {**base, "num-rounds": 1})
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    out = tmp_path / "out"
+    state = json.loads((out / "server_state.json").read_text())
+    assert state["completed_round"] == 1 and len(state["pending"]) == 3
+    r1 = {r["participant"]: r for r in rows(out) if r["round"] == 1 and r["participant"] != "_federation"}
+    assert all(r["train/peer_samples"] == 0 and r["train/own_samples"] == 32 for r in r1.values())
+
+    second = run_sim(tmp_path, {**base, "num-rounds": 2, "resume": True})
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    log = second.stdout + second.stderr
+    assert "continuing at round 2" in log and "round 1/2" not in log
+    train = [r for r in rows(out) if r["phase"] == "train"]
+    assert sorted(r["round"] for r in train if r["participant"] == "_federation") == [1, 2]   # appended
+    fed2 = next(r for r in train if r["round"] == 2 and r["participant"] == "_federation")
+    assert fed2["fed/frames_verified"] == 3 and fed2["fed/rejected"] == 0
+    for r in (r for r in train if r["round"] == 2 and r["participant"] != "_federation"):
+        assert r["offpolicy/received"] == 2 and r["offpolicy/accepted"] == 2     # round 1's, from peers
+        assert r["train/peer_samples"] == 64 and r["worker/model_loads"] == 1   # a new run, a new worker
+    assert json.loads((out / "server_state.json").read_text())["completed_round"] == 2
