@@ -62,6 +62,17 @@ class RecordingSampler(LogitsProcessor):
         return torch.stack(self.recorded, dim=1) if self.recorded else torch.zeros((sequences.shape[0], 0))
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token rows for generation: (input_ids, attention_mask), both (N, max_len) long."""
+    P = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(input_ids)
+    for i, r in enumerate(rows):
+        input_ids[i, P - len(r):] = torch.tensor(list(r), dtype=torch.long)
+        attn[i, P - len(r):] = 1
+    return input_ids, attn
+
+
 class HFPolicy(Policy):
     """A transformers causal LM that generates, scores and trains on the F-TIS objective."""
 
@@ -132,12 +143,8 @@ class HFPolicy(Policy):
         tok = self.tokenizer
         prompt_ids = [self.format_prompt(p.text) for p in prompts]
         rows = [ids for ids in prompt_ids for _ in range(group_size)]
-        P = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), P), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(input_ids)
-        for i, r in enumerate(rows):
-            input_ids[i, P - len(r):] = torch.tensor(r)
-            attn[i, P - len(r):] = 1
+        input_ids, attn = left_pad(rows, tok.pad_token_id)                       # (N,P)
+        P = input_ids.shape[1]
         sampler = RecordingSampler(sampling, prompt_len=P)
         gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                    max_new_tokens=sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
@@ -172,12 +179,8 @@ class HFPolicy(Policy):
                                    pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
         for s in range(0, len(prompts), batch_size):
             rows = [self.format_prompt(p.text) for p in prompts[s:s + batch_size]]
-            P = max(len(r) for r in rows)
-            input_ids = torch.full((len(rows), P), tok.pad_token_id, dtype=torch.long)
-            attn = torch.zeros_like(input_ids)
-            for i, r in enumerate(rows):
-                input_ids[i, P - len(r):] = torch.tensor(r)
-                attn[i, P - len(r):] = 1
+            input_ids, attn = left_pad(rows, tok.pad_token_id)                   # (n,P)
+            P = input_ids.shape[1]
             with self._autocast():
                 seqs = self.model.generate(input_ids=input_ids.to(self.device),
                                            attention_mask=attn.to(self.device), generation_config=gen_cfg)
