@@ -185,3 +185,17 @@ def test_grad_checkpointing_gives_the_same_gradients(adapter):
     assert flags[0] and all(flags[0]) and not any(flags[1])
     assert all(torch.allclose(g0, g1, atol=1e-5, rtol=1e-4) for g0, g1 in zip(*grads))
     assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+@pytest.mark.slow
+def test_subtraction_specialist_is_a_specialist():
+    """smollm2-sub30 (built on first use, ~5 min) beats the base on held-out subtraction problems
+    (measured: 33 % vs 12.5 % greedy, docs/models.md)."""
+    from ftis_fed.evaluation import TextGenerator, evaluate
+    from ftis_fed.rewards import Verifier
+    from ftis_fed.tasks.suite import make_tasks
+
+    sets = {f: make_tasks(f, "eval", 48, 0) for f in ("add30", "sub30")}
+    base = evaluate(TextGenerator("smollm2"), sets, Verifier(), max_new_tokens=16)
+    spec = evaluate(TextGenerator("smollm2-sub30"), sets, Verifier(), max_new_tokens=16)
+    assert spec["eval/sub30/accuracy"] >= base["eval/sub30/accuracy"] + 0.1

@@ -8,8 +8,10 @@ tokenizer fingerprint differs from SmolLM2's, so batches between them can only b
 level, re-tokenized from text (``training.samples_from_batches``). It is weaker than SmolLM2
 (it never saw these tokenizations), which makes it the participant with most to learn from peers.
 
-``smollm2-arith`` — an *expertise* specialist: SmolLM2 after a short, seeded supervised fine-tune
-on the procedural arithmetic train split (``build_specialist``; ~2 min on 2 CPU cores).
+``smollm2-sub30`` — an *expertise* specialist: SmolLM2 after a short, seeded supervised fine-tune
+(``build_sft``: 80 steps x 16 problems of the ``sub30`` train split, bare-number replies; 5.4 min on
+this 2-core machine). Greedy on 48 held-out problems, 16 new tokens: subtraction 33 % (base 12.5 %),
+addition 6 % (base 23 %) -- it answers tersely and has forgotten some addition (docs/models.md).
 """
 
 from __future__ import annotations
@@ -109,3 +111,7 @@ def build_sft(out: Path, base: str, families: tuple[str, ...], steps: int, lr: f
 #: Unit/e2e tests: a 2-layer random-init model taught to answer one-digit sums (it gets some right,
 #: so GRPO groups carry signal: ~11 % reward at T=0.7, a quarter of groups mixed).
 OFFLINE_MODELS["tiny-arith"] = lambda out: build_sft(out, "tiny-llama", ("add1",), steps=200, lr=3e-3, batch=32)
+
+#: Expertise heterogeneity: SmolLM2-135M-Instruct after a short supervised fine-tune on two-digit
+#: subtraction (train split only; replies are the bare number). Built once on first use, seeded.
+OFFLINE_MODELS["smollm2-sub30"] = lambda out: build_sft(out, "smollm2", ("sub30",), steps=80, lr=3e-5, batch=16)
