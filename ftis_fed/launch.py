@@ -136,7 +136,8 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     # bin directory goes first on PATH so `.venv/bin/ftis-fed` works without an activated venv
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     env = {**os.environ, "PATH": path, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+           "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "PYTHONUNBUFFERED": "1"}                   # progress lines reach a redirected log as they come
     overrides = parse_overrides(run_config or [])
     cfg = merged_run_config(app, overrides)
     out = Path(str(cfg.get("output-dir", "outputs/default")))
