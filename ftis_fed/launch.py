@@ -70,6 +70,44 @@ def parse_overrides(items: list[str]) -> dict:
     return dict(parse_config_args(items)) if items else {}
 
 
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        if '"' in v:
+            raise ValueError(f"run-config value {v!r}: double quotes are not supported")
+        return f'"{v}"'
+    if isinstance(v, (int, float)):
+        return repr(v)
+    raise ValueError(f"run-config value {v!r}: must be a string, number or boolean")
+
+
+def preset_path(app: Path, preset: str) -> Path:
+    """``NAME`` -> ``<app>/sims/presets/NAME.toml``; a path to a .toml file is taken as is."""
+    path = Path(preset) if preset.endswith(".toml") else app / "sims" / "presets" / f"{preset}.toml"
+    if not path.exists():
+        names = sorted(p.stem for p in (app / "sims" / "presets").glob("*.toml"))
+        raise FileNotFoundError(f"preset {preset!r}: {path} does not exist (presets: {', '.join(names)})")
+    return path
+
+
+def expand_run_config(app: Path, items: list[str], preset: str | None = None) -> list[str]:
+    """A preset and ``--run-config`` items (key=value strings or .toml files) -> key=value items, the
+    later winning, every key checked against the app's ``[tool.flwr.app.config]``."""
+    known = merged_run_config(app, {})
+    layers = [tomllib.loads(preset_path(app, preset).read_text())] if preset else []
+    for item in items:
+        layers.append(tomllib.loads(Path(item).read_text()) if item.endswith(".toml") else parse_overrides([item]))
+    merged: dict = {}
+    for source, layer in zip(([preset] if preset else []) + list(items), layers):
+        for k, v in layer.items():
+            if k not in known:
+                raise ValueError(f"run-config key {k!r} (from {source}) is not a key of [tool.flwr.app.config]; "
+                                 "see docs/configuration.md")
+            merged[k] = v
+    return [f"{k}={_toml_value(v)}" for k, v in merged.items()]
+
+
 def merged_run_config(app: Path, overrides: dict) -> dict:
     cfg = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     return {**cfg, **overrides}
@@ -119,9 +157,11 @@ def run_status(connection: str, run_id: str, env: dict) -> dict:
 
 
 def simulate(app: str | Path = ".", connection: str | None = None, run_config: list[str] | None = None,
-             keep_superlink: bool = False, stream: bool = True, address: str | None = None) -> int:
+             keep_superlink: bool = False, stream: bool = True, address: str | None = None,
+             preset: str | None = None) -> int:
     """Run the federation; returns 0 when the run finished:completed."""
     app = Path(app).resolve()
+    run_config = expand_run_config(app, list(run_config or []), preset)
     flower = load_flower_toml(app)
     connection = connection or flower["superlink"]["default"]
     conn = flower["superlink"].get(connection)
@@ -181,8 +221,11 @@ def add_cli(sub) -> None:
     p = sub.add_parser("sim", help="run the federation with flwr run (simulation on this machine)")
     p.add_argument("--app", default=".", help="the Flower app folder (default: .)")
     p.add_argument("--connection", default=None, help="a connection of flower.toml (default: its default)")
-    p.add_argument("--run-config", action="append", default=[], help='overrides, e.g. "num-rounds=2"')
+    p.add_argument("--preset", default=None,
+                   help="a run-config preset: NAME of sims/presets/NAME.toml, or a .toml path")
+    p.add_argument("--run-config", action="append", default=[],
+                   help='overrides on top of the preset, e.g. "num-rounds=2", or a .toml file')
     p.add_argument("--keep-superlink", action="store_true", help="leave the SuperLink running afterwards")
     p.add_argument("--address", default=None, help="host:port replacing the connection's address")
     p.set_defaults(func=lambda a: simulate(a.app, a.connection, a.run_config, a.keep_superlink,
-                                           address=a.address))
+                                           address=a.address, preset=a.preset))

@@ -94,3 +94,43 @@ def test_bad_participant_settings_are_named():
         participant_spec(RUN_CONFIG, {"partition-id": 7, "num-partitions": 8}, fed)
     with pytest.raises(ValueError, match="fault='boom'"):
         participant_spec({**RUN_CONFIG, "p0-fault": "boom"}, {"partition-id": 0, "num-partitions": 4}, fed)
+
+
+# ----------------------------------------------------------------------------- presets (sims/presets)
+
+PRESETS = sorted(p.stem for p in (ROOT / "sims" / "presets").glob("*.toml"))
+
+
+def test_presets_exist():
+    assert {"quick", "alone", "pipelined", "expertise", "tokenizers"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_is_a_valid_federation(name):
+    from ftis_fed.launch import expand_run_config, merged_run_config, parse_overrides
+
+    items = expand_run_config(ROOT, [], preset=name)
+    cfg = merged_run_config(ROOT, parse_overrides(items))
+    assert cfg["output-dir"] == f"outputs/{name}"                     # presets never overwrite each other
+    fed = federation_from_run_config(cfg)
+    names = participant_names(cfg)
+    assert len(names) >= 2 and len(set(names)) == len(names)
+    for pid in range(len(names)):
+        spec = participant_spec(cfg, {"partition-id": pid, "num-partitions": len(names)}, fed)
+        assert spec.name == names[pid]
+
+
+def test_run_config_layers_later_wins_and_unknown_keys_are_named(tmp_path):
+    from ftis_fed.launch import expand_run_config
+
+    f = tmp_path / "mine.toml"
+    f.write_text('num-rounds = 7\nscheme = "pipelined"\n')
+    items = expand_run_config(ROOT, [str(f), "num-rounds=9 group-size=2"], preset="quick")
+    got = dict(i.split("=", 1) for i in items)
+    assert got["num-rounds"] == "9" and got["scheme"] == '"pipelined"' and got["group-size"] == "2"
+    assert got["p0-model"] == '"tiny-arith"'                          # from the preset
+    f.write_text("num-rouns = 7\n")
+    with pytest.raises(ValueError, match=r"'num-rouns'.*mine\.toml"):
+        expand_run_config(ROOT, [str(f)])
+    with pytest.raises(FileNotFoundError, match="presets: .*quick"):
+        expand_run_config(ROOT, [], preset="nope")
