@@ -49,7 +49,8 @@ class FederationConfig:
     max_batch_tokens [max-batch-tokens]: larger batches are rejected (``too_large``), >= 1.
     eval_every [eval-every]: greedy pass@1 on held-out ID/OOD sets before round 1 and every k
         rounds and after the last (0 = never).
-    eval_size [eval-size]: prompts in the held-out ID set, >= 1.
+    eval_size [eval-size]: prompts in the held-out ID set (the eval split of task-families), >= 1;
+        checked at start against the distinct problems the families have.
     eval_ood_size [eval-ood-size]: prompts per OOD family set (five families), >= 0; 0 = eval_size.
     eval_max_new_tokens [eval-max-new-tokens]: >= 1.
     run_name [run-name]: the run id batches are signed for (kept across a resume), non-empty.
@@ -117,6 +118,19 @@ class FederationConfig:
         need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
+        if self.eval_every > 0:                                 # the held-out sets must exist: fail now, not mid-run
+            try:
+                self.eval_sets()
+            except ValueError as e:
+                raise ValueError(f"eval-size={self.eval_size} / eval-ood-size={self.eval_ood_size} with "
+                                 f"task-families={','.join(self.task.families)}: {e}") from None
+
+    def eval_sets(self) -> dict:
+        """The held-out sets every participant evaluates on: ID = the families trained on."""
+        from .tasks.suite import eval_sets
+
+        return eval_sets(self.eval_size, seed=self.task.seed, id_families=self.task.families,
+                         n_ood=self.eval_ood_size or None)
 
     @property
     def sampling(self) -> SamplingParams:

@@ -27,7 +27,6 @@ from .policies import build_policy
 from .rewards import Verifier
 from .reverify import reverify
 from .signing import ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch
-from .tasks.suite import eval_sets
 from .training import samples_from_batches
 from .wire import WireOptions
 
@@ -198,7 +197,7 @@ class Participant:
     def evaluate(self, round: int) -> dict[str, float]:
         self._fault("evaluate", round)
         t0 = time.perf_counter()
-        sets = eval_sets(self.fed.eval_size, seed=self.fed.task.seed, n_ood=self.fed.eval_ood_size or None)
+        sets = self.fed.eval_sets()
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)
         out["eval/seconds"] = time.perf_counter() - t0
         return out

@@ -134,3 +134,13 @@ def test_run_config_layers_later_wins_and_unknown_keys_are_named(tmp_path):
         expand_run_config(ROOT, [str(f)])
     with pytest.raises(FileNotFoundError, match="presets: .*quick"):
         expand_run_config(ROOT, [], preset="nope")
+
+
+def test_evaluation_follows_the_trained_families_and_too_large_sets_fail_at_start():
+    fed = federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 8})
+    sets = fed.eval_sets()
+    assert len(sets["id"]) == 8 and all(p.task_id.startswith("add1") for p in sets["id"])
+    assert len(sets["mul15"]) == fed.eval_ood_size
+    with pytest.raises(ValueError, match=r"eval-size=64 .*task-families=add1.*only 22 distinct"):
+        federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 64})
+    federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 64, "eval-every": 0})
