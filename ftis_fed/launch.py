@@ -70,16 +70,19 @@ def parse_overrides(items: list[str]) -> dict:
     return dict(parse_config_args(items)) if items else {}
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        if '"' in v:
-            raise ValueError(f"run-config value {v!r}: double quotes are not supported")
-        return f'"{v}"'
-    if isinstance(v, (int, float)):
-        return repr(v)
-    raise ValueError(f"run-config value {v!r}: must be a string, number or boolean")
+def run_config_items(overrides: dict) -> list[str]:
+    """dict -> ``key=value`` items for ``flwr run --run-config`` (TOML values via tomli_w, so strings
+    with backslashes survive; Flower's item parser cannot take a double quote inside a value)."""
+    import tomli_w
+
+    items = []
+    for k, v in overrides.items():
+        if not isinstance(v, (bool, int, float, str)):
+            raise ValueError(f"run-config {k}={v!r}: must be a string, number or boolean")
+        if isinstance(v, str) and '"' in v:
+            raise ValueError(f"run-config {k}={v!r}: double quotes are not supported")
+        items.append(f"{k}={tomli_w.dumps({'v': v}).split('=', 1)[1].strip()}")
+    return items
 
 
 def preset_path(app: Path, preset: str) -> Path:
@@ -91,21 +94,26 @@ def preset_path(app: Path, preset: str) -> Path:
     return path
 
 
-def expand_run_config(app: Path, items: list[str], preset: str | None = None) -> list[str]:
-    """A preset and ``--run-config`` items (key=value strings or .toml files) -> key=value items, the
-    later winning, every key checked against the app's ``[tool.flwr.app.config]``."""
+def layered_overrides(app: Path, items: list[str], preset: str | None = None) -> dict:
+    """A preset, then ``--run-config`` items (key=value strings or .toml files), the later winning;
+    every key checked against the app's ``[tool.flwr.app.config]``."""
     known = merged_run_config(app, {})
-    layers = [tomllib.loads(preset_path(app, preset).read_text())] if preset else []
-    for item in items:
-        layers.append(tomllib.loads(Path(item).read_text()) if item.endswith(".toml") else parse_overrides([item]))
+    layers = [(preset, tomllib.loads(preset_path(app, preset).read_text()))] if preset else []
+    layers += [(item, tomllib.loads(Path(item).read_text()) if item.endswith(".toml") else parse_overrides([item]))
+               for item in items]
     merged: dict = {}
-    for source, layer in zip(([preset] if preset else []) + list(items), layers):
-        for k, v in layer.items():
-            if k not in known:
-                raise ValueError(f"run-config key {k!r} (from {source}) is not a key of [tool.flwr.app.config]; "
-                                 "see docs/configuration.md")
-            merged[k] = v
-    return [f"{k}={_toml_value(v)}" for k, v in merged.items()]
+    for source, layer in layers:
+        unknown = [k for k in layer if k not in known]
+        if unknown:
+            raise ValueError(f"run-config key {unknown[0]!r} (from {source}) is not a key of "
+                             "[tool.flwr.app.config]; see docs/configuration.md")
+        merged.update(layer)
+    return merged
+
+
+def expand_run_config(app: Path, items: list[str], preset: str | None = None) -> list[str]:
+    """``layered_overrides`` as ``key=value`` items for ``flwr run``."""
+    return run_config_items(layered_overrides(app, items, preset))
 
 
 def merged_run_config(app: Path, overrides: dict) -> dict:
@@ -161,7 +169,7 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
              preset: str | None = None) -> int:
     """Run the federation; returns 0 when the run finished:completed."""
     app = Path(app).resolve()
-    run_config = expand_run_config(app, list(run_config or []), preset)
+    overrides = layered_overrides(app, list(run_config or []), preset)
     flower = load_flower_toml(app)
     connection = connection or flower["superlink"]["default"]
     conn = flower["superlink"].get(connection)
@@ -178,10 +186,9 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     env = {**os.environ, "PATH": path, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_DISABLE_UPDATE_CHECK": "1",
            "PYTHONUNBUFFERED": "1"}                   # progress lines reach a redirected log as they come
-    overrides = parse_overrides(run_config or [])
     cfg = merged_run_config(app, overrides)
-    out = Path(str(cfg.get("output-dir", "outputs/default")))
-    extra = [f'output-dir="{out.resolve()}"'] if not out.is_absolute() else []
+    out = Path(str(cfg.get("output-dir", "outputs/default"))).resolve()  # relative: to this directory
+    overrides["output-dir"] = str(out)
     n = len(participant_names(cfg))
     if n == 0:
         raise ValueError("no participants: set p0-model (and p1-model, ...) in the run config")
@@ -192,7 +199,7 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     try:
         cmd = [_flwr_bin("flwr"), "run", str(app), connection, "--format", "json",
                "--federation-config", f"num-supernodes={n} init-args-num-cpus={n} client-resources-num-cpus=1"]
-        for item in (run_config or []) + extra:
+        for item in run_config_items(overrides):
             cmd += ["--run-config", item]
         print("[ftis-fed] " + " ".join(cmd), flush=True)
         started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -201,7 +208,7 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
         except (json.JSONDecodeError, KeyError):
             print(started.stdout + started.stderr, file=sys.stderr)
             return 2
-        print(f"[ftis-fed] run {run_id}: {n} participants, results in {out.resolve()}", flush=True)
+        print(f"[ftis-fed] run {run_id}: {n} participants, results in {out}", flush=True)
         if stream:
             subprocess.run([_flwr_bin("flwr"), "log", run_id, connection, "--stream"], env=env)
         while True:

@@ -392,7 +392,8 @@ def run_cli(a: argparse.Namespace) -> int:
         model=a.model, prompts=a.prompts, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
         temperature=a.temperature, dtype=a.dtype, micro_batch=a.micro_batch, logit_chunk=a.logit_chunk,
         mode=a.mode, lr=a.lr, repeats=a.repeats, warmup=a.warmup, steps=a.steps, threads=a.threads, seed=a.seed,
-        grad_checkpointing=a.grad_checkpointing, trl_gradient_checkpointing=a.trl_gradient_checkpointing, memory_sweep=a.memory_sweep,
+        grad_checkpointing=a.grad_checkpointing, trl_gradient_checkpointing=a.trl_gradient_checkpointing,
+        memory_sweep=a.memory_sweep,
         sides=tuple(s for s in a.sides.split(",") if s), log=log)), flush=True)
     return 0
 
