@@ -46,10 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _bench(sub)
     _eval(sub)
-    from . import launch, signing
+    from . import grid, launch, signing
 
     signing.add_cli(sub)
     launch.add_cli(sub)
+    grid.add_cli(sub)
     return parser
 
 

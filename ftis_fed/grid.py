@@ -1,0 +1,414 @@
+"""``ftis-fed grid``: the paper's comparison — every method × advantage grouping × seed — through
+``flwr run``, resumable, with a summary computed from the cells' own metrics files.
+
+One *cell* is one federation run (``ftis-fed sim``) of a preset with ``loss-mode``,
+``advantage-groups`` and ``seed`` set; everything else (prompts, budgets, evaluation sets) is the
+preset's, identical across cells. Cells live in ``<out>/cells/<cell>/`` (the run's output folder,
+its ``run.log`` and, once the run completed, ``done.json``). A finished cell is skipped when the
+command is run again; an interrupted one is moved aside and rerun from scratch.
+
+    ftis-fed grid --preset grid-small --modes alone,noIS,VIS,TIS,F-noIS,F-VIS,F-TIS --seeds 3
+
+Outputs in ``<out>`` (default ``outputs/grid-<preset>``):
+
+- ``cells.csv``: one row per cell × participant: final held-out ID / OOD pass@1 and their sizes;
+- ``summary.csv`` / ``summary.md``: mean ± sd over seeds per method × grouping × participant, and
+  paired differences (same seeds) between the reference method (F-TIS) and every other;
+- ``final_accuracy.png`` (bars with sd) and ``curves.png`` (held-out ID pass@1 and own reward by
+  round, mean over seeds, one panel per participant).
+
+Noise: a pass@1 measured on ``n`` prompts has a binomial standard error ``sqrt(p (1 - p) / n)``;
+``min_eval_size`` gives the ``n`` at which a difference ``delta`` between two methods is
+``z`` standard errors apart (independent sets; the same prompts for both methods — as here — make
+the paired difference's error smaller, so this is conservative). ``summary.md`` states the standard
+error that the cells' evaluation sizes give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+MODES = ("alone", "noIS", "VIS", "TIS", "F-noIS", "F-VIS", "F-TIS")
+REFERENCE = "F-TIS"
+METRICS = ("eval/id/accuracy", "eval/ood/accuracy")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: a method (``loss-mode``), an advantage grouping and a seed."""
+
+    mode: str
+    groups: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}__{self.groups}__s{self.seed}"
+
+    @property
+    def method(self) -> str:
+        """The method as tables show it: the mode, suffixed ``/h`` for horizontal groups."""
+        return self.mode if self.groups == "vertical" else f"{self.mode}/h"
+
+    def run_config(self, out_dir: Path) -> dict:
+        return {"loss-mode": self.mode, "advantage-groups": self.groups, "seed": self.seed,
+                "output-dir": str(out_dir)}
+
+
+def plan(modes: Sequence[str], seeds: int, groups: Sequence[str] = ("vertical",),
+         horizontal_modes: Sequence[str] | None = None) -> list[Cell]:
+    """The cells in run order: seed-major, so an interrupted grid has whole seeds to compare.
+
+    horizontal_modes: the modes also run with ``advantage-groups=horizontal`` when ``groups``
+    includes it (default: all of ``modes``).
+    """
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"--modes: {bad[0]!r} is not a loss mode (one of {', '.join(MODES)})")
+    if seeds < 1:
+        raise ValueError(f"--seeds={seeds}: must be >= 1")
+    for g in groups:
+        if g not in ("vertical", "horizontal"):
+            raise ValueError(f"--groups: {g!r} must be vertical or horizontal")
+    hmodes = set(modes if horizontal_modes is None else horizontal_modes)
+    cells = []
+    for s in range(seeds):
+        for g in groups:
+            for m in modes:
+                if g == "horizontal" and m not in hmodes:
+                    continue
+                cells.append(Cell(m, g, s))
+    return cells
+
+
+def min_eval_size(delta: float, p: float = 0.5, z: float = 2.0) -> int:
+    """Prompts per evaluation set so that two independent pass@1 estimates that differ by ``delta``
+    are ``z`` standard errors of their difference apart: ``n = 2 p (1 - p) (z / delta)^2``."""
+    if not 0 < delta < 1 or not 0 < p < 1:
+        raise ValueError(f"delta={delta}, p={p}: both must lie in (0, 1)")
+    return math.ceil(2 * p * (1 - p) * (z / delta) ** 2)
+
+
+# ----------------------------------------------------------------------------- running
+
+Runner = Callable[[Cell, Path, Path], int]
+"""runner(cell, cell_dir, log_path) -> exit status (0 = the run completed)."""
+
+
+def sim_runner(app: Path, preset: str, extra: Sequence[str] = ()) -> Runner:
+    """The product path: ``ftis-fed sim --preset <preset> --run-config ...`` in a subprocess, its
+    output going to the cell's ``run.log``."""
+
+    def run(cell: Cell, cell_dir: Path, log_path: Path) -> int:
+        items = [f"{k}={json.dumps(v)}" for k, v in cell.run_config(cell_dir / "run").items()]
+        cmd = [sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(app), "--preset", preset]
+        for item in [*extra, *items]:
+            cmd += ["--run-config", item]
+        with open(log_path, "ab") as log:
+            log.write(("+ " + " ".join(cmd) + "\n").encode())
+            log.flush()
+            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=app,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+
+    return run
+
+
+def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[str], None] = print,
+             clock: Callable[[], float] = time.monotonic) -> list[Cell]:
+    """Run every cell that has no ``done.json``; returns the cells that failed. Progress: cell k of
+    n, elapsed, and an estimate of the rest from the mean time of the cells run so far."""
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [c for c in cells if not (out / "cells" / c.name / "done.json").exists()]
+    if len(todo) < len(cells):
+        echo(f"[grid] {len(cells) - len(todo)} of {len(cells)} cells already done: skipped")
+    t0, failed = clock(), []
+    for k, cell in enumerate(todo, 1):
+        cell_dir = out / "cells" / cell.name
+        if cell_dir.exists():                            # interrupted earlier: keep it aside, rerun
+            aside = cell_dir.with_name(f"{cell.name}.interrupted-{int(time.time())}")
+            cell_dir.rename(aside)
+            echo(f"[grid] {cell.name}: an unfinished earlier attempt moved to {aside.name}")
+        cell_dir.mkdir(parents=True)
+        elapsed = clock() - t0
+        eta = f", about {elapsed / (k - 1) * (len(todo) - k + 1) / 60:.0f} min left" if k > 1 else ""
+        echo(f"[grid] cell {k}/{len(todo)} {cell.name} (elapsed {elapsed / 60:.1f} min{eta})")
+        c0 = clock()
+        status = runner(cell, cell_dir, cell_dir / "run.log")
+        seconds = clock() - c0
+        rows = read_rows(cell_dir / "run" / "metrics.jsonl")
+        if status != 0 or not final_eval(rows):
+            failed.append(cell)
+            echo(f"[grid] {cell.name}: FAILED (exit {status}, {len(rows)} metric rows); see {cell_dir / 'run.log'}")
+            continue
+        (cell_dir / "done.json").write_text(json.dumps({"cell": cell.name, "seconds": seconds, "status": status}))
+        echo(f"[grid] {cell.name}: done in {seconds / 60:.1f} min")
+    return failed
+
+
+# ----------------------------------------------------------------------------- summarising
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def final_eval(rows: Iterable[dict]) -> dict[str, dict]:
+    """participant -> its evaluation row of the last evaluated round."""
+    last: dict[str, dict] = {}
+    for r in rows:
+        if r.get("phase") == "eval" and not str(r.get("participant", "")).startswith("_"):
+            p = r["participant"]
+            if p not in last or int(r["round"]) >= int(last[p]["round"]):
+                last[p] = r
+    return last
+
+
+def cell_results(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """One row per finished cell × participant: the final held-out accuracies, read from the cell's
+    metrics.jsonl (nothing is typed in)."""
+    table = []
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        for p, r in sorted(final_eval(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")).items()):
+            row = {"cell": c.name, "method": c.method, "mode": c.mode, "groups": c.groups, "seed": c.seed,
+                   "participant": p, "round": int(r["round"])}
+            for m in METRICS:
+                row[m] = _num(r.get(m))
+            row["eval/id/n"] = _num(r.get("eval/id/n"))
+            table.append(row)
+    return table
+
+
+def _num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarize(results: Sequence[dict], reference: str = REFERENCE) -> tuple[list[dict], list[dict]]:
+    """(per method × participant: mean ± sd over seeds of each metric;
+        per method × participant: paired difference reference − method over the seeds both have)."""
+    by = defaultdict(dict)                               # (method, participant) -> seed -> row
+    for r in results:
+        by[(r["method"], r["participant"])][r["seed"]] = r
+    summary = []
+    for (method, p), seeds in sorted(by.items()):
+        row = {"method": method, "participant": p, "seeds": len(seeds)}
+        for m in METRICS:
+            row[m + ":mean"], row[m + ":sd"] = _mean_sd([s[m] for s in seeds.values()])
+        summary.append(row)
+    paired = []
+    for (method, p), seeds in sorted(by.items()):
+        ref_method = reference + ("/h" if method.endswith("/h") else "")
+        ref = by.get((ref_method, p))
+        if ref is None or method == ref_method:
+            continue
+        common = sorted(set(seeds) & set(ref))
+        if not common:
+            continue
+        row = {"method": method, "reference": ref_method, "participant": p, "seeds": len(common)}
+        for m in METRICS:
+            diffs = [ref[s][m] - seeds[s][m] for s in common]
+            row[m + ":diff_mean"], row[m + ":diff_sd"] = _mean_sd(diffs)
+            row[m + ":ref_wins"] = sum(d > 0 for d in diffs if math.isfinite(d))
+            row[m + ":ref_losses"] = sum(d < 0 for d in diffs if math.isfinite(d))
+        paired.append(row)
+    return summary, paired
+
+
+def _write_csv(path: Path, rows: Sequence[dict]) -> None:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _pm(mean: float, sd: float) -> str:
+    return "–" if not math.isfinite(mean) else f"{mean:.3f} ± {sd:.3f}"
+
+
+def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
+                     title: str) -> str:
+    ns = sorted({int(r["eval/id/n"]) for r in results if math.isfinite(r["eval/id/n"])})
+    lines = [f"# {title}", "", f"{len({r['cell'] for r in results})} finished cells; "
+             f"final held-out greedy pass@1, mean ± sd over seeds.", ""]
+    if ns:
+        se = math.sqrt(0.25 / ns[0])
+        lines += [f"ID evaluation set: {', '.join(map(str, ns))} prompts: one cell's standard error is at most "
+                  f"{se:.3f} (p = 0.5); a 5-point difference between two methods needs "
+                  f"{min_eval_size(0.05)} prompts per set to be 2 standard errors apart in a single pair of "
+                  "cells — averaging over seeds and reading paired differences narrows it.", ""]
+    participants = sorted({r["participant"] for r in summary})
+    methods = list(dict.fromkeys(r["method"] for r in sorted(summary, key=lambda r: _method_order(r["method"]))))
+    for m in METRICS:
+        lines += [f"## {m}", "", "| method | " + " | ".join(participants) + " |",
+                  "|---|" + "---|" * len(participants)]
+        cell = {(r["method"], r["participant"]): r for r in summary}
+        for meth in methods:
+            vals = [_pm(cell[(meth, p)][m + ":mean"], cell[(meth, p)][m + ":sd"]) if (meth, p) in cell else "–"
+                    for p in participants]
+            lines.append(f"| {meth} | " + " | ".join(vals) + " |")
+        lines.append("")
+    if paired:
+        lines += ["## Paired differences (reference − method, same seeds)", "",
+                  "| method | participant | seeds | ID diff | ID wins/losses | OOD diff | OOD wins/losses |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in sorted(paired, key=lambda r: (_method_order(r["method"]), r["participant"])):
+            lines.append(f"| {r['reference']} − {r['method']} | {r['participant']} | {r['seeds']} | "
+                         f"{_pm(r['eval/id/accuracy:diff_mean'], r['eval/id/accuracy:diff_sd'])} | "
+                         f"{r['eval/id/accuracy:ref_wins']}/{r['eval/id/accuracy:ref_losses']} | "
+                         f"{_pm(r['eval/ood/accuracy:diff_mean'], r['eval/ood/accuracy:diff_sd'])} | "
+                         f"{r['eval/ood/accuracy:ref_wins']}/{r['eval/ood/accuracy:ref_losses']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _method_order(method: str) -> tuple[int, str]:
+    base = method.removesuffix("/h")
+    return (MODES.index(base) if base in MODES else len(MODES), method)
+
+
+def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    participants = sorted({r["participant"] for r in summary})
+    methods = list(dict.fromkeys(r["method"] for r in sorted(summary, key=lambda r: _method_order(r["method"]))))
+    if participants:
+        fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 3.8), squeeze=False)
+        cell = {(r["method"], r["participant"]): r for r in summary}
+        width = 0.8 / max(1, len(methods))
+        for ax, m in zip(axes[0], METRICS):
+            for j, meth in enumerate(methods):
+                xs = [i + j * width for i in range(len(participants))]
+                ys = [cell.get((meth, p), {}).get(m + ":mean", float("nan")) for p in participants]
+                es = [cell.get((meth, p), {}).get(m + ":sd", 0.0) for p in participants]
+                ax.bar(xs, ys, width, yerr=es, capsize=2, label=meth)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(participants))], participants, fontsize=8)
+            ax.set_ylabel(m.replace("eval/", "").replace("/accuracy", " pass@1"))
+            ax.grid(alpha=0.3, axis="y")
+        axes[0][0].legend(fontsize=7, ncol=2)
+        fig.suptitle("Final held-out accuracy (mean ± sd over seeds)")
+        fig.tight_layout()
+        fig.savefig(out / "final_accuracy.png", dpi=110)
+        plt.close(fig)
+        written.append(out / "final_accuracy.png")
+    curves = _curves(cells, out)
+    if curves:
+        keys = ("eval/id/accuracy", "reward/mean")
+        fig, axes = plt.subplots(len(keys), len(participants) or 1, figsize=(4 * max(1, len(participants)), 6.5),
+                                 squeeze=False)
+        for i, key in enumerate(keys):
+            for j, p in enumerate(participants):
+                ax = axes[i][j]
+                for meth in methods:
+                    pts = curves.get((meth, p, key))
+                    if pts:
+                        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=meth)
+                ax.set_title(p, fontsize=9)
+                ax.set_xlabel("round")
+                ax.set_ylabel(key)
+                ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle("Learning curves (mean over seeds)")
+        fig.tight_layout()
+        fig.savefig(out / "curves.png", dpi=110)
+        plt.close(fig)
+        written.append(out / "curves.png")
+    return written
+
+
+def _curves(cells: Sequence[Cell], out: Path) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+    acc: dict[tuple[str, str, str, int], list[float]] = defaultdict(list)
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        for r in read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"):
+            if str(r.get("participant", "")).startswith("_"):
+                continue
+            for key in ("eval/id/accuracy", "reward/mean"):
+                v = _num(r.get(key))
+                if math.isfinite(v):
+                    acc[(c.method, r["participant"], key, int(r["round"]))].append(v)
+    curves: dict[tuple[str, str, str], list[tuple[int, float]]] = defaultdict(list)
+    for (meth, p, key, rnd), vs in sorted(acc.items()):
+        curves[(meth, p, key)].append((rnd, statistics.fmean(vs)))
+    return curves
+
+
+def write_summary(cells: Sequence[Cell], out: Path, title: str) -> dict:
+    """cells.csv, summary.csv, summary.md and the figures, all from the cells' metrics files."""
+    results = cell_results(cells, out)
+    summary, paired = summarize(results)
+    _write_csv(out / "cells.csv", results)
+    _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd"} for r in summary] +
+               [{**r, "kind": "paired_diff"} for r in paired])
+    (out / "summary.md").write_text(summary_markdown(summary, paired, results, title))
+    plot(summary, cells, out)
+    return {"results": results, "summary": summary, "paired": paired}
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def main(a: argparse.Namespace) -> int:
+    app = Path(a.app).resolve()
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    groups = [g.strip() for g in a.groups.split(",") if g.strip()]
+    hmodes = [m.strip() for m in a.horizontal_modes.split(",") if m.strip()] if a.horizontal_modes else None
+    cells = plan(modes, a.seeds, groups, hmodes)
+    out = Path(a.out or f"outputs/grid-{Path(a.preset).stem}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "grid.json").write_text(json.dumps({"preset": a.preset, "modes": modes, "groups": groups,
+                                               "seeds": a.seeds, "run_config": a.run_config,
+                                               "cells": [c.name for c in cells]}, indent=1))
+    print(f"[grid] {len(cells)} cells ({len(modes)} modes × {len(groups)} groupings × {a.seeds} seeds) "
+          f"of preset {a.preset} -> {out}", flush=True)
+    failed = [] if a.summary_only else run_grid(cells, out, sim_runner(app, a.preset, a.run_config),
+                                                echo=lambda s: print(s, flush=True))
+    write_summary(cells, out, f"Grid: preset {a.preset}")
+    print(f"[grid] summary: {out / 'summary.md'} (+ summary.csv, cells.csv, final_accuracy.png, curves.png)")
+    if failed:
+        print(f"[grid] {len(failed)} cells failed: {', '.join(c.name for c in failed)}; run the same command "
+              "again to retry them", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("grid", help="every method x seed of a preset through flwr run; resumable; summary + plots")
+    p.add_argument("--preset", required=True, help="NAME of sims/presets/NAME.toml, or a .toml path")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated loss modes (default: all of {MODES})")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1 (the run config's seed key)")
+    p.add_argument("--groups", default="vertical", help="advantage groupings: vertical, horizontal or both")
+    p.add_argument("--horizontal-modes", default="", help="modes also run horizontally (default: all)")
+    p.add_argument("--run-config", action="append", default=[], help="extra key=value items for every cell")
+    p.add_argument("--out", default=None, help="output folder (default outputs/grid-<preset>)")
+    p.add_argument("--app", default=".", help="the Flower app folder (default: .)")
+    p.add_argument("--summary-only", action="store_true", help="only (re)write the summary of finished cells")
+    p.set_defaults(func=main)

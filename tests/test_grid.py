@@ -1,0 +1,116 @@
+"""The experiment grid: cells planned, run, resumed and summarised from their own metrics files."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from ftis_fed import grid
+from ftis_fed.grid import Cell, plan, run_grid, write_summary
+
+
+def _accuracy(cell: Cell, participant: str) -> tuple[float, float]:
+    """A distinct, non-trivial accuracy per cell and participant (what a run would have measured)."""
+    base = {"alone": 0.30, "noIS": 0.20, "F-TIS": 0.40}[cell.mode] + 0.01 * cell.seed
+    off = 0.05 if participant == "b" else 0.0
+    return round(base + off, 4), round(base / 2 + off, 4)
+
+
+def fake_runner(calls: list, fail: set = frozenset()):
+    """Writes what a finished ``ftis-fed sim`` writes: metrics.jsonl with train and eval rows."""
+
+    def run(cell: Cell, cell_dir, log_path):
+        calls.append(cell.name)
+        log_path.write_text("fake run\n")
+        if cell.name in fail:
+            return 1
+        run_dir = cell_dir / "run"
+        run_dir.mkdir(parents=True)
+        rows = []
+        for p in ("a", "b"):
+            rows.append({"round": 0, "participant": p, "phase": "eval", "eval/id/accuracy": 0.1,
+                         "eval/ood/accuracy": 0.1, "eval/id/n": 24.0})
+            for rnd in (1, 2):
+                rows.append({"round": rnd, "participant": p, "phase": "train", "reward/mean": 0.1 * rnd})
+            idacc, oodacc = _accuracy(cell, p)
+            rows.append({"round": 2, "participant": p, "phase": "eval", "eval/id/accuracy": idacc,
+                         "eval/ood/accuracy": oodacc, "eval/id/n": 24.0})
+        rows.append({"round": 2, "participant": "_federation", "phase": "train", "fed/replies": 2.0})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0
+
+    return run
+
+
+def test_plan_is_seed_major_and_checks_names():
+    cells = plan(["alone", "F-TIS"], 2, ["vertical", "horizontal"], horizontal_modes=["F-TIS"])
+    assert [c.name for c in cells] == ["alone__vertical__s0", "F-TIS__vertical__s0", "F-TIS__horizontal__s0",
+                                       "alone__vertical__s1", "F-TIS__vertical__s1", "F-TIS__horizontal__s1"]
+    assert cells[2].method == "F-TIS/h"
+    with pytest.raises(ValueError, match="--modes: 'FTIS'"):
+        plan(["FTIS"], 1)
+    with pytest.raises(ValueError, match="--seeds=0"):
+        plan(["alone"], 0)
+
+
+def test_grid_resumes_and_reruns_only_unfinished_cells(tmp_path):
+    cells = plan(["alone", "noIS", "F-TIS"], 2)
+    calls: list = []
+    failed = run_grid(cells, tmp_path, fake_runner(calls, fail={"noIS__vertical__s1"}), echo=lambda s: None)
+    assert [c.name for c in failed] == ["noIS__vertical__s1"]
+    assert len(calls) == 6
+    # an interrupted cell: folder there, no done.json
+    (tmp_path / "cells" / "F-TIS__vertical__s1" / "done.json").unlink()
+    calls.clear()
+    msgs: list = []
+    failed = run_grid(cells, tmp_path, fake_runner(calls), echo=msgs.append)
+    assert failed == []
+    assert calls == ["noIS__vertical__s1", "F-TIS__vertical__s1"]          # the finished ones skipped
+    assert any("4 of 6 cells already done" in m for m in msgs)
+    assert list(tmp_path.glob("cells/F-TIS__vertical__s1.interrupted-*"))  # old attempt kept aside
+    calls.clear()
+    run_grid(cells, tmp_path, fake_runner(calls), echo=lambda s: None)
+    assert calls == []
+
+
+def test_summary_is_computed_from_the_metrics_files(tmp_path):
+    cells = plan(["alone", "noIS", "F-TIS"], 3)
+    run_grid(cells, tmp_path, fake_runner([]), echo=lambda s: None)
+    out = write_summary(cells, tmp_path, "test grid")
+    summary = {(r["method"], r["participant"]): r for r in out["summary"]}
+    for mode in ("alone", "noIS", "F-TIS"):
+        for p in ("a", "b"):
+            ids = [_accuracy(Cell(mode, "vertical", s), p)[0] for s in range(3)]
+            row = summary[(mode, p)]
+            assert row["seeds"] == 3
+            assert row["eval/id/accuracy:mean"] == pytest.approx(statistics.fmean(ids))
+            assert row["eval/id/accuracy:sd"] == pytest.approx(statistics.stdev(ids))
+    paired = {(r["method"], r["participant"]): r for r in out["paired"]}
+    assert set(paired) == {("alone", "a"), ("alone", "b"), ("noIS", "a"), ("noIS", "b")}
+    assert paired[("noIS", "a")]["eval/id/accuracy:diff_mean"] == pytest.approx(0.20)
+    assert paired[("noIS", "a")]["eval/id/accuracy:ref_wins"] == 3
+    # changing one cell's file changes the summary: nothing is typed in
+    f = tmp_path / "cells" / "alone__vertical__s0" / "run" / "metrics.jsonl"
+    rows = [json.loads(x) for x in f.read_text().splitlines()]
+    for r in rows:
+        if r["phase"] == "eval" and r["round"] == 2 and r["participant"] == "a":
+            r["eval/id/accuracy"] = 0.9
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out2 = write_summary(cells, tmp_path, "test grid")
+    row = {(r["method"], r["participant"]): r for r in out2["summary"]}[("alone", "a")]
+    assert row["eval/id/accuracy:mean"] == pytest.approx(statistics.fmean([0.9, 0.31, 0.32]))
+    md = (tmp_path / "summary.md").read_text()
+    assert "F-TIS − noIS" in md and "| F-TIS |" in md
+    assert (tmp_path / "summary.csv").exists() and (tmp_path / "cells.csv").exists()
+    assert (tmp_path / "final_accuracy.png").stat().st_size > 1000
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_min_eval_size():
+    n = grid.min_eval_size(0.05)
+    assert n == 800
+    se = math.sqrt(2 * 0.25 / n)
+    assert 0.05 / se == pytest.approx(2.0, rel=0.01)
