@@ -100,8 +100,8 @@ class Inbox:
     """Verify, check and decode frames from the run's participants, counting rejections.
 
     State beyond the replay guard: ``frames_seen`` (signed, fresh frames per (sender, round), for the
-    per-round budget) and ``quarantined`` (senders whose frames are refused for the rest of the run;
-    ``receive.py`` decides who).
+    per-round budget), ``strikes`` (per sender, signed batches that disagreed) and ``quarantined``
+    (senders whose frames are refused for the rest of the run; ``receive.py`` decides who).
     """
 
     def __init__(self, keys: Mapping[str, Ed25519PublicKey], config: InboxConfig = InboxConfig(),
@@ -112,6 +112,7 @@ class Inbox:
         self.counts: Counter[str] = Counter()        # cumulative: "accepted", "rejected/<reason>"
         self.frames_seen: Counter[tuple[str, int]] = Counter()
         self.quarantined: set[str] = set()
+        self.strikes: Counter[str] = Counter()       # signed batches per sender that disagreed (receive.py)
 
     def accept(self, frame: bytes | None, expected_round: int | None = None,
                bounds: ReceiveBounds | None = None) -> Accepted:
