@@ -14,6 +14,9 @@ Pieces, bottom up:
 - rules: a :class:`RewardRule` per task family (which extractors, which format check, whether the
   format is required); :class:`Verifier` maps a task id's family prefix (``add30/train/0/17`` ->
   ``add30``) to its rule.
+- bounded work: whatever a peer sends, extraction is linear-time (``extract_boxed`` is one pass)
+  and comparison recursion-free with hard limits (``MAX_ANSWER_CHARS``, ``MAX_NUMBER_CHARS``,
+  ``MAX_NESTING``).
 - TRL: ``accuracy_reward`` / ``format_reward`` have TRL's reward-function signature
   ``fn(prompts, completions, **kwargs) -> list[float]``; a rule may wrap any such function
   (``RewardRule(fn=...)``), and ``Verifier.as_trl_reward()`` turns a verifier into one.
