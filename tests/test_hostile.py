@@ -389,3 +389,42 @@ def test_a_failing_peer_batch_leaves_the_others_trained_on(policy, tmp_path):
     assert metrics["trust/bob/accepted"] == 1 and metrics["offpolicy/accepted"] == 1
     assert metrics["train/peer_samples"] == 8 and metrics["offpolicy/bob/samples"] == 8
     assert np.isfinite(metrics["train/loss"])
+
+
+# ----------------------------------------------------------------------------- the pieces on their own
+
+def test_task_ids_resolve_to_the_receivers_own_tasks():
+    from ftis_fed.tasks import TaskRefused, TaskResolver
+    from ftis_fed.tasks.benchmarks import load_gsm8k
+
+    r = TaskResolver(("add30", "sub30"), 0)
+    assert r.resolve("add30/train/0/0") == task_at("add30", "train", 0, 0)
+    for tid, reason in [("add30/eval/0/0", "eval_task"), ("word_add/train/0/0", "eval_task"),
+                        ("math500/test/precalculus/1.json", "eval_task"), ("gsm8k/test/0", "eval_task"),
+                        ("gsm8k/train/0", "unknown_task"), ("add30/train/0/007", "unknown_task"),
+                        ("add30/train/0/-1", "unknown_task"), ("add30/train/0/" + "9" * 19, "unknown_task"),
+                        ("add30/dev/0/0", "unknown_task"), ("add30/train/0", "unknown_task"),
+                        ("nope/train/0/0", "unknown_task"), ("x" * 200, "unknown_task")]:
+        with pytest.raises(TaskRefused) as e:
+            r.resolve(tid)
+        assert e.value.reason == reason, tid
+    # GSM8K train items: only those the receiver loaded itself, and then its own copy
+    from pathlib import Path
+    known = {p.task_id: p for p in load_gsm8k(Path(__file__).parent / "fixtures" / "gsm8k", "train")}
+    assert TaskResolver(("add30",), 0, known).resolve("gsm8k/train/0") == known["gsm8k/train/0"]
+    with pytest.raises(TaskRefused) as e:
+        TaskResolver(("add30",), 0, known).resolve("gsm8k/test/0")
+    assert e.value.reason == "eval_task"
+
+
+def test_bounds_come_from_the_run_config_not_the_header():
+    from ftis_fed.bounds import ReceiveBounds
+
+    b = ReceiveBounds.from_run(FED, 49152)
+    assert (b.vocab_size, b.max_new_tokens, b.max_groups, b.max_group_size) == (49152, 32, 2, 4)
+    assert b.max_completion_tokens == 2 * 4 * 32 and b.max_text_chars == 32 * 32 and b.sampling == FED.sampling
+    limits = b.wire_limits()
+    assert limits.max_groups == 2 and limits.max_completions == 8 and limits.max_tokens == 256
+    assert limits.max_raw_bytes == b.max_raw_bytes < limits.max_frame_bytes < 1 << 20
+    with pytest.raises(ValueError, match="max_groups=0: must be >= 1"):
+        ReceiveBounds(vocab_size=None, max_new_tokens=1, max_groups=0, max_group_size=1, max_completion_tokens=1)
