@@ -24,9 +24,10 @@ DEFAULT_MAX_TOKENS = 1 << 20
 class BatchValidationError(ValueError):
     """A batch (or its encoding) broke a rule. ``reason`` is a short, stable counter key."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, sender: str | None = None):
         super().__init__(f"[{reason}] {message}")
         self.reason = reason
+        self.sender = sender        # set once the frame's signature held: whom the rejection is charged to
 
 
 def _fail(reason: str, message: str) -> None:
@@ -131,8 +132,19 @@ class CompletionBatch:
     def num_completion_tokens(self) -> int:
         return sum(g.num_completion_tokens for g in self.groups)
 
-    def validate(self, max_tokens: int = DEFAULT_MAX_TOKENS) -> "CompletionBatch":
-        """Check every field; raise BatchValidationError naming the first violation."""
+    def validate(self, max_tokens: int = DEFAULT_MAX_TOKENS, *, max_new_tokens: int | None = None,
+                 max_text_chars: int | None = None, max_prompt_chars: int | None = None,
+                 max_string_chars: int | None = None, max_prompt_tokens: int | None = None,
+                 max_group_size: int | None = None) -> "CompletionBatch":
+        """Check every field; raise BatchValidationError naming the first violation.
+
+        The keyword limits are a receiver's own (``bounds.ReceiveBounds``), applied on top of what the
+        batch declares: ``max_new_tokens`` caps every completion's length (the smaller of it and the
+        batch's ``sampling.max_new_tokens`` applies); ``max_text_chars`` / ``max_prompt_chars`` cap each
+        completion / prompt text (``text_too_long``); ``max_string_chars`` each task id and reference
+        (``too_large``); ``max_prompt_tokens`` each prompt and ``max_group_size`` each group's completions
+        (``too_large``). None: not checked.
+        """
         for name in ("sender", "run_id", "model_id", "tokenizer_fp"):
             v = getattr(self, name)
             if not isinstance(v, str) or not v:
@@ -152,8 +164,12 @@ class CompletionBatch:
         total = self.num_completion_tokens
         if total > max_tokens:
             _fail("too_large", f"batch has {total} completion tokens: limit {max_tokens}")
+        mnt = self.sampling.max_new_tokens if max_new_tokens is None else min(max_new_tokens,
+                                                                              self.sampling.max_new_tokens)
         for gi, g in enumerate(self.groups):
-            _validate_group(g, gi, self.vocab_size, self.sampling.max_new_tokens)
+            _validate_group(g, gi, self.vocab_size, mnt)
+            _validate_sizes(g, gi, max_text_chars, max_prompt_chars, max_string_chars, max_prompt_tokens,
+                            max_group_size)
         return self
 
 
@@ -190,7 +206,7 @@ def _validate_group(g: PromptGroup, gi: int, vocab_size: int, max_new_tokens: in
         _check_ids(ids, f"{where}.completion_ids[{i}]", vocab_size)
         if len(ids) > max_new_tokens:
             _fail("length_mismatch",
-                  f"{where}.completion_ids[{i}]: {len(ids)} tokens, limit sampling.max_new_tokens={max_new_tokens}")
+                  f"{where}.completion_ids[{i}]: {len(ids)} tokens, limit max_new_tokens={max_new_tokens}")
         if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype.kind != "f":
             _fail("missing_field", f"{where}.logprobs[{i}]: must be a 1-D float array")
         if lp.shape != ids.shape:
@@ -200,6 +216,28 @@ def _validate_group(g: PromptGroup, gi: int, vocab_size: int, max_new_tokens: in
                 _fail("nonfinite_logprob", f"{where}.logprobs[{i}]: NaN or inf (a sampled token has finite log-prob)")
             if float(lp.max()) > 0.0:
                 _fail("positive_logprob", f"{where}.logprobs[{i}]: max {float(lp.max()):.4g} > 0 (a log-probability is <= 0)")
+
+
+def _validate_sizes(g: PromptGroup, gi: int, max_text_chars: int | None, max_prompt_chars: int | None,
+                    max_string_chars: int | None, max_prompt_tokens: int | None,
+                    max_group_size: int | None) -> None:
+    where = f"groups[{gi}]"
+    if max_group_size is not None and g.size > max_group_size:
+        _fail("too_large", f"{where}: {g.size} completions, limit group-size={max_group_size}")
+    if max_string_chars is not None:
+        for name in ("task_id", "reference"):
+            n = len(getattr(g, name))
+            if n > max_string_chars:
+                _fail("too_large", f"{where}.{name} has {n} characters: limit {max_string_chars}")
+    if max_prompt_tokens is not None and g.prompt_ids.size > max_prompt_tokens:
+        _fail("too_large", f"{where}.prompt_ids: {g.prompt_ids.size} tokens, limit {max_prompt_tokens}")
+    if max_prompt_chars is not None and len(g.prompt_text) > max_prompt_chars:
+        _fail("text_too_long", f"{where}.prompt_text has {len(g.prompt_text)} characters: limit {max_prompt_chars}")
+    if max_text_chars is not None:
+        for i, t in enumerate(g.completion_texts):
+            if len(t) > max_text_chars:
+                _fail("text_too_long", f"{where}.completion_texts[{i}] has {len(t)} characters: limit "
+                                       f"{max_text_chars} (max-new-tokens x characters per token)")
 
 
 def make_group(

@@ -191,6 +191,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "reverify-max-disagreement": ("reverify", "max_disagreement"),
     "reverify-disagree-weight": ("reverify", "disagree_weight"),
     "reverify-on-unverifiable": ("reverify", "on_unverifiable"),
+    "reverify-quarantine-after": ("reverify", "quarantine_after"),
 }
 
 #: participant key -> PolicyConfig field (plus the ParticipantSpec keys handled apart).

@@ -1,38 +1,51 @@
 """What a receiver (or the relaying server) does with incoming signed frames.
 
-    frame -> verify (sender's key) -> run / round / replay check -> decode -> validate
-          -> tokenizer classification -> commit to the replay guard -> Accepted
+    frame -> header (sizes vs the frame limit) -> verify (sender's key) -> quarantine -> run
+          -> replay / round check -> frames-per-sender-per-round budget -> COMMIT the sequence number
+          -> declared sizes vs the receiver's bounds (before decompressing) -> decode -> validate
+          (receiver's max-new-tokens, text lengths, group size) -> sampling == the run's
+          -> tokenizer classification -> ids < the receiver's vocabulary (token level) -> Accepted
 
 Each step raises :class:`BatchValidationError` with a stable reason; the inbox counts every
 rejection per reason and ``accept_many`` never lets one bad frame stop a round or discard the good
-frames beside it. The replay check runs before decoding (cheap) but is committed only once the
-batch is accepted, so a rejected batch does not use up its sequence number.
+frames beside it. From the signature on, a rejection names its (authenticated) sender
+(``BatchValidationError.sender``) and the frame has used up its sequence number and its sender's
+frame budget for the round: a rejected frame cannot be resent, and a sender cannot make a receiver
+decode more than ``max_frames_per_sender`` frames per round.
+
+Bounds come from ``ReceiveBounds`` (the receiver's own run config and vocabulary) when given, in
+``InboxConfig.bounds`` or per ``accept`` call; without them (the relaying server) only the wire
+format's own limits and ``max_tokens`` apply.
 
 Reasons (``REASONS``): from the header and signature ``missing_field`` (no frame), ``undecodable``,
 ``unsupported_version``, ``too_large``, ``unknown_sender``, ``bad_signature``; from the run state
-``wrong_run``, ``wrong_round``, ``replay``; from the content (``CompletionBatch.validate``)
-``missing_field``, ``bad_header``, ``bad_sampling``, ``bad_ids``, ``id_out_of_range``,
-``length_mismatch``, ``bad_reward``, ``nonfinite_logprob``, ``positive_logprob``, ``too_large``;
-and ``wrong_tokenizer`` (a different tokenizer and no texts to re-tokenize).
+``quarantined``, ``wrong_run``, ``wrong_round``, ``replay``, ``too_many_frames``; from the content
+(``CompletionBatch.validate``) ``missing_field``, ``bad_header``, ``bad_sampling``, ``bad_ids``,
+``id_out_of_range``, ``length_mismatch``, ``bad_reward``, ``nonfinite_logprob``,
+``positive_logprob``, ``too_large``, ``text_too_long``; ``wrong_sampling`` (not the run's sampling
+distribution); and ``wrong_tokenizer`` (a different tokenizer and no texts to re-tokenize).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
+from .bounds import ReceiveBounds
 from .signing import ReplayGuard, verify_frame
-from .wire import WireLimits, decode_payload
+from .wire import WireHeader, WireLimits, check_header_limits, decode_payload
 
 REASONS = (
     "missing_field", "undecodable", "unsupported_version", "too_large", "unknown_sender",
-    "bad_signature", "wrong_run", "wrong_round", "replay", "bad_header", "bad_sampling", "bad_ids",
-    "id_out_of_range", "length_mismatch", "bad_reward", "nonfinite_logprob", "positive_logprob",
-    "wrong_tokenizer",
+    "bad_signature", "quarantined", "wrong_run", "wrong_round", "replay", "too_many_frames", "bad_header",
+    "bad_sampling", "bad_ids", "id_out_of_range", "length_mismatch", "bad_reward", "nonfinite_logprob",
+    "positive_logprob", "text_too_long", "wrong_sampling", "wrong_tokenizer",
 )
 
 
@@ -44,12 +57,14 @@ class InboxConfig:
     max_tokens: completion tokens per batch (``too_large`` above), also checked before decoding.
     limits: wire-format bounds for decoding (frame / payload bytes, counts).
     tokenizer_fp: the receiver's tokenizer fingerprint; None (the server) skips classification.
+    bounds: the receiver's own bounds (``ReceiveBounds.from_run``); None: only ``limits`` / ``max_tokens``.
     """
 
     run_id: str | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     limits: WireLimits = field(default_factory=WireLimits)
     tokenizer_fp: str | None = None
+    bounds: ReceiveBounds | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +97,12 @@ def token_level_usable(batch: CompletionBatch, receiver_fp: str | None) -> bool:
 
 
 class Inbox:
-    """Verify, check and decode frames from the run's participants, counting rejections."""
+    """Verify, check and decode frames from the run's participants, counting rejections.
+
+    State beyond the replay guard: ``frames_seen`` (signed, fresh frames per (sender, round), for the
+    per-round budget), ``strikes`` (per sender, signed batches that disagreed) and ``quarantined``
+    (senders whose frames are refused for the rest of the run; ``receive.py`` decides who).
+    """
 
     def __init__(self, keys: Mapping[str, Ed25519PublicKey], config: InboxConfig = InboxConfig(),
                  guard: ReplayGuard | None = None):
@@ -90,11 +110,18 @@ class Inbox:
         self.config = config
         self.guard = guard if guard is not None else ReplayGuard()
         self.counts: Counter[str] = Counter()        # cumulative: "accepted", "rejected/<reason>"
+        self.frames_seen: Counter[tuple[str, int]] = Counter()
+        self.quarantined: set[str] = set()
+        self.strikes: Counter[str] = Counter()       # signed batches per sender that disagreed (receive.py)
 
-    def accept(self, frame: bytes | None, expected_round: int | None = None) -> Accepted:
-        """One frame -> Accepted, or BatchValidationError (counted under its reason)."""
+    def accept(self, frame: bytes | None, expected_round: int | None = None,
+               bounds: ReceiveBounds | None = None) -> Accepted:
+        """One frame -> Accepted, or BatchValidationError (counted under its reason).
+
+        bounds: this call's receiver bounds (default ``config.bounds``).
+        """
         try:
-            out = self._accept(frame, expected_round)
+            out = self._accept(frame, expected_round, bounds if bounds is not None else self.config.bounds)
         except BatchValidationError as e:
             self.counts[f"rejected/{e.reason}"] += 1
             raise
@@ -103,13 +130,13 @@ class Inbox:
             self.counts["accepted_sequence_level"] += 1
         return out
 
-    def accept_many(self, frames: Iterable[bytes | None],
-                    expected_round: int | None = None) -> tuple[list[Accepted], dict[str, int]]:
+    def accept_many(self, frames: Iterable[bytes | None], expected_round: int | None = None,
+                    bounds: ReceiveBounds | None = None) -> tuple[list[Accepted], dict[str, int]]:
         """Every frame on its own: -> (accepted, {reason: number rejected}) for this call."""
         accepted, rejected = [], Counter()
         for frame in frames:
             try:
-                accepted.append(self.accept(frame, expected_round))
+                accepted.append(self.accept(frame, expected_round, bounds))
             except BatchValidationError as e:
                 rejected[e.reason] += 1
         return accepted, dict(rejected)
@@ -118,18 +145,73 @@ class Inbox:
         """Cumulative counters as namespaced metrics, e.g. ``offpolicy/rejected/replay``."""
         return {prefix + k: v for k, v in sorted(self.counts.items())}
 
-    def _accept(self, frame, expected_round):
+    def _accept(self, frame, expected_round, bounds: ReceiveBounds | None) -> Accepted:
         cfg = self.config
         if frame is None:
             raise BatchValidationError("missing_field", "frame: no batch bytes in the message")
-        h, body = verify_frame(frame, self.keys, cfg.limits)
+        limits = cfg.limits
+        if bounds is not None:                         # only the frame size before the signature holds
+            limits = dataclasses.replace(limits, max_frame_bytes=min(limits.max_frame_bytes, bounds.max_frame_bytes))
+        h, body = verify_frame(frame, self.keys, limits)
+        try:
+            return self._authenticated(h, body, bytes(frame), expected_round, bounds)
+        except BatchValidationError as e:
+            e.sender = h.sender
+            raise
+
+    def _authenticated(self, h: WireHeader, body: bytes, frame: bytes, expected_round,
+                       bounds: ReceiveBounds | None) -> Accepted:
+        cfg = self.config
+        if h.sender in self.quarantined:
+            raise BatchValidationError("quarantined", f"sender {h.sender!r} is quarantined by this receiver "
+                                                      "for the rest of the run")
         if cfg.run_id is not None and h.run_id != cfg.run_id:
             raise BatchValidationError("wrong_run", f"run_id={h.run_id!r}: this run is {cfg.run_id!r}")
-        if h.n_completion_tokens > cfg.max_tokens:
-            raise BatchValidationError("too_large", f"batch has {h.n_completion_tokens} completion tokens: "
-                                                    f"limit {cfg.max_tokens}")
         self.guard.check(h.run_id, h.sender, h.round, h.seq, expected_round)
-        batch = decode_payload(h, body).validate(cfg.max_tokens)
-        token_level = token_level_usable(batch, cfg.tokenizer_fp)
+        # From here on the frame is signed, fresh and of this round: it uses up its sequence number
+        # and one of its sender's frames for the round, whatever happens to it next.
+        self._count_frame(h.sender, h.round)
         self.guard.commit(h.run_id, h.sender, h.round, h.seq)
-        return Accepted(batch=batch, frame=bytes(frame), token_level=token_level)
+        budget = bounds.max_frames_per_sender if bounds is not None else 0
+        if budget and self.frames_seen[(h.sender, h.round)] > budget:
+            raise BatchValidationError("too_many_frames", f"sender {h.sender!r} already delivered {budget} "
+                                                          f"frame(s) for round {h.round}: limit {budget} per round")
+        max_tokens = cfg.max_tokens
+        if bounds is not None:
+            check_header_limits(h, bounds.wire_limits())
+            max_tokens = min(max_tokens, bounds.max_completion_tokens)
+        if h.n_completion_tokens > max_tokens:
+            raise BatchValidationError("too_large", f"batch has {h.n_completion_tokens} completion tokens: "
+                                                    f"limit {max_tokens}")
+        batch = decode_payload(h, body)
+        if bounds is None:
+            batch.validate(max_tokens)
+        else:
+            batch.validate(max_tokens, max_new_tokens=bounds.max_new_tokens, max_text_chars=bounds.max_text_chars,
+                           max_prompt_chars=bounds.max_prompt_chars, max_string_chars=bounds.max_string_chars,
+                           max_prompt_tokens=bounds.max_prompt_tokens, max_group_size=bounds.max_group_size)
+            if bounds.sampling is not None and batch.sampling != bounds.sampling:
+                raise BatchValidationError("wrong_sampling", f"sampling={batch.sampling}: this run samples with "
+                                                             f"{bounds.sampling}")
+        token_level = token_level_usable(batch, cfg.tokenizer_fp)
+        if token_level and bounds is not None and bounds.vocab_size is not None:
+            check_vocab(batch, bounds.vocab_size)
+        return Accepted(batch=batch, frame=frame, token_level=token_level)
+
+    def _count_frame(self, sender: str, round: int) -> None:
+        self.frames_seen[(sender, round)] += 1
+        stale = [k for k in self.frames_seen if k[1] < round - 1]      # keep the current and previous round
+        for k in stale:
+            del self.frames_seen[k]
+
+
+def check_vocab(batch: CompletionBatch, vocab_size: int) -> None:
+    """Every prompt and completion id below the RECEIVER's ``vocab_size`` (``id_out_of_range``):
+    checked before any id reaches an embedding lookup, whatever vocabulary the batch declares."""
+    for gi, g in enumerate(batch.groups):
+        for where, ids in [("prompt_ids", g.prompt_ids)] + [(f"completion_ids[{i}]", c)
+                                                            for i, c in enumerate(g.completion_ids)]:
+            if ids.size and int(np.max(ids)) >= vocab_size:
+                raise BatchValidationError(
+                    "id_out_of_range", f"groups[{gi}].{where}: id {int(np.max(ids))} >= this receiver's "
+                                       f"vocabulary size {vocab_size} (the batch declares {batch.vocab_size})")

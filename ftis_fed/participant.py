@@ -25,7 +25,7 @@ from .evaluation import evaluate as evaluate_policy
 from .inbox import Inbox, InboxConfig
 from .policies import build_policy
 from .rewards import Verifier
-from .reverify import reverify
+from .receive import ReceiverContext, receive
 from .signing import ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch
 from .training import samples_from_batches
 from .wire import WireOptions
@@ -130,34 +130,12 @@ class Participant:
         t0 = time.perf_counter()
         own = self.own.pop(round, None)
         peer_round = round if peer_round is None else peer_round
-        accepted, rejected = self.inbox.accept_many(peer_frames, expected_round=peer_round)
-        metrics: dict[str, float] = {f"offpolicy/rejected/{k}": float(v) for k, v in rejected.items()}
-        metrics["offpolicy/received"] = float(len(peer_frames))
-        metrics["offpolicy/accepted"] = float(len(accepted))
-        batches, weights = [], {}
-        if own is not None:
-            batches.append(self._local_budget(own))
-        decode = lambda ids: self.policy.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        checked = disagreements = 0.0
-        for acc in accepted:
-            if acc.batch.sender == self.name:
-                metrics["offpolicy/rejected/own_batch_relayed"] = metrics.get("offpolicy/rejected/own_batch_relayed", 0) + 1
-                continue
-            res = reverify(acc.batch, self.verifier, self.fed.reverify, decode=decode,
-                           tokenizer_fp=self.policy.tokenizer_fp)
-            checked += res.metrics.get("reward/checked", 0.0)
-            disagreements += res.metrics.get("reward/disagreements", 0.0)
-            if res.batch is None:
-                metrics["offpolicy/rejected/reward_disagreement"] = metrics.get(
-                    "offpolicy/rejected/reward_disagreement", 0) + 1
-                continue
-            bi = len(batches)
-            batches.append(res.batch)
-            if res.weights is not None:
-                for gi, w in enumerate(res.weights):
-                    weights[(bi, gi)] = w
-        metrics["reward/peer_checked"] = checked
-        metrics["reward/peer_disagreements"] = disagreements
+        batches = [self._local_budget(own)] if own is not None else []
+        recv = receive(peer_frames, peer_round, self.inbox,
+                       ReceiverContext.from_run(self.fed, self.policy, self.verifier, self.name))
+        metrics: dict[str, float] = dict(recv.metrics)
+        weights = recv.sample_weights(offset=len(batches))
+        batches += recv.batches
         samples = samples_from_batches(batches, self.name, self.policy.tokenizer_fp, self.fed.objective,
                                        retokenize=self.policy.retokenize, sample_weights=weights)
         metrics["train/own_samples"] = float(sum(s.local for s in samples))

@@ -1,7 +1,9 @@
 """Receivers re-verify a sender's claimed rewards with their own ``Verifier``.
 
 A signature proves who sent a batch, not that its rewards are true. A receiver recomputes every
-completion's reward from the completion text and the reference carried in the batch, counts
+completion's reward from the completion text and the reference of the batch it is given (the
+receiver's OWN copy: ``receive.py`` replaces each group's reference, prompt and texts with the
+receiver's own before calling ``reverify``; a sender's reference is never trusted), counts
 disagreements (``|claimed - recomputed| > tol``) and, by configuration:
 
 - ``replace`` (default): train on the recomputed rewards (the claimed ones are never used);
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .batch import CompletionBatch, PromptGroup
+from .batch import BatchValidationError, CompletionBatch, PromptGroup
 from .rewards import Verifier
 
 ACTIONS = ("replace", "downweight", "drop", "off")
@@ -47,6 +50,9 @@ class ReverifyConfig:
         completion, in [0, 1] (0.0).
     on_unverifiable [reverify-on-unverifiable]: ``reject`` (default: count as a disagreement; under
         ``replace`` its reward becomes 0) or ``trust`` (keep the claim).
+    quarantine_after [reverify-quarantine-after]: a receiver ignores a sender for the rest of the run
+        once this many of its signed batches disagreed (a claimed reward or reference differed from the
+        receiver's own, or the batch was refused for its content), >= 0 (0: never quarantine).
     """
 
     action: str = "replace"
@@ -54,6 +60,7 @@ class ReverifyConfig:
     max_disagreement: float = 0.0
     disagree_weight: float = 0.0
     on_unverifiable: str = "reject"
+    quarantine_after: int = 0
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -66,6 +73,9 @@ class ReverifyConfig:
             raise ValueError(f"reverify.disagree_weight={self.disagree_weight!r}: must be in [0, 1]")
         if self.on_unverifiable not in ("reject", "trust"):
             raise ValueError(f"reverify.on_unverifiable={self.on_unverifiable!r}: must be 'reject' or 'trust'")
+        if isinstance(self.quarantine_after, bool) or int(self.quarantine_after) != self.quarantine_after \
+                or self.quarantine_after < 0:
+            raise ValueError(f"reverify.quarantine_after={self.quarantine_after!r}: must be an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -97,27 +107,42 @@ def group_texts(group: PromptGroup, decode: Callable[[Sequence[int]], str] | Non
 
 
 def recompute_rewards(batch: CompletionBatch, verifier: Verifier,
-                      decode: Callable[[Sequence[int]], str] | None = None) -> tuple[np.ndarray, ...]:
-    """Per group, (G,) float32 rewards by ``verifier``; NaN where a completion cannot be checked."""
+                      decode: Callable[[Sequence[int]], str] | None = None,
+                      deadline: float | None = None) -> tuple[np.ndarray, ...]:
+    """Per group, (G,) float32 rewards by ``verifier``; NaN where a completion cannot be checked.
+
+    deadline: a ``time.monotonic()`` value; past it, BatchValidationError ``time_budget`` (checked
+    after every completion, so one batch's scoring can never hold a round for long).
+    """
     out = []
-    for g in batch.groups:
+    for gi, g in enumerate(batch.groups):
         texts = group_texts(g, decode)
         if texts is None or not verifier.knows(g.task_id):
             out.append(np.full(g.size, np.nan, dtype=np.float32))
             continue
-        out.append(np.array([verifier.reward(g.task_id, t, g.reference, g.prompt_text) for t in texts],
-                            dtype=np.float32))
+        rewards = []
+        for t in texts:
+            rewards.append(verifier.reward(g.task_id, t, g.reference, g.prompt_text))
+            if deadline is not None and time.monotonic() > deadline:
+                raise BatchValidationError("time_budget", f"groups[{gi}]: re-scoring the batch ran past its "
+                                                          "time budget")
+        out.append(np.array(rewards, dtype=np.float32))
     return tuple(out)
 
 
 def reverify(batch: CompletionBatch, verifier: Verifier, config: ReverifyConfig = ReverifyConfig(),
              decode: Callable[[Sequence[int]], str] | None = None,
-             tokenizer_fp: str | None = None) -> ReverifyResult:
+             tokenizer_fp: str | None = None, deadline: float | None = None) -> ReverifyResult:
     """Recompute ``batch``'s rewards with ``verifier`` and apply ``config.action``.
 
     decode: ids -> text, used for groups without ``completion_texts``.
     tokenizer_fp: the receiver's tokenizer fingerprint; when given and different from the batch's,
         ``decode`` is not used (it would decode someone else's ids) and such groups are unverifiable.
+    deadline: see ``recompute_rewards``.
+
+    The reference and texts scored are the batch's: a receiver passes its own copy, with its own
+    reference and prompt for each task id and the texts it will train on (``receive.py``), so
+    nothing a sender claims about the truth is used.
 
     Metrics: ``reward/checked`` (completions recomputed), ``reward/disagreements``,
     ``reward/inflated`` / ``reward/deflated`` (claimed above / below recomputed),
@@ -127,7 +152,7 @@ def reverify(batch: CompletionBatch, verifier: Verifier, config: ReverifyConfig 
     """
     if decode is not None and tokenizer_fp is not None and tokenizer_fp != batch.tokenizer_fp:
         decode = None
-    recomputed = recompute_rewards(batch, verifier, decode)
+    recomputed = recompute_rewards(batch, verifier, decode, deadline)
     claimed = tuple(np.asarray(g.rewards, dtype=np.float32) for g in batch.groups)
 
     checked_mask = tuple(np.isfinite(r) for r in recomputed)

@@ -14,6 +14,9 @@ Pieces, bottom up:
 - rules: a :class:`RewardRule` per task family (which extractors, which format check, whether the
   format is required); :class:`Verifier` maps a task id's family prefix (``add30/train/0/17`` ->
   ``add30``) to its rule.
+- bounded work: whatever a peer sends, extraction is linear-time (``extract_boxed`` is one pass)
+  and comparison recursion-free with hard limits (``MAX_ANSWER_CHARS``, ``MAX_NUMBER_CHARS``,
+  ``MAX_NESTING``).
 - TRL: ``accuracy_reward`` / ``format_reward`` have TRL's reward-function signature
   ``fn(prompts, completions, **kwargs) -> list[float]``; a rule may wrap any such function
   (``RewardRule(fn=...)``), and ``Verifier.as_trl_reward()`` turns a verifier into one.
@@ -33,6 +36,7 @@ RewardFn = Callable[..., list]
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_BARE_RE = re.compile(r"\\boxed\s+([^\s$]+)")
+_BRACE_RE = re.compile(r"[{}]")
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
 _LAST_NUM_RE = re.compile(
     r"(?P<frac>-?\\[dt]?frac\s*\{\s*-?\d+(?:\.\d+)?\s*\}\s*\{\s*-?\d+(?:\.\d+)?\s*\})"
@@ -52,18 +56,26 @@ def completion_text(completion) -> str:
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces matched; None if absent."""
-    starts = [m.end() for m in _BOXED_RE.finditer(text)]
-    for start in reversed(starts):
-        depth, i = 1, start
-        while i < len(text):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-            i += 1
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces matched; None if absent.
+
+    One pass over ``text`` (linear time, no recursion): every ``{`` is pushed on a stack, every ``}``
+    closes the innermost open one; the answer is the closed ``\\boxed{`` that opens last. An
+    unclosed ``\\boxed{`` is skipped, as if it were not there.
+    """
+    boxed_opens = {m.end() - 1 for m in _BOXED_RE.finditer(text)}      # index of each boxed "{"
+    if boxed_opens:
+        stack: list[int] = []
+        best: tuple[int, int] | None = None                             # (start, end) of the content
+        for m in _BRACE_RE.finditer(text):
+            i, ch = m.start(), m.group()
+            if ch == "{":
+                stack.append(i)
+            elif stack:
+                j = stack.pop()
+                if j in boxed_opens and (best is None or j + 1 > best[0]):
+                    best = (j + 1, i)
+        if best is not None:
+            return text[best[0]:best[1]].strip()
     bare = _BOXED_BARE_RE.findall(text)
     return bare[-1].strip() if bare else None
 
@@ -111,6 +123,13 @@ def gsm8k_reference(solution: str) -> str:
 
 # ----------------------------------------------------------------------------- equivalence
 
+#: Hard limits that keep every comparison cheap whatever a peer sends: an answer (extracted or
+#: reference) longer than this matches nothing; a number longer than MAX_NUMBER_CHARS is not parsed;
+#: tuples / intervals compare element-wise at most MAX_NESTING levels deep.
+MAX_ANSWER_CHARS = 1000
+MAX_NUMBER_CHARS = 200
+MAX_NESTING = 8
+
 #: What may follow a number and still leave it one number: \text{..}, degrees, percent, or unit words
 #: after a space (two letters or more, so ``2x`` is not the number 2).
 _UNIT = r"(?:\s*\\(?:text|mbox|mathrm)\{[^{}]*\}|\s*\^\s*\{?\\circ\}?|\s*°|\s*\\?%|\s+[A-Za-z]{2,}(?:\s+[A-Za-z]+)*)"
@@ -136,9 +155,11 @@ def _strip_wrappers(s: str) -> str:
 
 def parse_number(s: str | None) -> Fraction | None:
     """``s`` as an exact number, or None when it is not one number (possibly with a unit)."""
-    if s is None:
+    if s is None or len(str(s)) > MAX_ANSWER_CHARS:
         return None
     s = _strip_wrappers(str(s))
+    if len(s) > MAX_NUMBER_CHARS:
+        return None
     m = _NUMBER_FULL_RE.match(s)
     if not m:
         return None
@@ -201,18 +222,43 @@ def answers_match(pred: str | None, ref: str | None, rel_tol: float = 0.0) -> bo
     "1234"``), or within ``rel_tol`` when it is > 0 (0 by default: a reward must not call 10**9 and
     10**9 - 1 equal); anything else compares as ``normalize_latex`` strings, tuples and
     intervals element-wise.
+
+    Bounded work, whatever the inputs: no recursion (an explicit work list), tuples nested at most
+    ``MAX_NESTING`` deep, and an answer longer than ``MAX_ANSWER_CHARS`` matches nothing. Each level
+    of nesting is one linear pass over the parts, so the cost is O(MAX_NESTING * length).
     """
-    if pred is None or ref is None:
+    if pred is None or ref is None or len(pred) > MAX_ANSWER_CHARS or len(ref) > MAX_ANSWER_CHARS:
         return False
+    work: list[tuple[str, str, int]] = [(pred, ref, 0)]
+    while work:
+        a_s, b_s, depth = work.pop()
+        if not _same_leaf_or_split(a_s, b_s, depth, rel_tol, work):
+            return False
+    return True
+
+
+def _same_leaf_or_split(pred: str, ref: str, depth: int, rel_tol: float, work: list) -> bool:
+    """One comparison of ``answers_match``: True if equal, or if split into element pairs (pushed on
+    ``work``, to be compared in turn); False when they differ."""
     a, b = parse_number(pred), parse_number(ref)
     if a is not None and b is not None:
-        return a == b or (rel_tol > 0 and math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=0.0))
+        if a == b:
+            return True
+        if rel_tol > 0:
+            try:
+                return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=0.0)
+            except OverflowError:
+                return False
+        return False
     na, nb = normalize_latex(pred), normalize_latex(ref)
     if na == nb and na:
         return True
+    if depth >= MAX_NESTING:
+        return False
     pa, pb = _split_top_level(na), _split_top_level(nb)
     if pa and pb and len(pa) == len(pb) and na[:1] == nb[:1] and na[-1:] == nb[-1:]:
-        return all(answers_match(x, y, rel_tol) for x, y in zip(pa, pb))
+        work.extend((x, y, depth + 1) for x, y in zip(pa, pb))
+        return True
     return False
 
 

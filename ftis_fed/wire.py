@@ -72,6 +72,8 @@ HEADER_FIELDS = (
 )
 _HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 _FIXED = _HEADER.size
+#: Bytes of the fixed part of the header (before the four strings).
+FIXED_HEADER_LEN = _FIXED
 
 
 def header_offset(name: str) -> tuple[int, str]:
@@ -334,11 +336,7 @@ def parse_header(frame: bytes, limits: WireLimits = WireLimits(),
             raise _bad("undecodable", f"logp_frac_bits={bits}: must be 0 with float32 log-probs")
     elif not MIN_LOGP_FRAC_BITS <= bits <= MAX_LOGP_FRAC_BITS:
         raise _bad("undecodable", f"logp_frac_bits={bits}: must be in [{MIN_LOGP_FRAC_BITS}, {MAX_LOGP_FRAC_BITS}]")
-    _limit("n_groups", n_groups, limits.max_groups)
-    _limit("n_completions", n_compl, limits.max_completions)
-    _limit("n_prompt_tokens", n_ptok, limits.max_prompt_tokens)
-    _limit("n_completion_tokens", n_ctok, limits.max_tokens)
-    _limit("raw_len", raw_len, limits.max_raw_bytes)
+    _check_counts(n_groups, n_compl, n_ptok, n_ctok, raw_len, limits)
     for name, ln in zip(("sender", "run_id", "model_id", "tokenizer_fp"), slen):
         _limit(f"len({name})", ln, limits.max_string_bytes)
     if not flags & FLAG_ZSTD and payload_len != raw_len:
@@ -357,6 +355,26 @@ def parse_header(frame: bytes, limits: WireLimits = WireLimits(),
         pos += ln
     return WireHeader(version, flags, width, bits, rnd, seq, vocab, temp, top_p, top_k, max_new,
                       n_groups, n_compl, n_ptok, n_ctok, raw_len, payload_len, *strings, body_len)
+
+
+def check_header_limits(h: WireHeader, limits: WireLimits) -> None:
+    """Check a parsed header's declared sizes against (stricter) ``limits``: ``too_large`` otherwise.
+
+    For a receiver that parsed the header with loose limits to verify the signature first, then
+    holds the now-authenticated header to its own run's bounds before decompressing anything.
+    """
+    if h.body_len + SIGNATURE_LEN > limits.max_frame_bytes:
+        raise _bad("too_large", f"frame has {h.body_len + SIGNATURE_LEN} bytes: limit max_frame_bytes="
+                                f"{limits.max_frame_bytes}")
+    _check_counts(h.n_groups, h.n_completions, h.n_prompt_tokens, h.n_completion_tokens, h.raw_len, limits)
+
+
+def _check_counts(n_groups: int, n_compl: int, n_ptok: int, n_ctok: int, raw_len: int, limits: WireLimits) -> None:
+    _limit("n_groups", n_groups, limits.max_groups)
+    _limit("n_completions", n_compl, limits.max_completions)
+    _limit("n_prompt_tokens", n_ptok, limits.max_prompt_tokens)
+    _limit("n_completion_tokens", n_ctok, limits.max_tokens)
+    _limit("raw_len", raw_len, limits.max_raw_bytes)
 
 
 def _limit(name: str, value: int, limit: int) -> None:
@@ -483,8 +501,9 @@ def _decode_payload(h: WireHeader, body: bytes) -> CompletionBatch:
         for i in range(h.n_groups):
             pt = r.str(f"groups[{i}].prompt_text")
             k = r.u32(f"groups[{i}].n_texts")
-            if k > len(raw) - r.pos:
-                raise _bad("undecodable", f"payload.groups[{i}].n_texts={k}: more than the bytes left")
+            if k not in (0, int(g_sizes[i])):
+                raise _bad("undecodable", f"payload.groups[{i}].n_texts={k}: must be 0 or the group's "
+                                          f"{int(g_sizes[i])} completions")
             texts.append((pt, tuple(r.str(f"groups[{i}].completion_texts[{j}]") for j in range(k))))
     if r.pos != len(raw):
         raise _bad("undecodable", f"payload: {len(raw) - r.pos} unread bytes at the end")

@@ -67,7 +67,7 @@ F32 = WireOptions(logp="f32")          # carries NaN / inf / positive values exa
     (lambda: signed(batch(groups=(group(lps=((-0.1, float("nan")), (-0.5,))),))), "nonfinite_logprob"),
     (lambda: signed(batch(groups=(group(lps=((-0.1, 3.0), (-0.5,))),))), "positive_logprob"),
     (lambda: signed(batch(vocab_size=6)), "id_out_of_range"),
-    (lambda: signed(batch(groups=(group(completion_texts=["only one"]),))), "length_mismatch"),
+    (lambda: signed(batch(groups=(group(completion_texts=["only one"]),))), "undecodable"),  # 1 text, 2 completions
     (lambda: signed(batch(sampling=SamplingParams(0.7, max_new_tokens=1))), "length_mismatch"),
     (lambda: signed(batch(groups=(group(task_id=""),))), "missing_field"),
     (lambda: signed(batch(model_id="")), "missing_field"),
@@ -111,11 +111,19 @@ def test_replays_are_rejected_and_state_resumes(tmp_path):
     assert resumed.accept(sign_batch(batch(round=2, seq=6), KEYS["alice"]), expected_round=2)
 
 
-def test_rejected_batch_does_not_use_up_its_sequence_number():
+def test_a_rejected_signed_frame_uses_up_its_sequence_number():
+    """Once its signature holds, a frame's seq is spent whatever happens next: resending it (or any
+    frame with that seq) is a replay, so a costly rejection cannot be replayed at the receiver."""
     ib = inbox(tokenizer_fp="tok-a")
     bad = signed(batch(seq=3, groups=(group(lps=((-0.1, 3.0), (-0.5,))),)))
     assert reason(ib, bad) == "positive_logprob"
-    assert ib.accept(sign_batch(batch(seq=3), KEYS["alice"])).batch.seq == 3
+    assert reason(ib, bad) == "replay"
+    assert reason(ib, sign_batch(batch(seq=3), KEYS["alice"])) == "replay"
+    assert ib.accept(sign_batch(batch(seq=4), KEYS["alice"])).batch.seq == 4
+    # a frame refused before its signature holds spends nothing (anyone can send those)
+    forged = signed(batch(seq=5), key=KEYS["bob"])
+    assert reason(ib, forged) == "bad_signature"
+    assert ib.accept(sign_batch(batch(seq=5), KEYS["alice"])).batch.seq == 5
 
 
 def test_bad_batches_never_discard_the_good_ones_beside_them():
@@ -125,7 +133,7 @@ def test_bad_batches_never_discard_the_good_ones_beside_them():
     nan = signed(batch("bob", seq=2, groups=(group(lps=((-0.1, float("nan")), (-0.5,))),)))
     tampered = bytearray(sign_batch(batch("alice", seq=2), KEYS["alice"]))
     tampered[-100] ^= 1
-    items = [nan, good_a, b"\x00" * 10, bytes(tampered), None, good_b, good_a]
+    items = [good_a, b"\x00" * 10, bytes(tampered), None, good_b, nan, good_a]
     accepted, rejected = ib.accept_many(items, expected_round=1)
     assert [a.frame for a in accepted] == [good_a, good_b]
     assert rejected == {"nonfinite_logprob": 1, "undecodable": 1, "bad_signature": 1, "missing_field": 1,

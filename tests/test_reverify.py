@@ -134,3 +134,20 @@ def test_config_errors_name_field_and_limit():
         ReverifyConfig(max_disagreement=1.0)
     with pytest.raises(ValueError, match=r"reverify.tol=-1: must be finite and >= 0"):
         ReverifyConfig(tol=-1)
+    with pytest.raises(ValueError, match=r"reverify.quarantine_after=-1: must be an integer >= 0"):
+        ReverifyConfig(quarantine_after=-1)
+
+
+def test_rescoring_past_its_deadline_drops_the_batch_with_a_reason():
+    """The deadline is checked after every completion: past it, ``time_budget``; before it, no effect."""
+    import time
+
+    from ftis_fed.batch import BatchValidationError
+
+    replies, truth, _ = honest_and_inflated()
+    batch = build_batch(replies, truth)
+    with pytest.raises(BatchValidationError) as e:
+        reverify(batch, Verifier(), deadline=time.monotonic() - 1.0)
+    assert e.value.reason == "time_budget"
+    res = reverify(batch, Verifier(), deadline=time.monotonic() + 3600.0)
+    assert [g.rewards.tolist() for g in res.batch.groups] == truth

@@ -204,3 +204,40 @@ def test_verifier_as_trl_reward_and_rules_wrapping_trl_functions():
     assert v.reward("think/0", "5", "5") == 0.0
     plain = RewardRule(fn=accuracy_reward, conversational=False)
     assert plain.score("it is 12", "12") == 1.0 and plain.check("it is 13", "12") == (False, 0.0)
+
+
+# ----------------------------------------------------------------------------- bounded work
+
+def _extract_boxed_reference(text: str):
+    """The obvious (quadratic) definition: the last boxed start whose braces close."""
+    import re
+
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i].strip()
+    bare = re.findall(r"\\boxed\s+([^\s$]+)", text)
+    return bare[-1].strip() if bare else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["\\boxed{", "\\fbox{", "{", "}", "7", " ", "\\boxed 3", "x"]), max_size=30))
+def test_linear_extract_boxed_equals_the_obvious_definition(parts):
+    text = "".join(parts)
+    assert extract_boxed(text) == _extract_boxed_reference(text)
+
+
+def test_comparisons_have_hard_limits():
+    from ftis_fed.rewards import MAX_ANSWER_CHARS, MAX_NESTING, MAX_NUMBER_CHARS
+
+    assert parse_number("1" * MAX_NUMBER_CHARS) == int("1" * MAX_NUMBER_CHARS)
+    assert parse_number("1" * (MAX_NUMBER_CHARS + 1)) is None
+    long = "x" * (MAX_ANSWER_CHARS + 1)
+    assert not answers_match(long, long)
+    nest = lambda d, leaf: "(1," * d + leaf + ")" * d  # noqa: E731
+    assert answers_match(nest(MAX_NESTING - 1, "(1, 2)"), nest(MAX_NESTING - 1, "(1,2.0)"))  # MAX_NESTING levels
+    assert not answers_match(nest(MAX_NESTING, "(1, 2)"), nest(MAX_NESTING, "(1,2.0)"))
+    assert answers_match("1" * 150, "1" * 150, rel_tol=1e-9) and not answers_match("1" * 150, "2" * 150, rel_tol=1e-9)

@@ -275,3 +275,29 @@ def test_bench_runs_on_synthetic_rollouts():
     r = run_bench_wire("synthetic", n_prompts=2, group_size=2, max_new_tokens=16, repeats=1)
     assert r["ids_exact"] and r["max_logprob_error"] <= 2e-3
     assert r["bytes_per_token"] < r["paper_bytes_per_token"]
+
+
+def test_stricter_limits_apply_to_an_already_parsed_header():
+    """A receiver parses with loose limits to verify the signature, then holds the authenticated
+    header to its own run's bounds before decompressing (``check_header_limits``)."""
+    from ftis_fed.wire import check_header_limits
+
+    h = parse_header(_GOOD)
+    check_header_limits(h, WireLimits())
+    for limits in (WireLimits(max_groups=1), WireLimits(max_completions=5), WireLimits(max_raw_bytes=10),
+                   WireLimits(max_tokens=7), WireLimits(max_prompt_tokens=13), WireLimits(max_frame_bytes=100)):
+        with pytest.raises(BatchValidationError) as e:
+            check_header_limits(h, limits)
+        assert e.value.reason == "too_large", limits
+
+
+def test_a_group_carries_no_texts_or_one_per_completion():
+    """n_texts is 0 or the group's size: a frame cannot make the decoder read more strings than completions."""
+    b = small_batch()
+    g = b.groups[0]
+    bad = CompletionBatch(b.sender, b.run_id, b.round, b.seq, b.model_id, b.tokenizer_fp, b.vocab_size, b.sampling,
+                          (make_group(g.prompt_ids, g.completion_ids, g.logprobs, g.rewards, g.task_id, g.reference,
+                                      g.prompt_text, ["only one"]),))
+    with pytest.raises(BatchValidationError) as e:
+        decode_frame(frame_of(bad))
+    assert e.value.reason == "undecodable" and "n_texts" in str(e.value)

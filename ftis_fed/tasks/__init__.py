@@ -2,6 +2,7 @@
 GSM8K / MATH-500 loaders (``benchmarks``). See docs/tasks.md."""
 
 from .benchmarks import load_gsm8k, load_math500
+from .resolve import TaskRefused, TaskResolver
 from .families import FAMILIES, ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Family, Problem, get_family
 from .suite import (
     SCHEMES,
@@ -17,5 +18,5 @@ from .suite import (
 )
 
 __all__ = ["FAMILIES", "ID_FAMILIES", "INSTRUCTION", "OOD_FAMILIES", "SCHEMES", "SPLITS", "Family", "Problem",
-           "TaskSpec", "eval_sets", "get_family", "load_gsm8k", "load_math500", "make_tasks", "partition",
+           "TaskRefused", "TaskResolver", "TaskSpec", "eval_sets", "get_family", "load_gsm8k", "load_math500", "make_tasks", "partition",
            "prompts_for_round", "shard", "split_of", "task_at"]
