@@ -226,6 +226,31 @@ def declared_keys() -> set[str]:
     return set(RUN_KNOBS) | {f"p{i}-{k}" for i in range(MAX_PARTICIPANTS) for k in PER_PARTICIPANT_KEYS}
 
 
+def pyproject_disagreements(app_config: Mapping[str, Any]) -> list[str]:
+    """Every way ``[tool.flwr.app.config]`` (``app_config``) differs from the declarations: a key
+    missing, a key not declared, a default or a TOML type that differs, a participant slot beyond the
+    default federation that does not mean "the run-wide value". Empty when they agree."""
+    out = []
+    for key, k in RUN_KNOBS.items():
+        want = toml_default(k)
+        if key not in app_config:
+            out.append(f"{key}: declared by {k.cls.__name__}.{k.field} (default {want!r}) but missing")
+        elif type(app_config[key]) is not type(want) or app_config[key] != want:
+            out.append(f"{key}: {app_config[key]!r} in pyproject.toml, {want!r} declared by {k.cls.__name__}.{k.field}")
+    n = len(participant_names(app_config))
+    for i in range(MAX_PARTICIPANTS):
+        for key in PER_PARTICIPANT_KEYS:
+            pk, want = f"p{i}-{key}", inherit_value(key)
+            if pk not in app_config:
+                out.append(f"{pk}: missing (p0 ... p{MAX_PARTICIPANTS - 1} are each declared)")
+            elif type(app_config[pk]) is not type(want):
+                out.append(f"{pk}: {app_config[pk]!r} is not a {type(want).__name__} like {want!r}")
+            elif i >= n and app_config[pk] != want:
+                out.append(f"{pk}: {app_config[pk]!r} after the last participant; must be {want!r}")
+    out += [f"{key}: in pyproject.toml but not declared" for key in app_config if key not in declared_keys()]
+    return out
+
+
 def _key_of(field_name: str) -> str:
     for k, (sec, f) in KEYS.items():
         if f == field_name and sec == "":
