@@ -159,3 +159,22 @@ def test_a_stale_ownership_record_is_not_trusted(tmp_path, foreign_superlink):
     assert not (tmp_path / launch.OWNER_FILE).exists()
     with pytest.raises(launch.LaunchError):
         launch.acquire_superlink(foreign_superlink, tmp_path, dict(os.environ))
+
+
+def test_a_superlink_the_launcher_started_and_kept_is_reused(tmp_path):
+    """A real flower-superlink, started the way `ftis-fed sim` starts it, recorded in FLWR_HOME: the
+    next run reuses it (--keep-superlink) instead of refusing it."""
+    address = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1",                  # as simulate() sets them
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    proc = launch.acquire_superlink(address, tmp_path, env)
+    try:
+        assert proc is not None and launch.own_superlink(tmp_path, address) == proc.pid
+        assert launch.acquire_superlink(address, tmp_path, env) is None       # reused, not refused
+        other = tmp_path / "other-home"
+        other.mkdir()
+        with pytest.raises(launch.LaunchError, match="did not start"):        # not ours from another FLWR_HOME
+            launch.acquire_superlink(address, other, env)
+    finally:
+        launch.stop(proc)
+    assert launch.own_superlink(tmp_path, address) is None                    # stale record dropped
