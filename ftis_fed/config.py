@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from .batch import SamplingParams
 from .knobs import Knob, knob, knobs
@@ -445,13 +445,16 @@ def _in_hub_cache(repo_id: str) -> bool:
     return isinstance(got, str)
 
 
-def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | None = None) -> FederationConfig:
+def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | None = None,
+                        explicit: Collection[str] = ()) -> FederationConfig:
     """The whole run configuration checked before anything starts (launcher and ServerApp): every key
     declared, every value within its limits, every simulated participant's spec built and its model
     resolvable offline. Raises ValueError with one line naming the key, the value and the limit.
 
     ``check_models``: None = only in simulation (``keys-dir`` = ''), where participants' models are
-    loaded on this machine; in deployment each SuperNode names its own model."""
+    loaded on this machine; in deployment each SuperNode names its own model. ``explicit``: the keys
+    the user set (the launcher knows them): a ``p<i>-model`` among them after the end of the list is
+    an error (it would be ignored); one from pyproject's default federation after a preset's end is not."""
     declared = declared_keys()
     for key in run_config:
         if key not in declared:
@@ -463,7 +466,7 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
     fed = federation_from_run_config(run_config)
     names = participant_names(run_config)
     for i in range(len(names) + 1, MAX_PARTICIPANTS):
-        if str(run_config.get(f"p{i}-model", "")).strip():
+        if f"p{i}-model" in explicit and str(run_config.get(f"p{i}-model", "")).strip():
             raise ValueError(f"p{i}-model={run_config[f'p{i}-model']!r}: ignored, because p{len(names)}-model is '' "
                              "(an empty p<i>-model ends the list of participants); number them without gaps")
     simulation = not fed.keys_dir

@@ -274,7 +274,7 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     one line). Imports the config dataclasses, nothing heavier; builds and loads no model."""
     from .config import MAX_PARTICIPANTS, participant_names, validate_run_config
 
-    overrides = dict(overrides)
+    overrides = dict(overrides)                                  # what the user set (preset, --run-config)
     cfg = merged_run_config(app, overrides)
     overrides["output-dir"] = str(Path(str(cfg.get("output-dir", "outputs/default"))).resolve())
     for i in range(MAX_PARTICIPANTS):
@@ -283,7 +283,7 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
         if ("/" in model or model.startswith((".", "~"))) and not folder.is_absolute() and folder.exists():
             overrides[f"p{i}-model"] = str(folder.resolve())    # the workers run in another directory
     cfg = merged_run_config(app, overrides)
-    validate_run_config(cfg)
+    validate_run_config(cfg, explicit=overrides)
     return overrides, len(participant_names(cfg))
 
 

@@ -127,13 +127,21 @@ def test_deployment_node_config_wins():
     ("lora-r", 0, "lora-r=0 (participant smol-full): must be >= 1"),
     ("p1-participant", "smol-full", "p1-participant='smol-full': the same name as p0"),
     ("p2-participant", "../x", "p2-participant='../x': must match"),
-    ("p5-model", "smollm2", "p5-model='smollm2': ignored, because p4-model is ''"),
     ("num-rouns", 3, "num-rouns: not a run-config key"),
 ])
 def test_bad_values_name_the_key_and_the_limit(key, value, message):
     with pytest.raises(ValueError) as e:
         validate_run_config({**RUN_CONFIG, key: value})
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_participant_set_after_the_end_of_the_list_is_named():
+    cfg = {**RUN_CONFIG, "p5-model": "smollm2"}
+    with pytest.raises(ValueError, match=r"^p5-model='smollm2': ignored, because p4-model is ''"):
+        validate_run_config(cfg, explicit={"p5-model"})
+    # pyproject's default participants after a shorter list's end (a preset's p2-model = "") are fine
+    assert len(participant_names({**RUN_CONFIG, "p2-model": ""})) == 2
+    validate_run_config({**RUN_CONFIG, "p2-model": ""}, explicit={"p2-model"})
 
 
 def test_unknown_model_is_one_line_naming_participant_value_and_offline_names():
@@ -211,7 +219,7 @@ def test_every_preset_is_a_valid_federation(name):
     items = expand_run_config(ROOT, [], preset=name)
     cfg = merged_run_config(ROOT, parse_overrides(items))
     assert cfg["output-dir"] == f"outputs/{name}"                     # presets never overwrite each other
-    fed = federation_from_run_config(cfg)
+    fed = validate_run_config(cfg)                                      # what the launcher checks first
     names = participant_names(cfg)
     assert len(names) >= 2 and len(set(names)) == len(names)
     for pid in range(len(names)):
