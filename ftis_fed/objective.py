@@ -61,7 +61,8 @@ class ObjectiveConfig:
     advantage_groups: str = knob("advantage-groups", "vertical", """
         ``vertical`` (each sender's G completions of a prompt form a group, the paper's default) or
         ``horizontal`` (all senders' completions of the same task).""")
-    scale_rewards: str = knob("scale-rewards", "group", "``group`` (divide by the group std, GRPO) or ``none`` (Dr. GRPO).")
+    scale_rewards: str = knob("scale-rewards", "group",
+                              "``group`` (divide by the group std, GRPO) or ``none`` (Dr. GRPO).")
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, limit: str) -> None:
