@@ -2,11 +2,15 @@
 # Installs ftis-fed into ./.venv from nothing (idempotent). Used by the README and by .ci/run.
 #   TORCH_SPEC   the torch requirement installed first (default torch==2.13.0, the CPU wheel this
 #                project is developed with; an unpinned torch would pull a multi-GB CUDA build)
-#   PYTHON       the interpreter for the venv (default python3)
+#   PYTHON       the interpreter for the venv (default python3; Python >= 3.11)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+  echo "install.sh: $PY is Python $("$PY" -c 'import platform; print(platform.python_version())'); ftis-fed needs >= 3.11 (flwr 1.42, tomllib): PYTHON=python3.11 ./install.sh" >&2
+  exit 2
+}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip

@@ -1,22 +1,32 @@
 """Every knob of a run, built from the Flower run config (and a SuperNode's node config) in one place.
 
-Run-config keys are kebab-case and declared with their defaults in ``pyproject.toml``
-(``[tool.flwr.app.config]``); ``KEYS`` below maps each key to its dataclass field. Participants:
+Each run-config key is declared once, as a dataclass field made with ``ftis_fed.knobs.knob`` (key,
+default, help): ``FederationConfig`` below, ``ObjectiveConfig``, ``TaskSpec``, ``ReverifyConfig``,
+``PolicyConfig`` and ``ParticipantSpec``. The key tables here, the error names, the reference in
+``docs/configuration.md`` (``python -m ftis_fed.config``) and the check of ``pyproject.toml``'s
+``[tool.flwr.app.config]`` (``tests/test_config.py``: same keys, same defaults) derive from those
+declarations. ``validate_run_config`` checks a whole run config before anything starts. Participants:
 
 - simulation: participant ``i`` (Flower partition id ``i``) reads ``p<i>-<key>`` (e.g. ``p2-quant``)
   and falls back to the run-wide ``<key>``;
 - deployment: a SuperNode's ``--node-config`` gives ``participant``, ``model``, ``adapter``, ...,
   ``keys-dir`` and ``state-dir`` for its own participant (unprefixed), falling back to the run config.
+
+At most ``MAX_PARTICIPANTS`` simulated participants (``p0`` ... ``p7``: each is declared in
+``pyproject.toml``, since Flower rejects run-config keys the app does not declare).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from .batch import SamplingParams
+from .knobs import Knob, knob, knobs
 from .objective import ObjectiveConfig
 from .policies.config import PolicyConfig
 from .reverify import ReverifyConfig
@@ -25,71 +35,62 @@ from .tasks.suite import TaskSpec
 
 @dataclass(frozen=True)
 class FederationConfig:
-    """The schedule and the shared settings of a run.
+    """The schedule and the shared settings of a run: every field a run-config key (``knob``), plus
+    the objective's, the task suite's and the re-verification's keys in their own dataclasses."""
 
-    num_rounds [num-rounds]: rounds to run, >= 1.
-    scheme [scheme]: ``sync`` (the paper: phase 1 every participant generates and returns a signed
-        batch; phase 2 each receives its peers' batches of the same round and updates) or
-        ``pipelined`` (one exchange per round: each participant generates, then trains on its new
-        batch and its peers' batches of the previous round, which arrive with the same message).
-    min_participants [min-participants]: participants that must be connected before round 1 and
-        reply in a round for it to count as complete, >= 1.
-    wait_for_participants_s [wait-for-participants-s]: how long to wait for them to connect and
-        answer hello (their first message, which loads their model), > 0.
-    round_timeout_s [round-timeout-s]: per phase; a participant that has not replied by then is
-        treated as dropped for that round (the round finishes with the replies it has), > 0.
-    group_size [group-size]: G, completions per prompt, >= 2.
-    temperature / top_p / top_k / max_new_tokens [temperature, top-p, top-k, max-new-tokens]:
-        the sampling distribution every participant generates (and scores) with.
-    local_budget [local-budget]: own completions a participant trains on per round (0 = all).
-    peer_budget [peer-budget]: peers' completions the server relays to a participant per round, whole
-        signed batches only (0 = all).
-    wire_texts [wire-texts]: ``auto`` (send completion texts only when tokenizers differ in the run),
-        ``always`` or ``never``.
-    max_batch_tokens [max-batch-tokens]: larger batches are rejected (``too_large``), >= 1.
-    eval_every [eval-every]: greedy pass@1 on held-out ID/OOD sets before round 1 and every k
-        rounds and after the last (0 = never).
-    eval_size [eval-size]: prompts in the held-out ID set (the eval split of task-families), >= 1;
-        checked at start against the distinct problems the families have.
-    eval_ood_size [eval-ood-size]: prompts per OOD family set (five families), >= 0; 0 = eval_size.
-    eval_max_new_tokens [eval-max-new-tokens]: >= 1.
-    run_name [run-name]: the run id batches are signed for (kept across a resume), non-empty.
-    output_dir [output-dir]: results folder (metrics, plots, server state, participants' checkpoints
-        in simulation); relative paths are resolved against the SuperLink's working directory.
-    resume [resume]: continue from ``output_dir``'s saved state instead of starting fresh.
-    keys_dir [keys-dir]: folder with ``public/<participant>.pub`` (and, on each node, its own
-        ``private/<participant>.key``); '' = simulation: generate a fresh set in output_dir/keys.
-    threads [threads]: torch threads per participant process (0 = cores / participants).
-    worker_idle_timeout_s [worker-idle-timeout-s]: a participant process with no request for this
-        long exits (the end-of-run message normally stops it first), > 0.
-    seed [seed]: base seed of sampling (round and participant are mixed in), >= 0.
-    """
-
-    num_rounds: int = 3
-    scheme: str = "sync"
-    min_participants: int = 2
-    wait_for_participants_s: float = 120.0
-    round_timeout_s: float = 900.0
-    group_size: int = 4
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 32
-    local_budget: int = 0
-    peer_budget: int = 0
-    wire_texts: str = "auto"
-    max_batch_tokens: int = 1 << 20
-    eval_every: int = 0
-    eval_size: int = 32
-    eval_ood_size: int = 0
-    eval_max_new_tokens: int = 16
-    run_name: str = "ftis-fed"
-    output_dir: str = "outputs/default"
-    resume: bool = False
-    keys_dir: str = ""
-    threads: int = 0
-    worker_idle_timeout_s: float = 1800.0
-    seed: int = 0
+    num_rounds: int = knob("num-rounds", 3, "rounds to run, >= 1.")
+    scheme: str = knob("scheme", "sync", """
+        ``sync`` (the paper: phase 1 every participant generates and returns a signed batch; phase 2
+        each receives its peers' batches of the same round and updates) or ``pipelined`` (one
+        exchange per round: each participant generates, then trains on its new batch and its peers'
+        batches of the previous round, which arrive with the same message).""")
+    min_participants: int = knob("min-participants", 2, """
+        participants that must be connected before round 1 and reply in a round for it to count as
+        complete, >= 1 (in simulation at most the participants declared).""")
+    wait_for_participants_s: float = knob("wait-for-participants-s", 300.0, """
+        how long to wait for them to connect and answer hello (their first message, which loads
+        their model), > 0.""")
+    round_timeout_s: float = knob("round-timeout-s", 900.0, """
+        per phase; a participant that has not replied by then is treated as dropped for that round
+        (the round finishes with the replies it has), > 0.""")
+    group_size: int = knob("group-size", 4, "G, completions per prompt, >= 2.")
+    temperature: float = knob("temperature", 0.7, """
+        sampling temperature every participant generates (and scores) with, finite and > 0.""")
+    top_p: float = knob("top-p", 1.0, "nucleus sampling threshold, in (0, 1]; 1 disables it.")
+    top_k: int = knob("top-k", 0, "top-k sampling, >= 0; 0 disables it.")
+    max_new_tokens: int = knob("max-new-tokens", 24, """
+        the generation budget per completion, >= 1 (also Dr. GRPO's length-normalisation
+        constant).""")
+    local_budget: int = knob("local-budget", 0, "own completions a participant trains on per round (0 = all).")
+    peer_budget: int = knob("peer-budget", 0, """
+        peers' completions the server relays to a participant per round, whole signed batches only
+        (0 = all).""")
+    wire_texts: str = knob("wire-texts", "auto", """
+        ``auto`` (send completion texts only when tokenizers differ in the run), ``always`` or
+        ``never``.""")
+    max_batch_tokens: int = knob("max-batch-tokens", 1 << 20, "larger batches are rejected (``too_large``), >= 1.")
+    eval_every: int = knob("eval-every", 3, """
+        greedy pass@1 on held-out ID/OOD sets before round 1, every k rounds and after the last
+        (0 = never).""")
+    eval_size: int = knob("eval-size", 24, """
+        prompts in the held-out ID set (the eval split of task-families), >= 1; checked at start
+        against the distinct problems the families have.""")
+    eval_ood_size: int = knob("eval-ood-size", 8, "prompts per OOD family set (five families), >= 0; 0 = eval-size.")
+    eval_max_new_tokens: int = knob("eval-max-new-tokens", 16, "generation budget of the greedy evaluation, >= 1.")
+    run_name: str = knob("run-name", "ftis-fed", "the run id batches are signed for (kept across a resume), non-empty.")
+    output_dir: str = knob("output-dir", "outputs/default", """
+        results folder (metrics, plots, server state, participants' checkpoints in simulation);
+        relative paths are resolved against the SuperLink's working directory (``ftis-fed sim``
+        makes them absolute against the directory it is run from).""")
+    resume: bool = knob("resume", False, "continue from output-dir's saved state instead of starting fresh.")
+    keys_dir: str = knob("keys-dir", "", """
+        folder with ``public/<participant>.pub`` (and, on each node, its own
+        ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
+    threads: int = knob("threads", 0, "torch threads per participant process, >= 0 (0 = cores / participants).")
+    worker_idle_timeout_s: float = knob("worker-idle-timeout-s", 1800.0, """
+        a participant process with no request for this long exits (the end-of-run message normally
+        stops it first), > 0.""")
+    seed: int = knob("seed", 0, "base seed of sampling (round and participant are mixed in), >= 0.")
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     task: TaskSpec = field(default_factory=TaskSpec)
     reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
@@ -142,27 +143,28 @@ class FederationConfig:
 
 @dataclass(frozen=True)
 class ParticipantSpec:
-    """One participant: who it is, what it runs, where its keys and state live.
+    """One participant: who it is, what it runs (``policy``: its PolicyConfig), which task partition
+    it generates from (``partition_id`` of ``num_partitions``), where its keys and state live."""
 
-    name [participant]: its id (names its key files), ``[A-Za-z0-9][A-Za-z0-9._-]*``.
-    policy: its PolicyConfig (keys ``model``, ``backend``, ``adapter``, ``quant``, ``lr``, ...).
-    partition_id / num_partitions: which task partition it generates from.
-    keys_dir [keys-dir]: public keys of the run in ``public/``, its own key in ``private/``.
-    state_dir [state-dir]: where its checkpoint (trainable weights, optimizer, counters) goes.
-    local_budget [local-budget] / peer_budget [peer-budget]: this participant's budgets (default:
-        the run-wide values; see FederationConfig).
-    fault [fault]: fault injection for tests: '' or ``<raise|exit|hang>:<generate|learn|evaluate>:<round>``.
-    """
-
-    name: str
+    name: str = knob("participant", help="""
+        its id (names its key files), ``[A-Za-z0-9][A-Za-z0-9._-]*`` ('' = ``p<i>``).""",
+        run=False, per_participant=True)
     policy: PolicyConfig
     partition_id: int
     num_partitions: int
-    keys_dir: str
-    state_dir: str
-    fault: str = ""
-    local_budget: int = 0
-    peer_budget: int = 0
+    keys_dir: str = knob("keys-dir", help="""
+        public keys of the run in ``public/``, its own key in ``private/`` (node config; simulation:
+        the run-wide keys-dir).""", run=False)
+    state_dir: str = knob("state-dir", help="""
+        where its checkpoint (trainable weights, optimizer, counters) goes (node config; simulation:
+        output-dir/participants/<participant>).""", run=False)
+    fault: str = knob("fault", "", """
+        fault injection for tests: '' or ``<raise|exit|hang>:<generate|learn|evaluate>:<round>``.""",
+        run=False, per_participant=True)
+    local_budget: int = knob("local-budget", 0, "this participant's local-budget (default: the run-wide value).",
+                             run=False, per_participant=True)
+    peer_budget: int = knob("peer-budget", 0, "this participant's peer-budget (default: the run-wide value).",
+                            run=False, per_participant=True)
 
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.peer_budget < 0:
@@ -174,35 +176,79 @@ class ParticipantSpec:
                 raise ValueError(f"fault={self.fault!r}: must be '' or <raise|exit|hang>:<generate|learn|evaluate>:<round>")
 
 
-# ----------------------------------------------------------------------------- key tables
+# ----------------------------------------------------------------------------- key tables (derived)
+
+#: participants a simulation can declare: p0 ... p{MAX_PARTICIPANTS - 1}, each declared in pyproject.toml
+MAX_PARTICIPANTS = 8
 
 #: run-config key -> (section, field). section '' = FederationConfig itself.
-KEYS: dict[str, tuple[str, str]] = {
-    **{f.name.replace("_", "-"): ("", f.name) for f in dataclasses.fields(FederationConfig)
-       if f.name not in ("objective", "task", "reverify")},
-    "loss-mode": ("objective", "mode"), "ratio-level": ("objective", "ratio_level"),
-    "trunc-c": ("objective", "trunc_c"), "clip-eps": ("objective", "clip_eps"),
-    "filter-g": ("objective", "filter_g"), "kl-estimator": ("objective", "kl_estimator"),
-    "length-norm": ("objective", "length_norm"), "log-ratio-clamp": ("objective", "log_ratio_clamp"),
-    "advantage-groups": ("objective", "advantage_groups"), "scale-rewards": ("objective", "scale_rewards"),
-    "task-scheme": ("task", "scheme"), "task-families": ("task", "families"), "task-skew": ("task", "skew"),
-    "task-alpha": ("task", "alpha"), "task-seed": ("task", "seed"), "prompts-per-round": ("task", "prompts_per_round"),
-    "reverify-action": ("reverify", "action"), "reverify-tol": ("reverify", "tol"),
-    "reverify-max-disagreement": ("reverify", "max_disagreement"),
-    "reverify-disagree-weight": ("reverify", "disagree_weight"),
-    "reverify-on-unverifiable": ("reverify", "on_unverifiable"),
-    "reverify-quarantine-after": ("reverify", "quarantine_after"),
-}
+KEYS: dict[str, tuple[str, str]] = {k.key: (k.section, k.field) for k in knobs(FederationConfig)}
+#: participant key -> PolicyConfig field.
+POLICY_KEYS: dict[str, str] = {k.key: k.field for k in knobs(PolicyConfig)}
+#: every key a participant resolves (from p<i>-<key>, its node config or the run-wide value).
+PARTICIPANT_KEYS: tuple[str, ...] = (*(k.key for k in knobs(ParticipantSpec)), *POLICY_KEYS)
+#: keys declared per simulated participant as p<i>-<key>.
+PER_PARTICIPANT_KEYS: tuple[str, ...] = tuple(k.key for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig))
+                                              if k.per_participant)
 
-#: participant key -> PolicyConfig field (plus the ParticipantSpec keys handled apart).
-POLICY_KEYS: dict[str, str] = {
-    "model": "model", "backend": "backend", "adapter": "adapter", "quant": "quant", "lora-r": "lora_r",
-    "lora-alpha": "lora_alpha", "lora-dropout": "lora_dropout", "lr": "lr", "weight-decay": "weight_decay",
-    "max-grad-norm": "max_grad_norm", "micro-batch": "micro_batch", "logit-chunk": "logit_chunk",
-    "grad-checkpointing": "grad_checkpointing", "dtype": "dtype", "policy-seed": "seed", "model-id": "name",
-}
-PARTICIPANT_KEYS = ("participant", "fault", "keys-dir", "state-dir", "local-budget", "peer-budget", *POLICY_KEYS)
-MAX_PARTICIPANTS = 16
+
+def run_knobs() -> dict[str, Knob]:
+    """Every run-wide key (declared unprefixed in ``[tool.flwr.app.config]``) -> its declaration."""
+    out: dict[str, Knob] = {}
+    for k in (*knobs(FederationConfig), *knobs(PolicyConfig), *knobs(ParticipantSpec)):
+        if k.run:
+            if k.key in out:
+                raise RuntimeError(f"run-config key {k.key!r} is declared twice: {out[k.key].cls.__name__}."
+                                   f"{out[k.key].field} and {k.cls.__name__}.{k.field}")
+            out[k.key] = k
+    return out
+
+
+RUN_KNOBS = run_knobs()
+
+
+def inherit_value(key: str) -> Any:
+    """The ``p<i>-<key>`` value that means "the run-wide value": '' for strings, -1 for numbers."""
+    like = RUN_KNOBS[key].default if key in RUN_KNOBS else ""
+    if isinstance(like, bool) or not isinstance(like, (int, float)):
+        return ""
+    return -1.0 if isinstance(like, float) else -1
+
+
+def toml_default(k: Knob) -> Any:
+    """A declaration's default as written in ``[tool.flwr.app.config]`` (lists: comma-separated, ''
+    = the declared default)."""
+    return "" if isinstance(k.default, tuple) else k.default
+
+
+def declared_keys() -> set[str]:
+    """Every key ``[tool.flwr.app.config]`` must declare (and may: Flower rejects any other)."""
+    return set(RUN_KNOBS) | {f"p{i}-{k}" for i in range(MAX_PARTICIPANTS) for k in PER_PARTICIPANT_KEYS}
+
+
+def pyproject_disagreements(app_config: Mapping[str, Any]) -> list[str]:
+    """Every way ``[tool.flwr.app.config]`` (``app_config``) differs from the declarations: a key
+    missing, a key not declared, a default or a TOML type that differs, a participant slot beyond the
+    default federation that does not mean "the run-wide value". Empty when they agree."""
+    out = []
+    for key, k in RUN_KNOBS.items():
+        want = toml_default(k)
+        if key not in app_config:
+            out.append(f"{key}: declared by {k.cls.__name__}.{k.field} (default {want!r}) but missing")
+        elif type(app_config[key]) is not type(want) or app_config[key] != want:
+            out.append(f"{key}: {app_config[key]!r} in pyproject.toml, {want!r} declared by {k.cls.__name__}.{k.field}")
+    n = len(participant_names(app_config))
+    for i in range(MAX_PARTICIPANTS):
+        for key in PER_PARTICIPANT_KEYS:
+            pk, want = f"p{i}-{key}", inherit_value(key)
+            if pk not in app_config:
+                out.append(f"{pk}: missing (p0 ... p{MAX_PARTICIPANTS - 1} are each declared)")
+            elif type(app_config[pk]) is not type(want):
+                out.append(f"{pk}: {app_config[pk]!r} is not a {type(want).__name__} like {want!r}")
+            elif i >= n and app_config[pk] != want:
+                out.append(f"{pk}: {app_config[pk]!r} after the last participant; must be {want!r}")
+    out += [f"{key}: in pyproject.toml but not declared" for key in app_config if key not in declared_keys()]
+    return out
 
 
 def _key_of(field_name: str) -> str:
@@ -293,7 +339,8 @@ def participant_names(run_config: Mapping[str, Any]) -> list[str]:
 def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, Any],
                      fed: FederationConfig) -> ParticipantSpec:
     """This node's participant: from ``p<partition-id>-*`` run-config keys (simulation), or from
-    the node config's unprefixed keys (deployment, ``--node-config "participant=... model=..."``)."""
+    the node config's unprefixed keys (deployment, ``--node-config "participant=... model=..."``).
+    Bad values raise ValueError naming the key as it was set (``p2-lr=...`` or ``lr=...``)."""
     deployment = "participant" in node_config
     if deployment:
         pid = int(node_config.get("partition-id", 0))
@@ -301,6 +348,9 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
 
         def get(k: str, default: Any) -> Any:
             return _first_set(node_config.get(k), run_config.get(k), default)
+
+        def named(k: str) -> str:
+            return k
     else:
         if "partition-id" not in node_config:
             raise ValueError("node config has neither 'participant' (deployment) nor 'partition-id' (simulation)")
@@ -312,20 +362,139 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
 
         def get(k: str, default: Any) -> Any:
             return _first_set(run_config.get(f"p{pid}-{k}"), run_config.get(k), default)
+
+        def named(k: str) -> str:
+            return f"p{pid}-{k}" if _first_set(run_config.get(f"p{pid}-{k}"), None) is not None else k
     base = PolicyConfig()
     kwargs = {}
     for key, f in POLICY_KEYS.items():
         v = get(key, None)
         if v is not None:
-            kwargs[f] = _coerce(v, getattr(base, f), key)
+            kwargs[f] = _coerce(v, getattr(base, f), named(key))
+    try:
+        policy = PolicyConfig(**kwargs)
+    except ValueError as e:
+        msg = str(e)
+        for key, f in POLICY_KEYS.items():
+            msg = msg.replace(f"policy.{f}=", f"{named(key)}=")
+        raise ValueError(msg) from None
     name = str(get("participant", "") or f"p{pid}")
     out = Path(fed.output_dir).resolve()
     keys_dir = str(Path(get("keys-dir", "") or fed.keys_dir or out / "keys").resolve())
     state_dir = str(Path(get("state-dir", "") or out / "participants" / name).resolve())
-    return ParticipantSpec(name=name, policy=PolicyConfig(**kwargs), partition_id=pid, num_partitions=n,
+    return ParticipantSpec(name=name, policy=policy, partition_id=pid, num_partitions=n,
                            keys_dir=keys_dir, state_dir=state_dir, fault=str(get("fault", "")),
-                           local_budget=_coerce(get("local-budget", fed.local_budget), 0, "local-budget"),
-                           peer_budget=_coerce(get("peer-budget", fed.peer_budget), 0, "peer-budget"))
+                           local_budget=_coerce(get("local-budget", fed.local_budget), 0, named("local-budget")),
+                           peer_budget=_coerce(get("peer-budget", fed.peer_budget), 0, named("peer-budget")))
+
+
+# ----------------------------------------------------------------------------- validation before a run
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def offline_model_names() -> list[str]:
+    """The registered offline models (``policies.models.OFFLINE_MODELS``, derived ones included)."""
+    from .policies import models
+
+    try:
+        from .policies import derived  # noqa: F401  (registers the derived models)
+    except ImportError:
+        pass
+    return sorted(models.OFFLINE_MODELS)
+
+
+def check_model(value: str, key: str = "model", participant: str = "") -> None:
+    """Cheap check that a participant's ``model`` resolves without a hub: a registered offline name,
+    an existing local model folder, or a hub id already in the local Hugging Face cache. Nothing is
+    built or loaded. Raises ValueError, one line naming the key (e.g. ``p3-model``), the value, the
+    participant and the offline names."""
+    names = offline_model_names()
+    if value in names:
+        return
+    offline = f"offline models: {', '.join(names)}"
+    who = f"{key}={value!r}" + (f" (participant {participant})" if participant else "")
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if (path / "config.json").exists() or (path / "adapter_config.json").exists():
+            return
+        raise ValueError(f"{who}: the folder has no config.json (not a model folder); {offline}")
+    if path.exists():
+        raise ValueError(f"{who}: not a model folder (a file); {offline}")
+    if _HUB_ID.match(value) and not value.startswith("."):
+        if _in_hub_cache(value):
+            return
+        offline_mode = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        why = "HF_HUB_OFFLINE is set" if offline_mode else "this run checks models before it starts, offline"
+        raise ValueError(f"{who}: a hub id that is not in the local Hugging Face cache ({why}): "
+                         f"download it first (huggingface-cli download {value}) or give a local folder; {offline}")
+    if "/" in value or value.startswith(("~", ".")):
+        raise ValueError(f"{who}: no such model folder; {offline}")
+    raise ValueError(f"{who}: unknown model (not an offline model, a local folder or a hub id); {offline}")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    try:
+        got = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:                                    # malformed id, unreadable cache: not there
+        return False
+    return isinstance(got, str)
+
+
+def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | None = None,
+                        explicit: Collection[str] = ()) -> FederationConfig:
+    """The whole run configuration checked before anything starts (launcher and ServerApp): every key
+    declared, every value within its limits, every simulated participant's spec built and its model
+    resolvable offline. Raises ValueError with one line naming the key, the value and the limit.
+
+    ``check_models``: None = only in simulation (``keys-dir`` = ''), where participants' models are
+    loaded on this machine; in deployment each SuperNode names its own model. ``explicit``: the keys
+    the user set (the launcher knows them): a ``p<i>-model`` among them after the end of the list is
+    an error (it would be ignored); one from pyproject's default federation after a preset's end is not."""
+    declared = declared_keys()
+    for key in run_config:
+        if key not in declared:
+            m = re.match(r"^p(\d+)-(.+)$", key)
+            if m and int(m.group(1)) >= MAX_PARTICIPANTS and m.group(2) in PER_PARTICIPANT_KEYS:
+                raise ValueError(f"{key}: at most {MAX_PARTICIPANTS} participants (p0 ... p{MAX_PARTICIPANTS - 1}; "
+                                 "MAX_PARTICIPANTS in ftis_fed/config.py)")
+            raise ValueError(f"{key}: not a run-config key (see docs/configuration.md)")
+    fed = federation_from_run_config(run_config)
+    names = participant_names(run_config)
+    for i in range(len(names) + 1, MAX_PARTICIPANTS):
+        if f"p{i}-model" in explicit and str(run_config.get(f"p{i}-model", "")).strip():
+            raise ValueError(f"p{i}-model={run_config[f'p{i}-model']!r}: ignored, because p{len(names)}-model is '' "
+                             "(an empty p<i>-model ends the list of participants); number them without gaps")
+    simulation = not fed.keys_dir
+    if simulation and not names:
+        raise ValueError("p0-model='': no participants (set p0-model, p1-model, ...)")
+    if simulation and fed.min_participants > len(names):
+        raise ValueError(f"min-participants={fed.min_participants}: more than the {len(names)} participants "
+                         f"declared (p0-model ... p{len(names) - 1}-model)")
+    from .signing import check_participant
+
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        try:
+            check_participant(name)
+        except ValueError:
+            raise ValueError(f"p{i}-participant={name!r}: must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}} "
+                             "(it names the key files)") from None
+        if name in seen:
+            raise ValueError(f"p{i}-participant={name!r}: the same name as p{seen[name]}; names must be distinct")
+        seen[name] = i
+        try:
+            spec = participant_spec(run_config, {"partition-id": i, "num-partitions": len(names)}, fed)
+        except ValueError as e:
+            head, sep, tail = str(e).partition(": ")
+            raise ValueError(f"{head} (participant {name}){sep}{tail}") from None
+        if check_models if check_models is not None else simulation:
+            check_model(spec.policy.model, f"p{i}-model", name)
+    return fed
 
 
 def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> tuple[dict, dict]:
@@ -350,63 +519,60 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def _docstring_entries(cls) -> dict[str, str]:
-    """'[key]: text' entries of a config dataclass docstring -> {key: text} (continuation lines joined).
-    An entry may document several keys: 'a [k1] / b [k2]: text'."""
-    import re
+# ----------------------------------------------------------------------------- reference (docs/configuration.md)
 
-    out: dict[str, str] = {}
-    current: list[str] = []
-    text: list[str] = []
-    for line in (cls.__doc__ or "").splitlines():
-        m = re.match(r"^\s{4}(\S.*?\[[a-z0-9-]+(?:, [a-z0-9-]+)*\].*?):\s*(.*)$", line)
-        if m and "[" in m.group(1):
-            for k in current:
-                out.setdefault(k, " ".join(text))
-            keys = re.findall(r"\[([a-z0-9, -]+)\]", m.group(1))
-            current = [k.strip() for group in keys for k in group.split(",")]
-            text = [m.group(2).strip()]
-        elif current and line.startswith("        "):
-            text.append(line.strip())
-        else:
-            for k in current:
-                out.setdefault(k, " ".join(text))
-            current, text = [], []
-    for k in current:
-        out.setdefault(k, " ".join(text))
-    return out
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
 
 
-def config_reference(run_config: Mapping[str, Any]) -> str:
-    """Markdown table of every run-config key: default (from ``run_config``, i.e. pyproject) and
-    meaning (from the dataclass docstrings). ``python -m ftis_fed.config`` prints it."""
-    docs: dict[str, str] = {}
-    for cls in (FederationConfig, ObjectiveConfig, TaskSpec, ReverifyConfig, PolicyConfig, ParticipantSpec):
-        for k, v in _docstring_entries(cls).items():
-            docs.setdefault(k, v)
-    docs["model-id"] = docs.get("model-id", "label recorded in batches as the generator's model id")
-    lines = ["| key | default | meaning |", "|---|---|---|"]
-    for key, value in run_config.items():
-        m = __import__("re").match(r"^p(\d+)-(.+)$", key)
-        if m:
-            continue
-        lines.append(f"| `{key}` | `{value!r}` | {docs.get(key, '')} |")
-    per = sorted({__import__("re").sub(r"^p\d+-", "", k) for k in run_config if __import__("re").match(r"^p\d+-", k)})
-    lines += ["", "Per participant (simulation), for i = 0, 1, ...: `p<i>-<key>` with <key> one of "
-              + ", ".join(f"`{k}`" for k in per) + " (\"\" or -1 = the run-wide value; `p<i>-model = \"\"` ends "
-              "the list). Deployment: the same keys, unprefixed, in the SuperNode's `--node-config`, plus "
-              "`partition-id` and `num-partitions`.", ""]
-    for k in per:
-        if k in docs:
-            lines.append(f"- `{k}`: {docs[k]}")
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+_SECTIONS = {"": "Schedule, generation, budgets, evaluation (`FederationConfig`, ftis_fed/config.py)",
+             "objective": "Objective (`ObjectiveConfig`, ftis_fed/objective.py)",
+             "task": "Tasks (`TaskSpec`, ftis_fed/tasks/suite.py)",
+             "reverify": "Re-verification of claimed rewards (`ReverifyConfig`, ftis_fed/reverify.py)"}
+
+
+def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
+    """Markdown reference of every key, from the declarations alone (``run_config`` is ignored; kept
+    for callers). ``python -m ftis_fed.config`` prints docs/configuration.md."""
+    lines = ["# Configuration reference", "",
+             "Generated by `python -m ftis_fed.config > docs/configuration.md` from the declarations "
+             "(`knob(...)` fields of the config dataclasses); `tests/test_config.py` checks that this file "
+             "is current and that `pyproject.toml` `[tool.flwr.app.config]` declares every key below with "
+             "the same default. Override any key with `ftis-fed sim --run-config \"key=value ...\"` (or "
+             "`flwr run . --run-config ...`); the whole configuration is checked before a run starts.", ""]
+    fed_knobs = list(knobs(FederationConfig))
+    for section, title in _SECTIONS.items():
+        lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [f"| `{k.key}` | `{_toml(toml_default(k))}` | {_cell(k.help)} |"
+                  for k in fed_knobs if k.section == section and k.run]
+        lines.append("")
+    lines += ["## Every participant's policy (`PolicyConfig`, ftis_fed/policies/config.py)", "",
+              "Run-wide defaults; `p<i>-<key>` overrides them per participant where listed below.", "",
+              "| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{k.key}` | `{_toml(toml_default(k))}` | {_cell(k.help)} |" for k in knobs(PolicyConfig) if k.run]
+    per = [k for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig)) if k.per_participant]
+    lines += ["", "## Participants", "",
+              f"Simulation: up to {MAX_PARTICIPANTS} participants, `p0` ... `p{MAX_PARTICIPANTS - 1}` (all declared "
+              "in `pyproject.toml`: Flower rejects undeclared run-config keys), one simulated SuperNode each. "
+              "Participant i reads `p<i>-<key>` for the keys below (`\"\"` or `-1` = the run-wide value); "
+              "`p<i>-model = \"\"` ends the list, so number them without gaps. Before the run starts each "
+              "participant's settings are built and its `model` must resolve offline (a registered offline "
+              "model, a local model folder, or a hub id already in the local Hugging Face cache).", ""]
+    lines += [f"- `p<i>-{k.key}`: {k.help}" for k in per]
+    node_only = [k for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig)) if not k.run and not k.per_participant]
+    lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
+              "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]
+    lines += [f"- `{k.key}`: {k.help}" for k in node_only]
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":  # pragma: no cover - documentation generator
-    import sys
-    import tomllib
-
-    cfg = tomllib.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "pyproject.toml").read_text())
-    print("# Configuration reference\n\nGenerated by `python -m ftis_fed.config` from `pyproject.toml` and the "
-          "config dataclasses' docstrings (`tests/test_config.py` checks it is current).\n")
-    print(config_reference(cfg["tool"]["flwr"]["app"]["config"]))
+    print(config_reference(), end="")

@@ -29,44 +29,40 @@ from typing import Callable
 
 import torch
 
+from .knobs import knob
+
 Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    """Knobs of the objective; each is a Flower run-config key (kebab-case in brackets).
+    """Knobs of the objective; each field is a Flower run-config key (declared with ``knob``)."""
 
-    mode [loss-mode]: one of ``MODES``: alone, noIS, VIS, TIS, F-noIS, F-VIS, F-TIS (default).
-    ratio_level [ratio-level]: ``token`` (default, the paper) or ``sequence`` (one ratio per
-        completion: exp of the summed log-ratio). Cross-tokenizer samples always use ``sequence``.
-    trunc_c [trunc-c]: C, the truncation cap of the importance weight; > 0, ``inf`` disables (2.0).
-    clip_eps [clip-eps]: eps of the PPO clip, in [0, 1) (0.2).
-    filter_g [filter-g]: g, the KL threshold above which negative-advantage samples are dropped;
-        > 0, ``inf`` disables (50.0, meaningful for the default summed estimator).
-    kl_estimator [kl-estimator]: ``sum-k1`` (default), ``sum-k3``, ``mean-k1``, ``mean-k3``: how the
-        per-sample KL(pi_gen || pi_theta) is estimated from per-token log-ratios d = log pi_gen - log
-        pi_theta (k1 = d, k3 = exp(-d) - 1 + d); the FTIS.md default is the sum of k1.
-    length_norm [length-norm]: ``sequence`` (GRPO: each completion's token sum / its length, then mean
-        over completions), ``constant`` (Dr. GRPO: token sum / (N * norm_constant)), ``token`` (DAPO:
-        token sum / number of tokens).
-    norm_constant [max-new-tokens]: the Dr. GRPO constant (the generation budget), >= 1.
-    log_ratio_clamp [log-ratio-clamp]: |log-ratio| is clamped to this before exp (20.0).
-    advantage_groups [advantage-groups]: ``vertical`` (each sender's G completions of a prompt form a
-        group, the paper's default) or ``horizontal`` (all senders' completions of the same task).
-    scale_rewards [scale-rewards]: ``group`` (divide by the group std, GRPO) or ``none`` (Dr. GRPO).
-    """
-
-    mode: str = "F-TIS"
-    ratio_level: str = "token"
-    trunc_c: float = 2.0
-    clip_eps: float = 0.2
-    filter_g: float = 50.0
-    kl_estimator: str = "sum-k1"
-    length_norm: str = "sequence"
+    mode: str = knob("loss-mode", "F-TIS", "one of ``MODES``: alone, noIS, VIS, TIS, F-noIS, F-VIS, F-TIS (default).")
+    ratio_level: str = knob("ratio-level", "token", """
+        ``token`` (default, the paper) or ``sequence`` (one ratio per completion: exp of the summed
+        log-ratio). Cross-tokenizer samples always use ``sequence``.""")
+    trunc_c: float = knob("trunc-c", 2.0, "C, the truncation cap of the importance weight; > 0, ``inf`` disables.")
+    clip_eps: float = knob("clip-eps", 0.2, "eps of the PPO clip, in [0, 1).")
+    filter_g: float = knob("filter-g", 50.0, """
+        g, the KL threshold above which negative-advantage samples are dropped; > 0, ``inf``
+        disables (50.0 is meaningful for the default summed estimator).""")
+    kl_estimator: str = knob("kl-estimator", "sum-k1", """
+        ``sum-k1`` (default), ``sum-k3``, ``mean-k1``, ``mean-k3``: how the per-sample
+        KL(pi_gen || pi_theta) is estimated from per-token log-ratios d = log pi_gen - log pi_theta
+        (k1 = d, k3 = exp(-d) - 1 + d); the FTIS.md default is the sum of k1.""")
+    length_norm: str = knob("length-norm", "sequence", """
+        ``sequence`` (GRPO: each completion's token sum / its length, then mean over completions),
+        ``constant`` (Dr. GRPO: token sum / (N * norm_constant)), ``token`` (DAPO: token sum / number
+        of tokens).""")
+    #: the Dr. GRPO constant (the generation budget), >= 1; set from ``max-new-tokens`` by the run config
     norm_constant: int = 128
-    log_ratio_clamp: float = 20.0
-    advantage_groups: str = "vertical"
-    scale_rewards: str = "group"
+    log_ratio_clamp: float = knob("log-ratio-clamp", 20.0, "|log-ratio| is clamped to this before exp, finite and > 0.")
+    advantage_groups: str = knob("advantage-groups", "vertical", """
+        ``vertical`` (each sender's G completions of a prompt form a group, the paper's default) or
+        ``horizontal`` (all senders' completions of the same task).""")
+    scale_rewards: str = knob("scale-rewards", "group",
+                              "``group`` (divide by the group std, GRPO) or ``none`` (Dr. GRPO).")
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, limit: str) -> None:

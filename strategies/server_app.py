@@ -9,7 +9,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from ftis_fed.config import federation_from_run_config, participant_names
+from ftis_fed.config import participant_names, validate_run_config
 from ftis_fed.signing import generate_keypair, key_paths, load_key_directory
 
 from .relay import RelayStrategy
@@ -32,7 +32,7 @@ def prepare_keys(keys_dir: str, output_dir: Path, names: list[str]) -> Path:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     run_config = dict(context.run_config)
-    fed = federation_from_run_config(run_config)
+    fed = validate_run_config(run_config)           # the whole config, participants' models included, first
     out = Path(fed.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     keys = prepare_keys(fed.keys_dir, out, participant_names(run_config))

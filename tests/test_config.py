@@ -9,27 +9,71 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config import (KEYS, PARTICIPANT_KEYS, POLICY_KEYS, config_reference, federation_from_run_config,
-                             participant_names, participant_spec)
+from ftis_fed.config import (KEYS, MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS,
+                             RUN_KNOBS, check_model, config_reference, federation_from_run_config,
+                             offline_model_names, participant_names, participant_spec, pyproject_disagreements,
+                             validate_run_config)
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 
 
-def test_every_declared_key_is_used_and_documented():
+def test_pyproject_declares_every_key_with_its_declared_default():
+    assert pyproject_disagreements(RUN_CONFIG) == []
     for key in RUN_CONFIG:
         base = re.sub(r"^p\d+-", "", key)
         assert key in KEYS or base in POLICY_KEYS or base in PARTICIPANT_KEYS, key
-    table = config_reference(RUN_CONFIG)
-    for key in RUN_CONFIG:
-        if not re.match(r"^p\d+-", key):
-            row = next(line for line in table.splitlines() if line.startswith(f"| `{key}` |"))
-            assert not row.rstrip().endswith("|  |"), f"{key} has no description"
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"max-new-tokens": 32}, "max-new-tokens: 32 in pyproject.toml, 24 declared by FederationConfig.max_new_tokens"),
+    ({"prompts-per-round": 8}, "prompts-per-round: 8 in pyproject.toml, 4 declared by TaskSpec.prompts_per_round"),
+    ({"wait-for-participants-s": 300}, "wait-for-participants-s: 300 in pyproject.toml, 300.0 declared"),
+    ({"lr": None}, "lr: declared by PolicyConfig.lr (default 0.0) but missing"),
+    ({"num-round": 3}, "num-round: in pyproject.toml but not declared"),
+    ({"p7-fault": None}, "p7-fault: missing"),
+    ({"p6-lr": 1e-4}, "p6-lr: 0.0001 after the last participant; must be -1.0"),
+])
+def test_a_disagreement_between_pyproject_and_the_declarations_is_named(change, expected):
+    cfg = {**RUN_CONFIG, **{k: v for k, v in change.items() if v is not None}}
+    for k in [k for k, v in change.items() if v is None]:
+        del cfg[k]
+    assert any(expected in d for d in pyproject_disagreements(cfg)), pyproject_disagreements(cfg)
 
 
 def test_configuration_doc_is_current():
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    assert config_reference(RUN_CONFIG) in doc, "regenerate: python -m ftis_fed.config > docs/configuration.md"
+    assert doc == config_reference(), "regenerate: python -m ftis_fed.config > docs/configuration.md"
+    for key, k in RUN_KNOBS.items():
+        assert f"| `{key}` |" in doc and k.help, key
+    for key in PER_PARTICIPANT_KEYS:
+        assert f"- `p<i>-{key}`:" in doc
+
+
+def test_participant_limit_is_one_number_that_holds():
+    assert MAX_PARTICIPANTS == 8
+    assert {f"p{i}-model" for i in range(MAX_PARTICIPANTS)} <= set(RUN_CONFIG)
+    assert f"p{MAX_PARTICIPANTS}-model" not in RUN_CONFIG
+    tiny = {**RUN_CONFIG, **{f"p{i}-participant": f"n{i}" for i in range(MAX_PARTICIPANTS)},
+            **{f"p{i}-model": "tiny-llama" for i in range(MAX_PARTICIPANTS)},
+            **{f"p{i}-adapter": "full" for i in range(MAX_PARTICIPANTS)},
+            **{f"p{i}-quant": "none" for i in range(MAX_PARTICIPANTS)}}
+    assert len(participant_names(tiny)) == MAX_PARTICIPANTS
+    validate_run_config(tiny)
+    with pytest.raises(ValueError, match=rf"p{MAX_PARTICIPANTS}-model: at most {MAX_PARTICIPANTS} participants"):
+        validate_run_config({**tiny, f"p{MAX_PARTICIPANTS}-model": "tiny-llama"})
+    from ftis_fed.launch import layered_overrides
+
+    with pytest.raises(ValueError, match=rf"p{MAX_PARTICIPANTS}-model .*at most {MAX_PARTICIPANTS} participants"):
+        layered_overrides(ROOT, [f'p{MAX_PARTICIPANTS}-model="smollm2"'])
+
+
+def test_flower_toml_simulates_one_supernode_per_default_participant():
+    links = tomllib.loads((ROOT / "flower.toml").read_text())["superlink"]
+    opts = links["local-sim"]["options"]
+    n = len(participant_names(RUN_CONFIG))
+    assert opts["num-supernodes"] == n
+    assert opts["backend"]["client-resources"]["num-cpus"] == 1 and opts["backend"]["init-args"]["num-cpus"] == n
 
 
 def test_defaults_build_the_heterogeneous_federation():
@@ -66,6 +110,7 @@ def test_deployment_node_config_wins():
 
 @pytest.mark.parametrize("key,value,message", [
     ("num-rounds", 0, "num-rounds=0: must be >= 1"),
+    ("num-rounds", -1, "num-rounds=-1: must be >= 1"),
     ("trunc-c", -1.0, "trunc-c=-1.0: must be > 0"),
     ("loss-mode", "FTIS", "loss-mode='FTIS': must be one of"),
     ("group-size", 1, "group-size=1: must be >= 2"),
@@ -73,11 +118,73 @@ def test_deployment_node_config_wins():
     ("scheme", "async", "scheme='async': must be 'sync' or 'pipelined'"),
     ("resume", "maybe", "resume='maybe': must be true or false"),
     ("num-rounds", 2.5, "num-rounds=2.5: must be an integer"),
+    ("wait-for-participants-s", 0.0, "wait-for-participants-s=0.0: must be > 0"),
+    ("prompts-per-round", 0, "prompts-per-round=0: must be an integer >= 1"),
+    ("reverify-max-disagreement", 1.0, "reverify-max-disagreement=1.0: must be in [0, 1)"),
+    ("min-participants", 5, "min-participants=5: more than the 4 participants declared"),
+    ("p1-lr", -3.0, "p1-lr=-3.0 (participant smol-lora): must be >= 0"),
+    ("p0-dtype", "fp8", "p0-dtype='fp8' (participant smol-full): must be 'auto', 'fp32' or 'bf16'"),
+    ("lora-r", 0, "lora-r=0 (participant smol-full): must be >= 1"),
+    ("p1-participant", "smol-full", "p1-participant='smol-full': the same name as p0"),
+    ("p2-participant", "../x", "p2-participant='../x': must match"),
+    ("num-rouns", 3, "num-rouns: not a run-config key"),
 ])
 def test_bad_values_name_the_key_and_the_limit(key, value, message):
     with pytest.raises(ValueError) as e:
-        federation_from_run_config({**RUN_CONFIG, key: value})
-    assert message in str(e.value)
+        validate_run_config({**RUN_CONFIG, key: value})
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_participant_set_after_the_end_of_the_list_is_named():
+    cfg = {**RUN_CONFIG, "p5-model": "smollm2"}
+    with pytest.raises(ValueError, match=r"^p5-model='smollm2': ignored, because p4-model is ''"):
+        validate_run_config(cfg, explicit={"p5-model"})
+    # pyproject's default participants after a shorter list's end (a preset's p2-model = "") are fine
+    assert len(participant_names({**RUN_CONFIG, "p2-model": ""})) == 2
+    validate_run_config({**RUN_CONFIG, "p2-model": ""}, explicit={"p2-model"})
+
+
+def test_unknown_model_is_one_line_naming_participant_value_and_offline_names():
+    names = offline_model_names()
+    assert {"smollm2", "smollm2-bpe8k", "tiny-llama"} <= set(names)
+    with pytest.raises(ValueError) as e:
+        validate_run_config({**RUN_CONFIG, "p2-model": "smollm3"})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("p2-model='smollm3' (participant smol-qlora): unknown model")
+    assert "offline models: " + ", ".join(names) in msg
+    with pytest.raises(ValueError, match=r"^p0-model='\./no/such' \(participant smol-full\): no such model folder"):
+        validate_run_config({**RUN_CONFIG, "p0-model": "./no/such"})
+
+
+def test_hub_ids_pass_only_from_the_local_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as e:
+        check_model("org/some-model", "p1-model", "bob")
+    assert str(e.value).startswith("p1-model='org/some-model' (participant bob): a hub id that is not in the local "
+                                   "Hugging Face cache (HF_HUB_OFFLINE is set)")
+    snap = tmp_path / "hub" / "models--org--some-model" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--some-model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--some-model" / "refs" / "main").write_text("abc123")
+    check_model("org/some-model", "p1-model", "bob")                  # cached: fine, nothing downloaded
+
+
+def test_a_local_model_folder_needs_a_config(tmp_path):
+    with pytest.raises(ValueError, match="the folder has no config.json"):
+        check_model(str(tmp_path), "p0-model")
+    (tmp_path / "config.json").write_text("{}")
+    check_model(str(tmp_path), "p0-model")
+
+
+def test_deployment_run_config_does_not_check_models_on_the_server():
+    cfg = {**RUN_CONFIG, "keys-dir": "/srv/keys", "p0-model": "/only/on/the/node"}
+    assert validate_run_config(cfg).keys_dir == "/srv/keys"
+    with pytest.raises(ValueError, match="no such model folder"):
+        validate_run_config(cfg, check_models=True)
 
 
 def test_infinite_thresholds_are_accepted():
@@ -112,7 +219,7 @@ def test_every_preset_is_a_valid_federation(name):
     items = expand_run_config(ROOT, [], preset=name)
     cfg = merged_run_config(ROOT, parse_overrides(items))
     assert cfg["output-dir"] == f"outputs/{name}"                     # presets never overwrite each other
-    fed = federation_from_run_config(cfg)
+    fed = validate_run_config(cfg)                                      # what the launcher checks first
     names = participant_names(cfg)
     assert len(names) >= 2 and len(set(names)) == len(names)
     for pid in range(len(names)):

@@ -1,58 +1,58 @@
 """PolicyConfig: what model a participant runs and how it trains. Every field is a run/node-config
-key (kebab-case in brackets); participants in simulation read ``p<i>-<key>`` from the run config,
+key declared with ``knob``; participants in simulation read ``p<i>-<key>`` from the run config,
 SuperNodes read ``<key>`` from their node config (see ``ftis_fed.config``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..knobs import knob
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """
-    model [model]: ``smollm2`` (offline, default), another registered offline model (see
-        ``policies.models.OFFLINE_MODELS``), a local directory, or a hub id (needs a hub).
-    backend [backend]: ``hf`` (transformers generate + train) or ``vllm`` (vLLM generates, the HF
-        model trains; weights refreshed after each update; optional extra).
-    adapter [adapter]: ``full`` (all weights train) or ``lora`` (peft LoraConfig on all linear layers).
-    quant [quant]: ``none``, ``4bit`` (NF4, QLoRA) or ``8bit`` (LLM.int8); quantized models need
-        adapter=lora. bitsandbytes is an optional extra (``ftis-fed[quant]``).
-    lora_r [lora-r] / lora_alpha [lora-alpha] / lora_dropout [lora-dropout]: LoRA rank (>=1),
-        scaling alpha (>0) and dropout in [0, 1).
-    lr [lr]: AdamW learning rate (> 0). The paper uses 1e-6 for 1.5B-3B full fine-tuning; small
-        models and LoRA need more (defaults: 1e-5 full, 2e-4 LoRA when lr = 0 = "auto").
-    weight_decay [weight-decay]: AdamW weight decay (>= 0).
-    max_grad_norm [max-grad-norm]: gradient clipping norm (> 0; inf disables).
-    micro_batch [micro-batch]: completions per forward/backward (>= 1); memory scales with it.
-    logit_chunk [logit-chunk]: completion positions per LM-head chunk (>= 1); see scoring.py.
-    grad_checkpointing [grad-checkpointing]: recompute each decoder layer's activations in the
-        backward pass instead of keeping them (transformers' gradient checkpointing; TRL's default).
-        SmolLM2-135M, 8 x 8 x 64-token step: peak RSS 4.6 -> 3.6 GB; costs up to ~30 % training time
-        on short completions (the default federation), so off by default.
-    dtype [dtype]: ``fp32`` (default: recorded and recomputed log-probs agree to 1e-4), ``bf16``
-        (autocast; weights and optimizer stay fp32; ~0.03 nats/token generation-vs-training
-        mismatch that the importance weights then absorb) or ``auto`` (bf16 on CUDA or a CPU with
-        AVX512-BF16/AMX, else fp32).
-    seed [policy-seed]: torch seed for the initialisation of adapters.
-    name [model-id]: label recorded in batches as the generator's model id ('' = derived).
-    """
+    """What model a participant runs and how it trains. Each field is a run-config key (``knob``):
+    run-wide in ``[tool.flwr.app.config]``, per participant as ``p<i>-<key>`` where declared so, and
+    unprefixed in a SuperNode's ``--node-config``."""
 
-    model: str = "smollm2"
-    backend: str = "hf"
-    adapter: str = "full"
-    quant: str = "none"
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.0
-    lr: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    micro_batch: int = 8
-    logit_chunk: int = 32
-    grad_checkpointing: bool = False
-    dtype: str = "fp32"
-    seed: int = 0
-    name: str = ""
+    model: str = knob("model", "smollm2", """
+        ``smollm2`` (offline, default), another registered offline model (see
+        ``policies.models.OFFLINE_MODELS``), a local model folder, or a hub id (needs a hub, or the
+        model in the local Hugging Face cache). Checked before the run starts; ``p<i>-model = ""``
+        ends the list of simulated participants.""", run=False, per_participant=True)
+    backend: str = knob("backend", "hf", """
+        ``hf`` (transformers generate + train) or ``vllm`` (vLLM generates, the HF model trains;
+        weights refreshed after each update; optional extra).""")
+    adapter: str = knob("adapter", "full", """
+        ``full`` (all weights train) or ``lora`` (peft LoraConfig on all linear layers).""",
+        per_participant=True)
+    quant: str = knob("quant", "none", """
+        ``none``, ``4bit`` (NF4, QLoRA) or ``8bit`` (LLM.int8); quantized models need adapter=lora.
+        bitsandbytes is an optional extra (``ftis-fed[quant]``).""", per_participant=True)
+    lora_r: int = knob("lora-r", 16, "LoRA rank, >= 1.")
+    lora_alpha: float = knob("lora-alpha", 32.0, "LoRA scaling alpha, > 0.")
+    lora_dropout: float = knob("lora-dropout", 0.0, "LoRA dropout, in [0, 1).")
+    lr: float = knob("lr", 0.0, """
+        AdamW learning rate, >= 0. The paper uses 1e-6 for 1.5B-3B full fine-tuning; small models
+        and LoRA need more (0 = auto: 1e-5 full, 2e-4 LoRA).""", per_participant=True)
+    weight_decay: float = knob("weight-decay", 0.0, "AdamW weight decay, >= 0.")
+    max_grad_norm: float = knob("max-grad-norm", 1.0, "gradient clipping norm, > 0 (inf disables).")
+    micro_batch: int = knob("micro-batch", 8, "completions per forward/backward, >= 1; memory scales with it.")
+    logit_chunk: int = knob("logit-chunk", 32, "completion positions per LM-head chunk, >= 1; see scoring.py.")
+    grad_checkpointing: bool = knob("grad-checkpointing", False, """
+        recompute each decoder layer's activations in the backward pass instead of keeping them
+        (transformers' gradient checkpointing; TRL's default). SmolLM2-135M, 8 x 8 x 64-token step:
+        peak RSS 4.6 -> 3.6 GB; costs up to ~30 % training time on short completions (the default
+        federation), so off by default.""")
+    dtype: str = knob("dtype", "fp32", """
+        ``fp32`` (default: recorded and recomputed log-probs agree to 1e-4), ``bf16`` (autocast;
+        weights and optimizer stay fp32; ~0.03 nats/token generation-vs-training mismatch that the
+        importance weights then absorb) or ``auto`` (bf16 on CUDA or a CPU with AVX512-BF16/AMX, else
+        fp32).""", per_participant=True)
+    seed: int = knob("policy-seed", 0, "torch seed for the initialisation of adapters.")
+    name: str = knob("model-id", "", """
+        label recorded in batches as the generator's model id ('' = derived from model, quant and
+        adapter); deployment node config only.""", run=False)
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, limit: str) -> None:

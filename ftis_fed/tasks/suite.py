@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..knobs import knob
 from ..policies.base import Prompt
 from .families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
 
@@ -118,24 +119,18 @@ def make_tasks(family: str, split: str, n: int, seed: int = 0, distinct: bool = 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """What a participant trains on; each field is a Flower run-config key (kebab-case in brackets).
+    """What a participant trains on; each field is a Flower run-config key (``knob``)."""
 
-    scheme [task-scheme]: how the ID sub-families are split among participants, one of ``SCHEMES``
-        (``iid`` default).
-    families [task-families]: the in-distribution sub-families to mix (default ``ID_FAMILIES``).
-    skew [task-skew]: ``expertise`` only: share of a participant's prompts from its own sub-family,
-        in [0, 1] (1.0: only its own; 1/len(families): IID).
-    alpha [task-alpha]: ``dirichlet`` only: concentration, > 0 (0.5; smaller = more skewed).
-    seed [task-seed]: seeds instances and mixtures, >= 0 (0).
-    prompts_per_round [prompts-per-round]: k, prompts a participant generates per round, >= 1 (8).
-    """
-
-    scheme: str = "iid"
-    families: tuple[str, ...] = ID_FAMILIES
-    skew: float = 1.0
-    alpha: float = 0.5
-    seed: int = 0
-    prompts_per_round: int = 8
+    scheme: str = knob("task-scheme", "iid", "how the ID sub-families are split among participants, one of "
+                       "``SCHEMES``: iid, expertise, dirichlet, shared.")
+    families: tuple[str, ...] = knob("task-families", ID_FAMILIES,
+                                     'comma-separated in-distribution sub-families to mix ("" = all: ``ID_FAMILIES``).')
+    skew: float = knob("task-skew", 1.0, """
+        ``expertise`` only: share of a participant's prompts from its own sub-family, in [0, 1] (1.0:
+        only its own; 1/len(families): IID).""")
+    alpha: float = knob("task-alpha", 0.5, "``dirichlet`` only: concentration, > 0 (smaller = more skewed).")
+    seed: int = knob("task-seed", 0, "seeds instances and mixtures, >= 0.")
+    prompts_per_round: int = knob("prompts-per-round", 4, "k, prompts a participant generates per round, >= 1.")
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

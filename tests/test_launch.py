@@ -1,0 +1,180 @@
+"""`ftis-fed sim` before it runs anything: the whole config checked first (exit 2, one line), the
+project's connections merged into $FLWR_HOME/config.toml (the user's kept, read back by Flower's own
+reader), and no SuperLink used that the launcher did not start."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import tomllib
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from ftis_fed import launch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sim(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLWR_HOME": str(tmp / "flwr-home"), "PYTHONPATH": str(ROOT)}     # this checkout's code
+    return subprocess.run([sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(ROOT), *args], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp)
+
+
+# ----------------------------------------------------------------------------- config checked first
+
+@pytest.mark.parametrize("item,expected", [
+    ("num-rounds=-1", "ftis-fed sim: error: num-rounds=-1: must be >= 1"),
+    ('p3-model="smollm3"', "ftis-fed sim: error: p3-model='smollm3' (participant smol-bpe8k): unknown model"),
+])
+def test_a_bad_config_stops_the_launcher_before_anything_starts(tmp_path, item, expected):
+    port = free_port()
+    proc = sim(tmp_path, "--address", f"127.0.0.1:{port}", "--run-config", item)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+    assert proc.stdout == ""
+    assert not (tmp_path / "flwr-home").exists()                    # nothing written, nothing started
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_checked_run_config_makes_paths_absolute_and_counts_participants(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "models" / "mine"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    overrides, n = launch.checked_run_config(ROOT, {"output-dir": "out/x", "p1-model": "./models/mine"})
+    assert n == 4 and overrides["output-dir"] == str(tmp_path / "out" / "x")
+    assert overrides["p1-model"] == str(model)
+
+
+# ----------------------------------------------------------------------------- $FLWR_HOME/config.toml
+
+USER_CONFIG = """[superlink]
+default = "mine"
+
+[superlink.mine]
+address = "10.0.0.5:9093"
+insecure = true
+
+[superlink.local-sim]
+address = "127.0.0.1:1"
+"""
+
+
+def test_merge_keeps_the_users_connections_and_default(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(USER_CONFIG)
+    dst = launch.merge_flower_config(ROOT, home)
+    links = tomllib.loads(dst.read_text())["superlink"]
+    ours = tomllib.loads((ROOT / "flower.toml").read_text())["superlink"]
+    assert links["default"] == "mine"
+    assert links["mine"] == {"address": "10.0.0.5:9093", "insecure": True}
+    for name in ("local-sim", "lab", "local-deploy"):
+        assert links[name] == ours[name]                              # refreshed from flower.toml
+    assert (home / "config.toml.bak").read_text() == USER_CONFIG
+    # Flower's own reader sees both, and the SuperNodes the project's connection declares
+    from flwr.cli.flower_config import read_superlink_connection
+
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    assert read_superlink_connection("mine").address == "10.0.0.5:9093"
+    conn = read_superlink_connection("local-sim")
+    assert conn.options.num_supernodes == ours["local-sim"]["options"]["num-supernodes"]
+    assert conn.options.backend.client_resources.num_cpus == 1
+    # a second merge changes nothing
+    before = dst.read_text()
+    launch.merge_flower_config(ROOT, home)
+    assert dst.read_text() == before
+
+
+def test_merge_into_a_fresh_home_uses_the_projects_default_and_an_address_override(tmp_path):
+    dst = launch.merge_flower_config(ROOT, tmp_path / "fresh", "local-sim", "127.0.0.1:4242")
+    links = tomllib.loads(dst.read_text())["superlink"]
+    assert links["default"] == "local-sim" and links["local-sim"]["address"] == "127.0.0.1:4242"
+    assert not (tmp_path / "fresh" / "config.toml.bak").exists()
+
+
+# ----------------------------------------------------------------------------- SuperLinks
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self):                                                # noqa: N802 (http.server API)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def foreign_superlink():
+    """A listener that answers /health like a SuperLink the launcher did not start."""
+    server = HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_foreign_superlink_is_refused_unless_asked_for(tmp_path, foreign_superlink):
+    with pytest.raises(launch.LaunchError, match=rf"{foreign_superlink}: a SuperLink that ftis-fed did not start"):
+        launch.acquire_superlink(foreign_superlink, tmp_path, dict(os.environ))
+    assert launch.acquire_superlink(foreign_superlink, tmp_path, dict(os.environ), reuse=True) is None
+    assert not (tmp_path / "superlink.log").exists()                # nothing was started
+
+
+def test_the_cli_refuses_a_foreign_superlink_with_one_line(tmp_path, foreign_superlink):
+    proc = sim(tmp_path, "--preset", "quick", "--address", foreign_superlink)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "a SuperLink that ftis-fed did not start" in err[0] and "--reuse-superlink" in err[0]
+
+
+def test_a_port_held_by_another_program_is_refused(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(launch.LaunchError, match="in use by another program"):
+            launch.acquire_superlink(address, tmp_path, dict(os.environ))
+
+
+def test_a_stale_ownership_record_is_not_trusted(tmp_path, foreign_superlink):
+    # a record naming a live process that is not a flower-superlink (this test's own pid)
+    (tmp_path / launch.OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "address": foreign_superlink}))
+    assert launch.own_superlink(tmp_path, foreign_superlink) is None
+    assert not (tmp_path / launch.OWNER_FILE).exists()
+    with pytest.raises(launch.LaunchError):
+        launch.acquire_superlink(foreign_superlink, tmp_path, dict(os.environ))
+
+
+def test_a_superlink_the_launcher_started_and_kept_is_reused(tmp_path):
+    """A real flower-superlink, started the way `ftis-fed sim` starts it, recorded in FLWR_HOME: the
+    next run reuses it (--keep-superlink) instead of refusing it."""
+    address = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1",                  # as simulate() sets them
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    proc = launch.acquire_superlink(address, tmp_path, env)
+    try:
+        assert proc is not None and launch.own_superlink(tmp_path, address) == proc.pid
+        assert launch.acquire_superlink(address, tmp_path, env) is None       # reused, not refused
+        other = tmp_path / "other-home"
+        other.mkdir()
+        with pytest.raises(launch.LaunchError, match="did not start"):        # not ours from another FLWR_HOME
+            launch.acquire_superlink(address, other, env)
+    finally:
+        launch.stop(proc)
+    assert launch.own_superlink(tmp_path, address) is None                    # stale record dropped
