@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import argparse
 import base64
+import datetime
 import hashlib
+import ipaddress
 import os
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .signing import (
     KeyPaths,
@@ -97,6 +102,67 @@ def supernode_fingerprint(key: ec.EllipticCurvePublicKey) -> str:
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
+# ------------------------------------------------------------------------------ TLS (SuperLink)
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca_cert: Path          # give to every SuperNode and `flwr` user (--root-certificates / root-certificates)
+    ca_key: Path           # keep offline: it can issue certificates the SuperNodes would trust
+    server_cert: Path      # flower-superlink --ssl-certfile
+    server_key: Path       # flower-superlink --ssl-keyfile
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def generate_tls(out_dir: str | os.PathLike, hosts: list[str], days: int = 365, overwrite: bool = False) -> TlsFiles:
+    """A private CA and a SuperLink server certificate for ``hosts`` (IP addresses or DNS names,
+    all in its subjectAltName), EC P-256, valid ``days``. For a SuperLink without a certificate
+    from an organisation-wide CA; every participant then trusts exactly this CA."""
+    if not hosts:
+        raise ValueError("hosts: give at least one address or DNS name the SuperNodes will connect to")
+    d = Path(out_dir)
+    files = TlsFiles(d / "ca.crt", d / "ca.key", d / "server.crt", d / "server.key")
+    if not overwrite and any(p.exists() for p in (files.ca_cert, files.server_cert)):
+        raise FileExistsError(f"{files.ca_cert} or {files.server_cert} exists: pass overwrite=True (--force)")
+    d.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ftis-fed SuperLink CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    names: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pkcs8 = (serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    _write_private(files.ca_key, ca_key.private_bytes(*pkcs8))
+    _write_private(files.server_key, key.private_bytes(*pkcs8))
+    files.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
 # ------------------------------------------------------------------------- commands to print
 
 def register_command(public_key: str | os.PathLike, connection: str = "lab", name: str | None = None) -> str:
@@ -148,7 +214,7 @@ def revoke(key_dir: str | os.PathLike, who: str, note: str = "") -> str:
 # ------------------------------------------------------------------------------------------- CLI
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Add ``keys generate|list|show|revoke`` to an argparse subparsers object; handler in ``func``."""
+    """Add ``keys generate|list|show|tls|revoke`` to an argparse subparsers object; handler in ``func``."""
     keys = subparsers.add_parser("keys", help="participants' Ed25519 signing keys and SuperNode keys")
     sub = keys.add_subparsers(dest="keys_command", required=True)
     gen = sub.add_parser("generate", help="create the Ed25519 signing key pair (private/<p>.key 0600, "
@@ -169,6 +235,12 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     show.add_argument("participant")
     show.add_argument("--dir", default="keys")
     show.add_argument("--connection", default="lab")
+    tls = sub.add_parser("tls", help="a private CA and the SuperLink's server certificate (ca.crt, ca.key, "
+                                     "server.crt, server.key)")
+    tls.add_argument("hosts", nargs="+", help="IP addresses / DNS names SuperNodes connect to")
+    tls.add_argument("--dir", default="certs", help="output folder (default: certs)")
+    tls.add_argument("--days", type=int, default=365)
+    tls.add_argument("--force", action="store_true", help="replace existing files")
     rev = sub.add_parser("revoke", help="add a participant's key (or an ed25519: fingerprint) to <dir>/revoked.txt")
     rev.add_argument("who", help="participant id or ed25519:<16 hex> fingerprint")
     rev.add_argument("--dir", default="keys")
@@ -210,6 +282,12 @@ def run_keys_cli(args: argparse.Namespace) -> int:
             print(f"# SuperNode key {supernode_fingerprint(load_supernode_public_key(sn))} ({sn})")
             print(sn.read_text(), end="")
             print(f"# {register_command(sn, args.connection, args.participant)}")
+    elif args.keys_command == "tls":
+        f = generate_tls(args.dir, args.hosts, args.days, overwrite=args.force)
+        print(f"# flower-superlink --ssl-ca-certfile {f.ca_cert} --ssl-certfile {f.server_cert} "
+              f"--ssl-keyfile {f.server_key} --enable-supernode-auth ...\n"
+              f"# give {f.ca_cert} to every organisation (flower-supernode --root-certificates, flwr's "
+              f"root-certificates); keep {f.ca_key} offline")
     elif args.keys_command == "revoke":
         fp = revoke(args.dir, args.who, args.note)
         print(f"{args.who}\t{fp}\trevoked in {revocation_path(args.dir)}")

@@ -252,9 +252,10 @@ class RevocationList:
     """The revoked key fingerprints of a file, re-read whenever the file changes.
 
     Every :meth:`revoked` call looks at the file's (mtime, size, inode) — one ``stat`` — and
-    re-reads it when that changed (or changed less than 2 s ago, for coarse file-system clocks), so an operator's edit takes effect at the next frame the
-    server or a receiver checks, without a restart. A missing file revokes nothing (one created
-    later is picked up; deleting it lifts every revocation). A file that does not parse is an error when first read; if a later edit
+    re-reads it when that changed (or changed less than 2 s ago, for coarse file-system clocks),
+    so an operator's edit takes effect at the next frame the server or a receiver checks, without
+    a restart. A missing file revokes nothing (one created later is picked up; deleting it lifts
+    every revocation). A file that does not parse is an error when first read; if a later edit
     does not parse, the last good list stays in force (revocations are never silently dropped)
     and ``error`` says why until the file is fixed.
     """
@@ -324,8 +325,9 @@ def verify_frame(frame: bytes, keys: Mapping[str, Ed25519PublicKey],
 
     Reasons: ``unknown_sender`` (no key for the header's sender), ``bad_signature``,
     ``revoked_key`` (a valid signature by a key the ``KeyDirectory``'s revocation file lists,
-    checked at every call so a revocation takes effect mid-run), and the header's own (``undecodable``, ``too_large``, ``unsupported_version``). Nothing of the
-    payload is decompressed before the signature holds.
+    checked at every call so a revocation takes effect mid-run), and the header's own
+    (``undecodable``, ``too_large``, ``unsupported_version``). Nothing of the payload is
+    decompressed before the signature holds.
     """
     h = parse_header(frame, limits)
     key = keys.get(h.sender)

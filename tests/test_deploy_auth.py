@@ -108,8 +108,9 @@ class Deployment:
         return (home / f"{name}.log").read_text(errors="replace")
 
     def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / "flwr"), *args], cwd=self.base, env={**self.env, "FLWR_HOME": str(self.cli_home)},
-                              capture_output=True, text=True, timeout=timeout)
+        env = {**self.env, "FLWR_HOME": str(self.cli_home)}
+        return subprocess.run([str(BIN / "flwr"), *args], cwd=self.base, env=env, capture_output=True, text=True,
+                              timeout=timeout)
 
     def supernode(self, name: str, *extra: str, node_config: str | None = None) -> subprocess.Popen:
         cmd = [str(BIN / "flower-supernode"), "--superlink", self.address, "--port", str(free_port()), *extra]

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ftis_fed.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
 from ftis_fed.inbox import Inbox, InboxConfig
-from ftis_fed.keys import generate_supernode_keypair, load_supernode_public_key, supernode_fingerprint
+from ftis_fed.keys import generate_supernode_keypair, generate_tls, load_supernode_public_key, supernode_fingerprint
 from ftis_fed.signing import (
     KeyDirectory,
     ReplayGuard,
@@ -360,3 +360,41 @@ def test_keys_cli_generate_prints_registration_and_revokes(tmp_path, capsys):
     assert load_key_directory(d / "public").revoked_participants() == ["alice"]
     with pytest.raises(KeyError, match="carol"):
         run("revoke", "carol", "--dir", str(d))
+
+
+def test_tls_files_make_a_real_handshake_for_the_named_hosts(tmp_path):
+    """`ftis-fed keys tls 127.0.0.1 localhost`: a client trusting only ca.crt completes a TLS
+    handshake with a server using server.crt/server.key, for 127.0.0.1 and not for another name."""
+    import socket
+    import ssl
+    import threading
+
+    f = generate_tls(tmp_path / "certs", ["127.0.0.1", "localhost"], days=2)
+    assert stat.S_IMODE(f.server_key.stat().st_mode) == 0o600 and stat.S_IMODE(f.ca_key.stat().st_mode) == 0o600
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(f.server_cert, f.server_key)
+    client_ctx = ssl.create_default_context(cafile=str(f.ca_cert))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(2)
+        port = listener.getsockname()[1]
+
+        def serve():
+            for _ in range(2):
+                conn, _ = listener.accept()
+                try:
+                    with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                        tls.sendall(b"ok")
+                except (ssl.SSLError, OSError):
+                    pass
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        with socket.create_connection(("127.0.0.1", port)) as raw, \
+                client_ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            assert tls.recv(2) == b"ok"
+        with socket.create_connection(("127.0.0.1", port)) as raw, pytest.raises(ssl.SSLCertVerificationError):
+            client_ctx.wrap_socket(raw, server_hostname="superlink.example.org")
+        t.join(timeout=10)
+    with pytest.raises(FileExistsError):
+        generate_tls(tmp_path / "certs", ["127.0.0.1"])
