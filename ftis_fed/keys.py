@@ -1,4 +1,5 @@
-"""``ftis-fed keys``: an organisation's two key pairs, revocation, and the commands that use them.
+"""``ftis-fed keys``: an organisation's two key pairs, the SuperLink's TLS files, revocation, and
+the commands that use them.
 
 Each participant (organisation) holds two key pairs with different jobs:
 
@@ -16,7 +17,7 @@ generates itself; ``flwr supernode register`` accepts any NIST curve), private h
 format (``flower-supernode --auth-supernode-private-key`` loads it with ``load_ssh_private_key``),
 public half as one OpenSSH line ``ecdsa-sha2-nistp384 AAAA... <comment>`` (what ``flwr supernode
 register`` loads with ``load_ssh_public_key``). ``ssh-keygen -t ecdsa -b 384 -N "" -f <p>.key``
-makes the same pair.
+makes an equivalent pair (its public half in ``<p>.key.pub``).
 """
 
 from __future__ import annotations

@@ -30,6 +30,12 @@ PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 echo "[deploy] workdir $B, SuperLink 127.0.0.1:$PORT (TLS, SuperNode auth $([ "$SUPERNODE_AUTH" = 1 ] && echo on || echo off)), $N participants, $ROUNDS rounds"
 keys() { (cd "$APP" && python -m ftis_fed.cli keys "$@"); }
 
+# --- the models, built into the shared cache before anything waits on them -----------------------
+# (the first use of tiny-arith trains it for a few minutes; a SuperNode building it would miss the
+# server's hello deadline)
+(cd "$APP" && python -c 'import sys; from ftis_fed.policies.models import resolve_model
+for m in sys.argv[1:]: resolve_model(m)' "$MODEL_A" "$MODEL_B")
+
 # --- TLS: a private CA and the SuperLink's certificate for 127.0.0.1 ---------------------------
 keys tls 127.0.0.1 localhost --dir "$B/certs" --days 2 >/dev/null
 
@@ -72,11 +78,14 @@ cleanup() {
   # the process groups started here, then anything else carrying this run's marker (the
   # participants' detached workers, app processes): by process id, nothing matched by name
   for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
-  sleep 1
+  for _ in $(seq 20); do
+    alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break; sleep 0.5
+  done
   for e in /proc/[0-9]*/environ; do
     p=${e#/proc/}; p=${p%/environ}
     [ "$p" = "$$" ] && continue
-    if tr '\0' '\n' <"$e" 2>/dev/null | grep -qxF "FTIS_DEPLOY_LOCAL=$B"; then kill -KILL "$p" 2>/dev/null || true; fi
+    if { tr '\0' '\n' <"$e" | grep -qxF "FTIS_DEPLOY_LOCAL=$B"; } 2>/dev/null; then kill -KILL "$p" 2>/dev/null || true; fi
   done
 }
 trap cleanup EXIT
