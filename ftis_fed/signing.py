@@ -6,6 +6,8 @@ Key layout (``generate_keypair(participant, "keys")``)::
     keys/private/<participant>.key   PEM PKCS#8 Ed25519 private key, unencrypted, mode 0600
     keys/public/<participant>.pub    PEM SubjectPublicKeyInfo (a file holding the 64 hex digits of
                                      the raw 32-byte public key is accepted too)
+    keys/revoked.txt                 optional: revoked key fingerprints, one per line, ``#`` comments
+                                     (re-read whenever it changes; see ``RevocationList``)
 
 Every participant keeps its own ``private/`` file; the run (server and every participant) is
 configured with the same ``public/`` directory. A name appears at most once and a key under at
@@ -19,6 +21,8 @@ Signature: ``frame = body || Ed25519(private_key, digest)`` with
 ``body`` (see :mod:`ftis_fed.wire`) already holds those header fields; repeating them in the digest
 makes the binding explicit and independent of the layout. Whoever relays a frame (the server) has
 no private key, so it can neither forge nor alter one: receivers verify with the *sender's* key.
+A frame validly signed by a revoked key is rejected (``revoked_key``) by whoever verifies it.
+(The CLI and Flower's SuperNode keys are in :mod:`ftis_fed.keys`.)
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import json
 import os
 import re
 import struct
+import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,9 +142,14 @@ def fingerprint(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
 
 
 class KeyDirectory(Mapping):
-    """participant id -> Ed25519PublicKey, as the run is configured (read-only mapping)."""
+    """participant id -> Ed25519PublicKey, as the run is configured (read-only mapping).
 
-    def __init__(self, keys: Mapping[str, Ed25519PublicKey]):
+    ``revocations``: the run's revoked keys (:class:`RevocationList`), re-read whenever its file
+    changes; ``verify_frame`` rejects a frame signed by a revoked key (``revoked_key``) and
+    :meth:`is_revoked` answers for a participant or a fingerprint (the server's hello uses it).
+    """
+
+    def __init__(self, keys: Mapping[str, Ed25519PublicKey], revocations: "RevocationList | None" = None):
         seen: dict[bytes, str] = {}
         for name, key in keys.items():
             check_participant(name)
@@ -148,6 +159,7 @@ class KeyDirectory(Mapping):
                                  "one key may belong to one participant only")
             seen[raw] = name
         self._keys = dict(keys)
+        self.revocations = revocations
 
     def __getitem__(self, name: str) -> Ed25519PublicKey:
         return self._keys[name]
@@ -161,15 +173,124 @@ class KeyDirectory(Mapping):
     def fingerprints(self) -> dict[str, str]:
         return {n: fingerprint(self._keys[n]) for n in self}
 
+    def revoked(self) -> frozenset[str]:
+        """Fingerprints revoked right now (the revocation file re-read if it changed)."""
+        return self.revocations.revoked() if self.revocations is not None else frozenset()
 
-def load_key_directory(path: str | os.PathLike) -> KeyDirectory:
-    """Every ``<participant>.pub`` in ``path/public`` (or in ``path`` itself if it has none)."""
+    def is_revoked(self, who: str) -> bool:
+        """Is this participant's registered key (or this ``ed25519:`` fingerprint) revoked now?"""
+        if self.revocations is None:
+            return False
+        if who.startswith(FINGERPRINT_PREFIX):
+            return self.revocations.is_revoked(who)
+        key = self._keys.get(who)
+        return key is not None and self.revocations.is_revoked(fingerprint(key))
+
+    def revoked_participants(self) -> list[str]:
+        """Registered participants whose key is revoked now."""
+        gone = self.revoked()
+        return [n for n in self if fingerprint(self._keys[n]) in gone]
+
+
+def load_key_directory(path: str | os.PathLike,
+                       revocations: str | os.PathLike | None = None) -> KeyDirectory:
+    """Every ``<participant>.pub`` in ``path/public`` (or in ``path`` itself if it has none), with
+    the revocation file ``revocations`` (default: :func:`revocation_path` of ``path``)."""
     d = Path(path)
     if (d / "public").is_dir():
         d = d / "public"
     if not d.is_dir():
         raise FileNotFoundError(f"{path}: no key directory (expected <dir>/public/<participant>.pub)")
-    return KeyDirectory({p.stem: load_public_key(p) for p in sorted(d.glob("*.pub"))})
+    revoked = RevocationList(revocations if revocations is not None else revocation_path(path))
+    return KeyDirectory({p.stem: load_public_key(p) for p in sorted(d.glob("*.pub"))}, revoked)
+
+
+# ------------------------------------------------------------------------------------ revocation
+
+REVOKED_FILE = "revoked.txt"
+FINGERPRINT_PREFIX = "ed25519:"
+_FINGERPRINT = re.compile(r"^ed25519:[0-9a-f]{16}$")
+_MAX_REVOCATION_FILE = 1 << 20
+
+
+def revocation_path(key_dir: str | os.PathLike) -> Path:
+    """``<keys-dir>/revoked.txt``: ``key_dir`` is the keys folder (the one holding ``public/``);
+    given the ``public/`` folder itself, its parent."""
+    d = Path(key_dir)
+    if not (d / "public").is_dir() and d.name == "public":
+        d = d.parent
+    return d / REVOKED_FILE
+
+
+def parse_revocations(text: str, source: str = "revoked keys") -> frozenset[str]:
+    """One ``ed25519:<16 hex>`` fingerprint per line (as ``ftis-fed keys list`` prints them);
+    ``#`` starts a comment; blank lines are ignored. Raises ValueError naming the line."""
+    out = set()
+    for i, line in enumerate(text.splitlines(), 1):
+        entry = line.split("#", 1)[0].strip().lower()
+        if not entry:
+            continue
+        if not _FINGERPRINT.match(entry):
+            raise ValueError(f"{source}, line {i}: {line.strip()[:80]!r} is not a key fingerprint "
+                             f"(expected ed25519: and 16 hex digits, e.g. from `ftis-fed keys list`)")
+        out.add(entry)
+    return frozenset(out)
+
+
+def read_revocations(path: str | os.PathLike) -> frozenset[str]:
+    """The fingerprints in a revocation file; a missing file revokes nothing."""
+    p = Path(path)
+    if not p.exists():
+        return frozenset()
+    if p.stat().st_size > _MAX_REVOCATION_FILE:
+        raise ValueError(f"{p}: {p.stat().st_size} bytes, too large for a revocation file "
+                         f"(limit {_MAX_REVOCATION_FILE})")
+    return parse_revocations(p.read_text(encoding="utf-8"), str(p))
+
+
+class RevocationList:
+    """The revoked key fingerprints of a file, re-read whenever the file changes.
+
+    Every :meth:`revoked` call looks at the file's (mtime, size, inode) — one ``stat`` — and
+    re-reads it when that changed (or changed less than 2 s ago, for coarse file-system clocks),
+    so an operator's edit takes effect at the next frame the server or a receiver checks, without
+    a restart. A missing file revokes nothing (one created later is picked up; deleting it lifts
+    every revocation). A file that does not parse is an error when first read; if a later edit
+    does not parse, the last good list stays in force (revocations are never silently dropped)
+    and ``error`` says why until the file is fixed.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.error: str | None = None
+        self._stamp = self._stat()
+        self._revoked = read_revocations(self.path)
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def revoked(self) -> frozenset[str]:
+        stamp = self._stat()
+        # an edit in the same clock tick as the last read keeps the stamp: re-read while recent
+        recent = stamp is not None and time.time() - stamp[0] / 1e9 < 2.0
+        if stamp != self._stamp or recent:
+            try:
+                self._revoked = read_revocations(self.path)      # deleted file: nothing revoked
+                self.error = None
+            except (ValueError, OSError, UnicodeDecodeError) as e:
+                error = f"{e} (the previous {len(self._revoked)} revocation(s) stay in force)"
+                if error != self.error:
+                    warnings.warn(f"revocation file: {error}", RuntimeWarning, stacklevel=2)
+                self.error = error
+            self._stamp = stamp
+        return self._revoked
+
+    def is_revoked(self, fp: str) -> bool:
+        return fp.lower() in self.revoked()
 
 
 # --------------------------------------------------------------------------------- sign / verify
@@ -202,9 +323,11 @@ def verify_frame(frame: bytes, keys: Mapping[str, Ed25519PublicKey],
                  limits: WireLimits = WireLimits()) -> tuple[WireHeader, bytes]:
     """Check a frame's signature with its sender's registered key -> (header, body).
 
-    Reasons: ``unknown_sender`` (no key for the header's sender), ``bad_signature``, and the
-    header's own (``undecodable``, ``too_large``, ``unsupported_version``). Nothing of the
-    payload is decompressed before the signature holds.
+    Reasons: ``unknown_sender`` (no key for the header's sender), ``bad_signature``,
+    ``revoked_key`` (a valid signature by a key the ``KeyDirectory``'s revocation file lists,
+    checked at every call so a revocation takes effect mid-run), and the header's own
+    (``undecodable``, ``too_large``, ``unsupported_version``). Nothing of the payload is
+    decompressed before the signature holds.
     """
     h = parse_header(frame, limits)
     key = keys.get(h.sender)
@@ -219,6 +342,10 @@ def verify_frame(frame: bytes, keys: Mapping[str, Ed25519PublicKey],
         raise BatchValidationError("bad_signature", f"signature of a batch from {h.sender!r} (run "
                                                     f"{h.run_id!r}, round {h.round}, seq {h.seq}) does "
                                                     "not verify with its registered key") from None
+    if isinstance(keys, KeyDirectory) and keys.is_revoked(h.sender):
+        raise BatchValidationError("revoked_key", f"batch from {h.sender!r} (run {h.run_id!r}, round {h.round}, "
+                                                  f"seq {h.seq}) is signed by a revoked key "
+                                                  f"({fingerprint(key)}, listed in {keys.revocations.path})")
     return h, body
 
 
@@ -292,35 +419,14 @@ class ReplayGuard:
 # ------------------------------------------------------------------------------------------- CLI
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Add ``keys generate|list|show`` to an argparse subparsers object; handler in ``func``."""
-    keys = subparsers.add_parser("keys", help="participants' Ed25519 signing keys")
-    sub = keys.add_subparsers(dest="keys_command", required=True)
-    gen = sub.add_parser("generate", help="create keys/private/<p>.key (0600) and keys/public/<p>.pub")
-    gen.add_argument("participants", nargs="+", help="participant ids")
-    gen.add_argument("--dir", default="keys", help="key directory (default: keys)")
-    gen.add_argument("--force", action="store_true", help="replace existing keys")
-    ls = sub.add_parser("list", help="list the registered public keys and their fingerprints")
-    ls.add_argument("--dir", default="keys")
-    show = sub.add_parser("show", help="print one participant's public key (PEM) and fingerprint")
-    show.add_argument("participant")
-    show.add_argument("--dir", default="keys")
-    keys.set_defaults(func=run_keys_cli)
-    return keys
+    """Add ``ftis-fed keys ...`` (defined in :mod:`ftis_fed.keys`) to an argparse subparsers object."""
+    from . import keys
+
+    return keys.add_cli(subparsers)
 
 
 def run_keys_cli(args: argparse.Namespace) -> int:
-    """Handler for ``ftis-fed keys ...``; returns the exit code."""
-    if args.keys_command == "generate":
-        for p in args.participants:
-            paths = generate_keypair(p, args.dir, overwrite=args.force)
-            print(f"{p}\t{fingerprint(load_public_key(paths.public))}\t{paths.private}\t{paths.public}")
-    elif args.keys_command == "list":
-        for name, fp in load_key_directory(args.dir).fingerprints().items():
-            print(f"{name}\t{fp}")
-    elif args.keys_command == "show":
-        path = key_paths(args.participant, args.dir).public
-        key = load_public_key(path)
-        print(f"# {args.participant} {fingerprint(key)} ({path})")
-        print(key.public_bytes(serialization.Encoding.PEM,
-                               serialization.PublicFormat.SubjectPublicKeyInfo).decode(), end="")
-    return 0
+    """Handler for ``ftis-fed keys ...`` (see :mod:`ftis_fed.keys`); returns the exit code."""
+    from . import keys
+
+    return keys.run_keys_cli(args)

@@ -1,4 +1,5 @@
-"""Ed25519 keys, key directory, sign/verify with real cryptography, replay guard, keys CLI."""
+"""Ed25519 keys, key directory, sign/verify with real cryptography, replay guard, revocation,
+SuperNode keys (read back with Flower's own loaders), keys CLI."""
 
 from __future__ import annotations
 
@@ -11,16 +12,21 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ftis_fed.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
+from ftis_fed.inbox import Inbox, InboxConfig
+from ftis_fed.keys import generate_supernode_keypair, generate_tls, load_supernode_public_key, supernode_fingerprint
 from ftis_fed.signing import (
     KeyDirectory,
     ReplayGuard,
+    RevocationList,
     add_cli,
     fingerprint,
     generate_keypair,
     load_key_directory,
     load_private_key,
     load_public_key,
+    parse_revocations,
     raw_public,
+    read_revocations,
     sign_batch,
     sign_body,
     verify_frame,
@@ -216,3 +222,179 @@ def test_keys_cli(tmp_path, capsys):
     fp = fingerprint(load_key_directory(d)["alice"])
     assert out.count(fp) == 3 and "BEGIN PUBLIC KEY" in out
     assert isinstance(load_key_directory(d), KeyDirectory)
+
+
+# ------------------------------------------------------------------------------------ revocation
+
+def _revoke_file(keydir, *lines):
+    (keydir / "revoked.txt").write_text("".join(line + "\n" for line in lines))
+
+
+def test_revocation_file_format(tmp_path):
+    fp = "ed25519:0123456789abcdef"
+    assert parse_revocations(f"# revoked keys\n\n{fp.upper().replace('ED25519', 'ed25519')}  # alice, lost laptop\n") \
+        == {fp}
+    with pytest.raises(ValueError, match=r"line 2: 'alice' is not a key fingerprint"):
+        parse_revocations(f"{fp}\nalice\n", "revoked.txt")
+    with pytest.raises(ValueError, match="line 1"):
+        parse_revocations("ed25519:0123\n")                                    # too short
+    assert read_revocations(tmp_path / "missing.txt") == frozenset()
+
+
+def test_key_directory_reads_revoked_txt_next_to_public(keydir):
+    keys = load_key_directory(keydir / "public")                              # as the server and workers call it
+    assert keys.revocations.path == keydir / "revoked.txt"
+    assert keys.revoked() == frozenset() and not keys.is_revoked("alice")
+    alice_fp = keys.fingerprints()["alice"]
+    _revoke_file(keydir, f"{alice_fp}  # alice")
+    assert keys.is_revoked("alice") and keys.is_revoked(alice_fp)             # picked up without reloading
+    assert not keys.is_revoked("bob") and not keys.is_revoked("nobody")
+    assert keys.revoked_participants() == ["alice"]
+    assert load_key_directory(keydir, revocations=keydir / "other.txt").revoked() == frozenset()
+
+
+def test_revocation_list_reloads_on_change_and_keeps_the_last_good_list(tmp_path):
+    path = tmp_path / "revoked.txt"
+    a, b = "ed25519:" + "a" * 16, "ed25519:" + "b" * 16
+    rl = RevocationList(path)
+    assert rl.revoked() == frozenset()
+    path.write_text(a + "\n")
+    assert rl.is_revoked(a) and not rl.is_revoked(b)
+    path.write_text(f"{a}\n{b}\n")
+    assert rl.revoked() == {a, b}
+    path.write_text(f"{a}\nnot a fingerprint\n")                              # a broken edit mid-run
+    with pytest.warns(RuntimeWarning, match="line 2"):
+        assert rl.revoked() == {a, b}                                         # nothing un-revoked by accident
+    assert "line 2" in rl.error
+    path.write_text(b + "\n")
+    assert rl.revoked() == {b} and rl.error is None
+    path.unlink()                                                             # deleting the file lifts them
+    assert rl.revoked() == frozenset()
+    path.write_text("junk\n")
+    with pytest.raises(ValueError, match="line 1"):
+        RevocationList(path)                                                  # at start: a configuration error
+
+
+def test_a_batch_signed_by_a_revoked_key_is_rejected_mid_run(keydir):
+    """Through the real receive path: the revocation takes effect at the next frame, without a
+    restart; a rejected frame does not use up the sender's sequence number; others are unaffected."""
+    keys = load_key_directory(keydir / "public")
+    alice = load_private_key(keydir / "private" / "alice.key")
+    bob = load_private_key(keydir / "private" / "bob.key")
+    inbox = Inbox(keys, InboxConfig(run_id="run-1"))
+    assert inbox.accept(sign_batch(batch(round=1, seq=1), alice), expected_round=1).sender == "alice"
+    _revoke_file(keydir, "# compromised", f"{fingerprint(alice)}  # alice")
+    frame = sign_batch(batch(round=2, seq=2), alice)
+    with pytest.raises(BatchValidationError) as e:
+        inbox.accept(frame, expected_round=2)
+    assert e.value.reason == "revoked_key" and "revoked" in str(e.value)
+    assert inbox.counts["rejected/revoked_key"] == 1
+    assert inbox.guard.last("run-1", "alice") == (1, 1)
+    # a revoked sender's frame with a broken signature is still a bad signature (checked first)
+    assert _reason(frame[:-1] + bytes([frame[-1] ^ 1]), keys) == "bad_signature"
+    assert inbox.accept(sign_batch(batch("bob", round=2, seq=1), bob), expected_round=2).sender == "bob"
+    # un-revoked: alice's same frame is accepted again
+    _revoke_file(keydir, "# nothing revoked")
+    assert inbox.accept(frame, expected_round=2).sender == "alice"
+    # a plain mapping of keys (no revocation file) verifies as before
+    assert verify_frame(frame, dict(keys))[0].sender == "alice"
+
+
+# ------------------------------------------------------------------------------ SuperNode keys
+
+def test_supernode_keys_load_with_flowers_own_loaders(tmp_path):
+    """The key files are read by the same Flower 1.42 functions `flwr supernode register` and
+    `flower-supernode --auth-supernode-private-key` use."""
+    from flwr.cli.supernode.register import try_load_public_key
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+    from flwr.supernode.cli.flower_supernode import _try_setup_client_authentication
+
+    paths = generate_supernode_keypair("alice", tmp_path)
+    assert stat.S_IMODE(paths.private.stat().st_mode) == 0o600
+    assert stat.S_IMODE(paths.private.parent.stat().st_mode) == 0o700
+    assert paths.public.read_text().startswith("ecdsa-sha2-nistp384 ")
+    private, public = _try_setup_client_authentication(
+        argparse.Namespace(auth_supernode_private_key=str(paths.private), auth_supernode_public_key=None))
+    assert try_load_public_key(paths.public) == public_key_to_bytes(public)   # the registered key is this node's
+    with pytest.raises(FileExistsError):
+        generate_supernode_keypair("alice", tmp_path)
+    again = generate_supernode_keypair("alice", tmp_path, overwrite=True)
+    assert try_load_public_key(again.public) != public_key_to_bytes(public)
+
+
+def test_supernode_fingerprint_is_ssh_keygens(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("ssh-keygen") is None:
+        pytest.skip("ssh-keygen not installed")
+    paths = generate_supernode_keypair("alice", tmp_path)
+    out = subprocess.run(["ssh-keygen", "-lf", str(paths.public)], capture_output=True, text=True).stdout
+    assert supernode_fingerprint(load_supernode_public_key(paths.public)) == out.split()[1]
+
+
+def test_keys_cli_generate_prints_registration_and_revokes(tmp_path, capsys):
+    ap = argparse.ArgumentParser()
+    add_cli(ap.add_subparsers(dest="command"))
+    d = tmp_path / "keys"
+
+    def run(*argv):
+        args = ap.parse_args(["keys", *argv])
+        assert args.func(args) == 0
+        return capsys.readouterr().out
+
+    out = run("generate", "alice", "--dir", str(d), "--connection", "lab", "--superlink", "link.example:9093")
+    sn = d / "supernode" / "alice.pub"
+    assert f"flwr supernode register {sn} lab --name alice" in out
+    assert f"--auth-supernode-private-key {d / 'supernode' / 'alice.key'}" in out
+    assert "--superlink link.example:9093" in out and "participant='alice'" in out
+    assert (d / "private" / "alice.key").exists() and sn.exists()
+    run("generate", "bob", "--dir", str(d), "--no-supernode")
+    assert not (d / "supernode" / "bob.pub").exists()
+    assert "register" in run("show", "alice", "--dir", str(d))
+    fp = fingerprint(load_key_directory(d)["alice"])
+    assert fp in run("revoke", "alice", "--dir", str(d), "--note", "laptop lost")
+    assert "laptop lost" in (d / "revoked.txt").read_text()
+    listing = run("list", "--dir", str(d))
+    assert f"alice\t{fp}\tREVOKED" in listing and "bob\ted25519:" in listing and listing.count("REVOKED") == 1
+    assert load_key_directory(d / "public").revoked_participants() == ["alice"]
+    with pytest.raises(KeyError, match="carol"):
+        run("revoke", "carol", "--dir", str(d))
+
+
+def test_tls_files_make_a_real_handshake_for_the_named_hosts(tmp_path):
+    """`ftis-fed keys tls 127.0.0.1 localhost`: a client trusting only ca.crt completes a TLS
+    handshake with a server using server.crt/server.key, for 127.0.0.1 and not for another name."""
+    import socket
+    import ssl
+    import threading
+
+    f = generate_tls(tmp_path / "certs", ["127.0.0.1", "localhost"], days=2)
+    assert stat.S_IMODE(f.server_key.stat().st_mode) == 0o600 and stat.S_IMODE(f.ca_key.stat().st_mode) == 0o600
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(f.server_cert, f.server_key)
+    client_ctx = ssl.create_default_context(cafile=str(f.ca_cert))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(2)
+        port = listener.getsockname()[1]
+
+        def serve():
+            for _ in range(2):
+                conn, _ = listener.accept()
+                try:
+                    with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                        tls.sendall(b"ok")
+                except (ssl.SSLError, OSError):
+                    pass
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        with socket.create_connection(("127.0.0.1", port)) as raw, \
+                client_ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            assert tls.recv(2) == b"ok"
+        with socket.create_connection(("127.0.0.1", port)) as raw, pytest.raises(ssl.SSLCertVerificationError):
+            client_ctx.wrap_socket(raw, server_hostname="superlink.example.org")
+        t.join(timeout=10)
+    with pytest.raises(FileExistsError):
+        generate_tls(tmp_path / "certs", ["127.0.0.1"])
