@@ -101,12 +101,39 @@ def select_device(value: str, cuda_count: int, key: str = "device",
 
 
 def cuda_device_count() -> int:
-    """Visible CUDA devices in this process (0 without torch or CUDA)."""
+    """Visible CUDA devices in this process (0 without torch or CUDA). Initialises CUDA here, after
+    which this process's CUDA_VISIBLE_DEVICES no longer matters: use ``count_visible`` before pinning."""
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
         return 0
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def count_visible(env: Mapping[str, str], python: str | None = None) -> int:
+    """CUDA devices a process started with ``env`` would see, asked in a child process (so the
+    caller never initialises CUDA and can still narrow its own view with ``pin_env``)."""
+    import subprocess
+    import sys
+
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    r = subprocess.run([python or sys.executable, "-c", code], env=dict(env), capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode != 0:
+        raise DeviceError(f"counting CUDA devices failed: {r.stderr.strip()[-500:]}")
+    return int(r.stdout.strip().splitlines()[-1])
+
+
+def worker_device(setting: str, env: Mapping[str, str], key: str = "device",
+                  count: int | None = None) -> tuple[dict[str, str], str, str]:
+    """Everything a participant worker does about its device, before anything initialises CUDA:
+    select it among the devices ``env`` shows (``count`` asked with ``count_visible`` when None),
+    then narrow the view to it. Returns (environment to apply, device inside the process, device
+    in the launcher's numbering)."""
+    n = count_visible(env) if count is None else count
+    chosen = select_device(setting, n, key=key, env=env)
+    pinned, local = pin_env(env, chosen)
+    return pinned, local, chosen
 
 
 # ----------------------------------------------------------------------------- pass-through

@@ -11,8 +11,8 @@ import tempfile
 
 import pytest
 
-from ftis_fed.devices import (ALL, CUDA_ENV, VISIBLE_ENV, DeviceError, launcher_env, memory_shares, parse_device,
-                              pin_env, select_device, worker_env)
+from ftis_fed.devices import (ALL, CUDA_ENV, VISIBLE_ENV, DeviceError, launcher_env, memory_shares,
+                              parse_device, pin_env, select_device, worker_device, worker_env)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -62,6 +62,23 @@ def test_pin_narrows_the_worker_to_its_device():
         pin_env({CUDA_ENV: "4,7"}, "cuda:2")
     with pytest.raises(DeviceError, match="resolve 'auto'"):
         pin_env({}, "auto")
+
+
+def test_worker_device_selects_then_pins_before_cuda_starts():
+    assert worker_device("cuda:1", {CUDA_ENV: "4,7"}, count=2) == ({CUDA_ENV: "7"}, "cuda:0", "cuda:1")
+    assert worker_device("auto", {CUDA_ENV: "4,7"}, count=2)[1:] == ("cuda:0", "cuda:0")
+    with pytest.raises(DeviceError, match=r"p1-device='cuda:1': not visible"):
+        worker_device("cuda:1", {CUDA_ENV: "4"}, key="p1-device", count=1)
+
+
+def test_count_visible_asks_a_child_process():
+    """One child process (a torch import): a hidden view counts 0 devices, so 'auto' means the CPU
+    and the worker is pinned to no GPU at all. The caller never initialised CUDA."""
+    import torch
+
+    env, local, chosen = worker_device("auto", {**os.environ, CUDA_ENV: ""})
+    assert (local, chosen, env[CUDA_ENV]) == ("cpu", "cpu", "")
+    assert not torch.cuda.is_initialized()
 
 
 _ACTOR_PROBE = r"""
