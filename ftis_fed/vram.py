@@ -227,7 +227,8 @@ CARDS_GB = (8, 12, 24)
 
 def table(models=(QWEN25_0_5B, QWEN25_1_5B, QWEN25_3B), kinds=None, cards=CARDS_GB) -> str:
     """Markdown: estimated GiB per model x participant kind, and whether the total fits each card
-    (an "8 GB" card has 8 GiB; the CUDA context is in ``overhead``)."""
+    (an "8 GB" card has 8 GiB; the CUDA context is in ``overhead``): ``fits``, ``tight`` (over 90 %
+    of the card: an estimate this close is not a promise) or ``no``."""
     kinds = kinds or KINDS
     head = "| model | participant | params | trainable | weights | grads+optim | activ.+logits | total GiB | " + \
         " | ".join(f"{c} GB" for c in cards) + " |"
@@ -236,7 +237,8 @@ def table(models=(QWEN25_0_5B, QWEN25_1_5B, QWEN25_3B), kinds=None, cards=CARDS_
         for label, s in kinds.items():
             est = estimate(m, s)
             g = est.gib()
-            fits = ["fits" if est.total <= c * GiB else "no" for c in cards]
+            fits = ["no" if est.total > c * GiB else "tight" if est.total > 0.9 * c * GiB else "fits"
+                    for c in cards]
             lines.append(f"| {m.name} | {label} | {m.params() / 1e9:.2f} B | {est.trainable_params / 1e6:.1f} M | "
                          f"{g['weights']:.2f} | {g['gradients'] + g['optimizer']:.2f} | "
                          f"{g['activations'] + g['logits']:.2f} | {g['total']:.2f} | " + " | ".join(fits) + " |")
