@@ -110,15 +110,23 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def count_visible(env: Mapping[str, str], python: str | None = None) -> int:
-    """CUDA devices a process started with ``env`` would see, asked in a child process (so the
-    caller never initialises CUDA and can still narrow its own view with ``pin_env``)."""
+def count_visible(env: Mapping[str, str], python: str | None = None, ask_child: bool = False) -> int:
+    """CUDA devices a process started with ``env`` would see. Without asking anyone when the answer
+    is certain (``CUDA_VISIBLE_DEVICES`` empty; no NVIDIA driver device node on Linux), else asked in
+    a child process, so the caller never initialises CUDA and can still narrow its own view with
+    ``pin_env``. ``ask_child`` forces the child process."""
+    import os
     import subprocess
     import sys
 
+    if not ask_child:
+        if visible_ids(env) == []:
+            return 0
+        if sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"):
+            return 0
     code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
     r = subprocess.run([python or sys.executable, "-c", code], env=dict(env), capture_output=True, text=True,
-                       timeout=120)
+                       timeout=300)
     if r.returncode != 0:
         raise DeviceError(f"counting CUDA devices failed: {r.stderr.strip()[-500:]}")
     return int(r.stdout.strip().splitlines()[-1])
@@ -130,7 +138,10 @@ def worker_device(setting: str, env: Mapping[str, str], key: str = "device",
     select it among the devices ``env`` shows (``count`` asked with ``count_visible`` when None),
     then narrow the view to it. Returns (environment to apply, device inside the process, device
     in the launcher's numbering)."""
-    n = count_visible(env) if count is None else count
+    if parse_device(setting, key) == "cpu":
+        n = 0
+    else:
+        n = count_visible(env) if count is None else count
     chosen = select_device(setting, n, key=key, env=env)
     pinned, local = pin_env(env, chosen)
     return pinned, local, chosen

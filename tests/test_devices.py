@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from ftis_fed.devices import (ALL, CUDA_ENV, VISIBLE_ENV, DeviceError, launcher_env, memory_shares,
+from ftis_fed.devices import (ALL, CUDA_ENV, VISIBLE_ENV, DeviceError, count_visible, launcher_env, memory_shares,
                               parse_device, pin_env, select_device, worker_device, worker_env)
 
 
@@ -72,12 +72,15 @@ def test_worker_device_selects_then_pins_before_cuda_starts():
 
 
 def test_count_visible_asks_a_child_process():
-    """One child process (a torch import): a hidden view counts 0 devices, so 'auto' means the CPU
-    and the worker is pinned to no GPU at all. The caller never initialised CUDA."""
+    """A hidden view counts 0 devices (no child needed), so 'auto' means the CPU and the worker is
+    pinned to no GPU at all; asked in a child process (a torch import), the count is this machine's.
+    The caller never initialises CUDA."""
     import torch
 
     env, local, chosen = worker_device("auto", {**os.environ, CUDA_ENV: ""})
     assert (local, chosen, env[CUDA_ENV]) == ("cpu", "cpu", "")
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert count_visible({k: v for k, v in os.environ.items() if k != CUDA_ENV}, ask_child=True) == here
     assert not torch.cuda.is_initialized()
 
 
