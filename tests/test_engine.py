@@ -255,10 +255,7 @@ def test_evaluate_without_metrics_is_dropped_and_the_others_are_written(tmp_path
 def test_a_frame_signed_as_someone_else_is_rejected_before_the_replay_guard_commits(tmp_path):
     """alice returns a frame validly signed by bob (seq far ahead): rejected as sender_mismatch
     without committing bob's seq, so bob's own frame of the round (a lower seq) still verifies."""
-    def relay_bobs(s, r):
-        return {**r, "frames": [s.frame(1, sender="bob", key=KEYS["bob"]) if False else _bob_ahead()]}
-
-    stubs = trio(alice={"tamper": {("generate", 1): relay_bobs}})
+    stubs = trio(alice={"tamper": {("generate", 1): lambda s, r: {**r, "frames": [_bob_ahead()]}}})
     engine(tmp_path, stubs, num_rounds=1).run()
     f = fed_rows(tmp_path)[1]
     assert f["fed/rejected/sender_mismatch"] == 1 and f["fed/frames_verified"] == 2
