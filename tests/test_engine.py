@@ -325,6 +325,14 @@ def test_hello_with_someone_elses_public_fingerprint_but_not_their_key_is_refuse
     assert [a for a, _ in mallory.calls] == ["hello"]                  # never asked anything else
 
 
+def test_a_participant_may_lower_its_own_peer_budget_but_a_bad_value_is_ignored(tmp_path):
+    stubs = trio(alice={"extra_info": {"peer_budget": 4}}, bob={"extra_info": {"peer_budget": "lots"}},
+                 carol={"extra_info": {"peer_budget": -3}})
+    engine(tmp_path, stubs, num_rounds=1).run()
+    assert len(stubs["alice"].received[1]) == 1
+    assert len(stubs["bob"].received[1]) == 2 and len(stubs["carol"].received[1]) == 2
+
+
 def test_a_proof_for_another_node_or_run_does_not_count(tmp_path):
     replay = Stub("bob", tamper={("hello", -1): lambda s, r: {"info": {**r["info"], "proof": sign_challenge(
         KEYS["bob"], RUN, "another-node", "bob", b"\0" * 32)}}})

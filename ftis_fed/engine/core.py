@@ -147,7 +147,6 @@ class Engine:
                 self._plot()
         finally:
             self.finish()
-        self._plot()
         self.log(INFO, "Results: %s (metrics.jsonl, metrics.csv, *.png)", self.out_dir)
         return self.completed_round
 
@@ -203,7 +202,9 @@ class Engine:
                                  f"(min-participants={self.fed.min_participants}); refused: "
                                  + (", ".join(f"{a}: {r}" for a, r in self.refused.items()) or "none"))
         for info in self.nodes.values():
-            self.budgets.setdefault(info["participant"], int(info.get("peer_budget", self.fed.peer_budget)))
+            own = info.get("peer_budget")                   # a participant may ask for fewer peers' samples
+            ok = isinstance(own, int) and not isinstance(own, bool) and own >= 0
+            self.budgets.setdefault(info["participant"], own if ok else self.fed.peer_budget)
         self.texts = texts_needed(self.fed.wire_texts, [i["tokenizer_fp"] for i in self.nodes.values()])
         for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"]):
             self.log(INFO, "participant %-12s node %s model %-22s tokenizer %s key %s", info["participant"], node,
@@ -271,10 +272,16 @@ class Engine:
         stats.fed.update({"fed/replies": float(len(replies)), "fed/train_failures": float(len(failed)),
                           "fed/bytes_relayed": float(sum(len(f) for q in requests.values() for f in q["frames"])),
                           "fed/frames_relayed": float(sum(len(q["frames"]) for q in requests.values()))})
-        for addr, r in replies.items():
+        for addr, r in list(replies.items()):
             name = self.name(addr)
+            try:
+                per_source = summarize_sources(r.metrics, name)
+            except Exception as e:                              # noqa: BLE001 - a reply never ends the run
+                self.log(WARNING, "participant %s: metrics unusable (%s: %s)", name, type(e).__name__, e)
+                stats.dropped["internal_error"] += 1
+                per_source = dict(r.metrics)
             row = stats.row(name)
-            row.update(summarize_sources(r.metrics, name))
+            row.update(per_source)
             row["model_id"] = self.nodes[addr]["model_id"]
         return replies
 
