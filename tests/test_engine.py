@@ -16,8 +16,8 @@ from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
 from ftis_fed.config import FederationConfig
-from ftis_fed.engine import (SCHEDULES, AdmissionError, Delivered, Engine, Failure, InProcessTransport, ReplyLimits,
-                             TooFewSupernodes, check_reply, register_schedule)
+from ftis_fed.engine import (SCHEDULES, AdmissionError, Delivered, Engine, InProcessTransport, TooFewSupernodes,
+                             check_reply, register_schedule)
 from ftis_fed.engine.boundary import Boundary
 from ftis_fed.flower_io import content_to_reply, reply_to_content
 from ftis_fed.metrics import FEDERATION
@@ -207,7 +207,6 @@ def _metric(key, value):
     return lambda s, r: {**r, "metrics": {**r["metrics"], key: value}}
 
 
-BIG = ReplyLimits().max_frame_bytes
 MALFORMED = {                                     # (action, tamper) -> the reason the server counts
     "generate without frames": (("generate", _drop("frames")), "missing_record"),
     "generate with 4097 frames": (("generate", lambda s, r: {**r, "frames": r["frames"] * 4097}), "too_many_frames"),

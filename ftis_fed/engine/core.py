@@ -158,7 +158,8 @@ class Engine:
         t0 = self.clock()
         stats = RoundStats(rnd)
         self.schedule(self, rnd, stats)
-        stats.fed.update({"fed/participants": float(len(self.nodes)), "fed/rejected": float(sum(stats.rejected.values())),
+        stats.fed.update({"fed/participants": float(len(self.nodes)),
+                          "fed/rejected": float(sum(stats.rejected.values())),
                           "fed/round_seconds": self.clock() - t0,
                           "fed/complete": float(stats.fed.get("fed/replies", 0.0) >= self.fed.min_participants)})
         stats.fed.update({f"fed/rejected/{k}": float(v) for k, v in stats.rejected.items()})
@@ -358,7 +359,8 @@ class Engine:
             return
         state = json.loads(self.state_path.read_text())
         if state["run_name"] != self.fed.run_name:
-            raise ValueError(f"resume: {self.state_path} belongs to run {state['run_name']!r}, not {self.fed.run_name!r}")
+            raise ValueError(f"resume: {self.state_path} belongs to run {state['run_name']!r}, "
+                             f"not {self.fed.run_name!r}")
         self.guard = ReplayGuard.from_json(state["guard"])
         self.inbox = Inbox(self.keys, self.inbox.config, self.guard)
         self.pending = [VerifiedFrame(p["sender"], p["round"], p["completions"], p["tokens"],
