@@ -1,13 +1,13 @@
-"""The participant ClientApp: unpack a Flower message, call the participant's worker, pack the reply.
+"""The participant ClientApp: one generic forwarder from a Flower message to the participant's
+entry point ``Participant.handle(action, request)`` in its worker process, and the reply back.
 
-Message types (sent by ``strategies.relay.RelayStrategy``):
-
-    query.hello     -> ConfigRecord "info": participant, model, tokenizer and key fingerprints
-    query.generate  -> phase 1: ConfigRecord "ftis-batches" with this round's signed frame, MetricRecord "metrics"
-    train           -> phase 2 (sync): peers' frames in; metrics out.
-                       pipelined: peers' previous-round frames in; new frame + metrics out
-    evaluate        -> greedy pass@1 metrics
-    query.finish    -> stop the worker (end of run)
+The action is the message type's (``ftis_fed.flower_io.action_of``): ``query.hello``,
+``query.generate``, ``train`` (learn), ``train.exchange``, ``evaluate``, ``query.finish``; the
+request and reply are the engine's plain dicts (``ftis_fed.flower_io`` packs them). Two things are
+added here because only the ClientApp knows them: hello replies carry ``supernodes`` (the number
+of simulated SuperNodes) in a simulation, so the server can refuse a simulation with fewer
+SuperNodes than participants; and ``finish`` never starts a worker just to stop it (one that does
+not answer is killed).
 
 The model lives in the worker process (``clients.worker``), started on first use and reused for
 the whole run, in simulation and deployment alike.
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.worker import call, ensure_worker, existing_worker, kill_worker
 from ftis_fed.config import absolute_paths, federation_from_run_config, participant_spec
-from ftis_fed.flower_io import frames_to_record, get_frames
+from ftis_fed.flower_io import action_of, content_to_request, reply_to_content
 
 app = ClientApp()
 
@@ -30,13 +30,12 @@ app = ClientApp()
 def _spec(context: Context):
     run_config, node_config = absolute_paths(context.run_config, context.node_config)
     fed = federation_from_run_config(run_config)
-    return run_config, node_config, participant_spec(run_config, node_config, fed)
+    return run_config, node_config, fed, participant_spec(run_config, node_config, fed)
 
 
 def _worker(context: Context):
-    """(connection to this participant's worker, seconds to wait for a round's answer)."""
-    run_config, node_config, spec = _spec(context)
-    fed = federation_from_run_config(run_config)
+    """(connection to this participant's worker, seconds to wait for its answer)."""
+    run_config, node_config, fed, spec = _spec(context)
     concurrent = 1 if "participant" in node_config else int(node_config.get("num-partitions", 1))
     payload = {"run_config": run_config, "node_config": node_config, "concurrent": concurrent,
                "run_key": str(context.run_id)}
@@ -47,62 +46,41 @@ def _worker(context: Context):
     return conn, fed.round_timeout_s
 
 
-def _config(msg: Message) -> ConfigRecord:
-    return msg.content["config"] if "config" in msg.content else ConfigRecord({})
+def _node_facts(context: Context) -> dict:
+    """In a simulation (node config: partition-id / num-partitions, no participant): the number of
+    simulated SuperNodes."""
+    nc = context.node_config
+    if "participant" not in nc and "num-partitions" in nc:
+        return {"supernodes": int(nc["num-partitions"])}
+    return {}
 
 
-def _reply(msg: Message, metrics: dict | None = None, frames: list[bytes] | None = None,
-           info: dict | None = None) -> Message:
-    content = RecordDict()
-    if metrics is not None:
-        content["metrics"] = MetricRecord({k: float(v) for k, v in metrics.items()})
-    if frames is not None:
-        content["ftis-batches"] = frames_to_record(frames)
-    if info is not None:
-        content["info"] = ConfigRecord(info)
-    return Message(content, reply_to=msg)
+def forward(msg: Message, context: Context) -> Message:
+    action = action_of(msg.metadata.message_type)
+    if action == "finish":
+        reply = _finish(context)
+    else:
+        conn, timeout = _worker(context)
+        reply = call(conn, action, content_to_request(msg.content), timeout=timeout)
+        if action == "hello":
+            reply["info"].update(_node_facts(context))
+    return Message(reply_to_content(reply), reply_to=msg)
 
 
-@app.query("hello")
-def hello(msg: Message, context: Context) -> Message:
-    conn, timeout = _worker(context)
-    return _reply(msg, info=call(conn, "hello", timeout=timeout))
-
-
-@app.query("generate")
-def generate(msg: Message, context: Context) -> Message:
-    cfg = _config(msg)
-    conn, timeout = _worker(context)
-    frame, metrics = call(conn, "generate", timeout=timeout, round=int(cfg["round"]), texts=bool(cfg["texts"]))
-    return _reply(msg, metrics=metrics, frames=[frame])
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    cfg = _config(msg)
-    frames = get_frames(msg.content)
-    conn, timeout = _worker(context)
-    if cfg.get("scheme", "sync") == "pipelined":
-        frame, metrics = call(conn, "exchange", timeout=timeout, round=int(cfg["round"]), frames=frames,
-                              texts=bool(cfg["texts"]))
-        return _reply(msg, metrics=metrics, frames=[frame])
-    return _reply(msg, metrics=call(conn, "learn", timeout=timeout, round=int(cfg["round"]), frames=frames))
-
-
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    conn, timeout = _worker(context)
-    return _reply(msg, metrics=call(conn, "evaluate", timeout=timeout, round=int(_config(msg)["round"])))
-
-
-@app.query("finish")
-def finish(msg: Message, context: Context) -> Message:
+def _finish(context: Context) -> dict:
     """End of run: stop the worker; one that does not answer (hung) is killed."""
-    name = _spec(context)[2].name
+    name = _spec(context)[3].name
     conn = existing_worker(str(context.run_id), name)
     if conn is None:
-        return _reply(msg, info={"stopped": False})
+        return {"info": {"stopped": False}}
     try:
-        return _reply(msg, info=call(conn, "shutdown", timeout=30.0))
+        return call(conn, "finish", {}, timeout=30.0)
     except (TimeoutError, ConnectionError):
-        return _reply(msg, info={"stopped": False, "killed": kill_worker(str(context.run_id), name)})
+        return {"info": {"stopped": False, "killed": kill_worker(str(context.run_id), name)}}
+
+
+app.train()(forward)
+app.train("exchange")(forward)
+app.evaluate()(forward)
+for _action in ("hello", "generate", "finish"):
+    app.query(_action)(forward)

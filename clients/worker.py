@@ -3,9 +3,10 @@
 Flower starts a new ClientApp process for every message in deployment (and runs ClientApps in
 shared Ray actors in simulation), so the model cannot live in the ClientApp. The ClientApp calls
 ``ensure_worker`` which connects to this participant's worker over a Unix socket in a private
-runtime folder, starting it (detached) on first use; requests and replies are small dicts
-(``op`` + arguments; frames as bytes). The worker exits on ``shutdown`` (sent at the end of the
-run), after ``worker-idle-timeout-s`` without requests, or when its state is unrecoverable.
+runtime folder, starting it (detached) on first use; a request is ``{action, request}`` and is
+forwarded to the one entry point ``Participant.handle(action, request)`` (frames as bytes). The
+worker exits after answering ``finish`` (sent at the end of the run), after
+``worker-idle-timeout-s`` without requests, or when its state is unrecoverable.
 
     python -m clients.worker --spec <json>     # normally started by ensure_worker
 """
@@ -121,16 +122,18 @@ def kill_worker(run_key: str, participant: str) -> bool:
         return False
 
 
-def call(conn, op: str, timeout: float | None = None, **kwargs) -> Any:
-    """One request; raises WorkerError when the worker raised, ConnectionError when it died,
-    TimeoutError when it did not answer within ``timeout`` seconds (it keeps running)."""
+def call(conn, action: str, request: dict | None = None, timeout: float | None = None) -> Any:
+    """``Participant.handle(action, request)`` in the worker; raises WorkerError when it raised,
+    ConnectionError when the worker died, TimeoutError when it did not answer within ``timeout``
+    seconds (it keeps running)."""
     try:
-        conn.send({"op": op, "deadline": None if timeout is None else time.time() + timeout, **kwargs})
+        conn.send({"action": action, "request": dict(request or {}),
+                   "deadline": None if timeout is None else time.time() + timeout})
         if timeout is not None and not conn.poll(timeout):
-            raise TimeoutError(f"worker did not answer {op!r} within {timeout:.0f} s")
+            raise TimeoutError(f"worker did not answer {action!r} within {timeout:.0f} s")
         reply = conn.recv()
     except (EOFError, OSError) as e:
-        raise ConnectionError(f"worker connection lost during {op!r}: {e}") from e
+        raise ConnectionError(f"worker connection lost during {action!r}: {e}") from e
     finally:
         with contextlib.suppress(Exception):
             conn.close()
@@ -165,20 +168,7 @@ class Worker:
         print(f"[worker {pspec.name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def handle(self, req: dict[str, Any]) -> Any:
-        p, op = self.participant, req["op"]
-        if op == "hello":
-            return p.hello()
-        if op == "generate":
-            return p.generate(req["round"], req["texts"])
-        if op == "learn":
-            return p.learn(req["round"], req["frames"])
-        if op == "exchange":
-            return p.exchange(req["round"], req["frames"], req["texts"])
-        if op == "evaluate":
-            return p.evaluate(req["round"])
-        if op == "shutdown":
-            return {"stopped": True}
-        raise ValueError(f"unknown op {op!r}")
+        return self.participant.handle(req["action"], req["request"])
 
     def serve(self, sock: str, authkey: bytes) -> None:
         """Accept (and authenticate) connections on a thread, so a client never blocks on a busy
@@ -205,8 +195,9 @@ class Worker:
                     req = conn.recv()
                 except (EOFError, OSError):
                     continue
+                what = f"{req.get('action')} round {req.get('request', {}).get('round', '-')}"
                 if req.get("deadline") is not None and time.time() > req["deadline"]:
-                    print(f"[worker {self.participant.name}] {req.get('op')} round {req.get('round', '-')}: "
+                    print(f"[worker {self.participant.name}] {what}: "
                           "skipped, its caller stopped waiting", flush=True)
                     continue
                 t0 = time.perf_counter()
@@ -217,12 +208,12 @@ class Worker:
                     reply = {"error": traceback.format_exc()}
                 finally:
                     self.busy = False
-                print(f"[worker {self.participant.name}] {req.get('op')} round {req.get('round', '-')}: "
+                print(f"[worker {self.participant.name}] {what}: "
                       f"{'error' if 'error' in reply else 'ok'} in {time.perf_counter() - t0:.1f} s", flush=True)
                 with contextlib.suppress(OSError):
                     conn.send(reply)
                 self.last_request = time.monotonic()
-                if req.get("op") == "shutdown":
+                if req.get("action") == "finish":
                     listener.close()
                     return
 

@@ -1,4 +1,17 @@
-"""Signed frames <-> Flower records: the only module of ``ftis_fed`` that imports ``flwr``.
+"""Signed frames, requests and replies <-> Flower records: the only module of ``ftis_fed`` that
+imports ``flwr``.
+
+Requests and replies of the round engine are plain dicts (see ``ftis_fed.engine.transport``);
+here they become a message's ``RecordDict`` and back:
+
+    request {round, texts, run, node, challenge, ...}  -> ConfigRecord "config"
+    request/reply "frames"                             -> ConfigRecord "ftis-batches" {"frames": [...]}
+    reply "metrics"                                    -> MetricRecord "metrics"
+    reply "info"                                       -> ConfigRecord "info"
+
+The Flower message type is derived from the action (:func:`message_type`): ``learn`` -> ``train``,
+``exchange`` -> ``train.exchange``, ``evaluate`` -> ``evaluate``, any other -> ``query.<action>``.
+Unpacking a reply checks nothing (the engine's boundary does): it only maps records to fields.
 
 A message carries its batches as one ``ConfigRecord`` under ``BATCHES_RECORD`` in the message's
 ``RecordDict``, holding a list of signed frames (``bytes``) under ``FRAMES_KEY``::
@@ -14,7 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flwr.app import ConfigRecord, RecordDict
+from typing import Any, Mapping
+
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from .batch import BatchValidationError
 
@@ -60,3 +75,70 @@ def get_frames(content: RecordDict, name: str = BATCHES_RECORD,
 def record_nbytes(record: ConfigRecord | RecordDict) -> int:
     """Bytes Flower serialises for a record (its deflated form, without transport framing)."""
     return len(record.deflate())
+
+
+# ------------------------------------------------------------------ requests and replies
+
+_TYPES = {"learn": "train", "exchange": "train.exchange", "evaluate": "evaluate"}
+CONFIG_RECORD, METRICS_RECORD, INFO_RECORD = "config", "metrics", "info"
+
+
+def message_type(action: str) -> str:
+    """The Flower message type that carries ``action``."""
+    return _TYPES.get(action, f"query.{action}")
+
+
+def action_of(msg_type: str) -> str:
+    """Inverse of :func:`message_type`; ValueError for a type no action uses."""
+    for action, t in _TYPES.items():
+        if t == msg_type:
+            return action
+    if msg_type.startswith("query.") and msg_type.count(".") == 1:
+        return msg_type.split(".", 1)[1]
+    raise ValueError(f"message type {msg_type!r} carries no ftis-fed action")
+
+
+def request_to_content(request: Mapping[str, Any]) -> RecordDict:
+    """Engine request -> RecordDict ("frames" in "ftis-batches", the rest in "config")."""
+    content = RecordDict({CONFIG_RECORD: ConfigRecord({k: v for k, v in request.items() if k != FRAMES_KEY})})
+    if FRAMES_KEY in request:
+        content[BATCHES_RECORD] = frames_to_record(request[FRAMES_KEY])
+    return content
+
+
+def content_to_request(content: RecordDict) -> dict[str, Any]:
+    """RecordDict -> engine request (participant side; frames checked by ``get_frames``)."""
+    request = dict(content[CONFIG_RECORD]) if CONFIG_RECORD in content else {}
+    if BATCHES_RECORD in content:
+        request[FRAMES_KEY] = get_frames(content)
+    return request
+
+
+def reply_to_content(reply: Mapping[str, Any]) -> RecordDict:
+    """Participant reply {info, frames, metrics} -> RecordDict; ValueError for any other field."""
+    content = RecordDict()
+    for k, v in reply.items():
+        if k == FRAMES_KEY:
+            content[BATCHES_RECORD] = frames_to_record(v)
+        elif k == METRICS_RECORD:
+            content[METRICS_RECORD] = MetricRecord({m: float(x) for m, x in v.items()})
+        elif k == INFO_RECORD:
+            content[INFO_RECORD] = ConfigRecord(dict(v))
+        else:
+            raise ValueError(f"reply field {k!r}: expected info, frames or metrics")
+    return content
+
+
+def content_to_reply(content: RecordDict) -> dict[str, Any]:
+    """RecordDict -> raw reply fields, unchecked (server side; the engine's boundary validates).
+    A "ftis-batches" record becomes "frames" only when it holds exactly the frames list;
+    otherwise its whole content is passed on (and rejected as the wrong type)."""
+    out: dict[str, Any] = {}
+    for name in list(content.keys()):
+        record = content[name]
+        if name == BATCHES_RECORD:
+            items = dict(record) if isinstance(record, Mapping) else record
+            out[FRAMES_KEY] = items[FRAMES_KEY] if isinstance(items, dict) and set(items) == {FRAMES_KEY} else items
+        else:
+            out[name] = dict(record) if isinstance(record, Mapping) else record
+    return out

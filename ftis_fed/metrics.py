@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from datetime import datetime, timezone
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -53,11 +54,32 @@ def summarize_sources(metrics: dict[str, float], self_name: str) -> dict[str, fl
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: str | Path):
+    """Rows of one run in ``out_dir``. ``append=False`` (a fresh run, no resume): metrics files
+    left there by an earlier run are moved aside to ``metrics.<UTC time>.jsonl`` / ``.csv`` first,
+    so plots never mix two runs; ``moved`` lists the (old, new) paths for the caller to report.
+    ``append=True`` (resume) continues the existing files."""
+
+    def __init__(self, out_dir: str | Path, append: bool = True):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.dir / "metrics.jsonl"
         self.csv = self.dir / "metrics.csv"
+        self.moved: list[tuple[Path, Path]] = [] if append else self._move_aside()
+
+    def _move_aside(self) -> list[tuple[Path, Path]]:
+        old = [p for p in (self.jsonl, self.csv) if p.exists()]
+        if not old:
+            return []
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        n = 0
+        while any((self.dir / f"metrics.{stamp}{'-' + str(n) if n else ''}{p.suffix}").exists() for p in old):
+            n += 1
+        moved = []
+        for p in old:
+            new = self.dir / f"metrics.{stamp}{'-' + str(n) if n else ''}{p.suffix}"
+            p.replace(new)
+            moved.append((p, new))
+        return moved
 
     def rows(self) -> list[dict[str, Any]]:
         if not self.jsonl.exists():

@@ -3,11 +3,16 @@
 It is what lives in the long-lived per-participant process (``clients/worker.py``); the Flower
 ClientApp only forwards messages to it. Nothing here imports Flower.
 
-    hello()                       -> who I am (model, tokenizer fingerprint, key fingerprint, loads)
-    generate(round, texts)        -> my signed batch of the round (phase 1)
-    learn(round, peer_frames)     -> verify + re-check peers' batches, train on mine + theirs (phase 2)
-    exchange(round, frames, texts)-> pipelined round: generate, then learn from it and peers' older batches
-    evaluate(round)               -> greedy pass@1 on held-out ID / OOD sets
+One entry point, one name per action end to end (engine -> transport -> here)::
+
+    handle(action, request) -> reply
+      hello    {run, node, challenge}  -> {info: who I am + proof: my signature of the challenge}
+      generate {round, texts}          -> {frames: [my signed batch of the round], metrics}   (phase 1)
+      learn    {round, frames}         -> {metrics}: verify + re-check peers' batches, train (phase 2)
+      exchange {round, texts, frames}  -> {frames, metrics}: pipelined: generate, then learn from it
+                                          and peers' batches of the previous round
+      evaluate {round}                 -> {metrics}: greedy pass@1 on held-out ID / OOD sets
+      finish   {}                      -> {info: {stopped}}
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from .inbox import Inbox, InboxConfig
 from .policies import build_policy
 from .rewards import Verifier
 from .receive import ReceiverContext, receive
-from .signing import ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch
+from .signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
+                      sign_challenge)
 from .training import samples_from_batches
 from .wire import WireOptions
 
@@ -68,13 +74,41 @@ class Participant:
             f.write(json.dumps({"run": self.run_key, "pid": os.getpid(), "time": time.time()}) + "\n")
         return sum(1 for line in path.read_text().splitlines() if json.loads(line)["run"] == self.run_key)
 
+    # ------------------------------------------------------------------ the entry point
+    ACTIONS = ("hello", "generate", "learn", "exchange", "evaluate", "finish")
+
+    def handle(self, action: str, request: dict) -> dict:
+        """The one entry point (see the module docstring); raises on an unknown action or a
+        request without its fields (the caller turns that into an error reply)."""
+        r = request
+        if action == "hello":
+            return {"info": self.hello(str(r["run"]), str(r["node"]), bytes(r["challenge"]))}
+        if action == "generate":
+            frame, metrics = self.generate(int(r["round"]), bool(r["texts"]))
+            return {"frames": [frame], "metrics": metrics}
+        if action == "learn":
+            return {"metrics": self.learn(int(r["round"]), list(r["frames"]))}
+        if action == "exchange":
+            frame, metrics = self.exchange(int(r["round"]), list(r["frames"]), bool(r["texts"]))
+            return {"frames": [frame], "metrics": metrics}
+        if action == "evaluate":
+            return {"metrics": self.evaluate(int(r["round"]))}
+        if action == "finish":
+            return {"info": {"stopped": True}}
+        raise ValueError(f"unknown action {action!r} (known: {', '.join(self.ACTIONS)})")
+
     # ------------------------------------------------------------------ identity
-    def hello(self) -> dict:
+    def hello(self, run: str, node: str, challenge: bytes) -> dict:
+        """Who I am, with ``proof``: my Ed25519 signature of the server's challenge for this run
+        and node (proof of key possession). Refuses to sign a challenge of another run."""
+        if run != self.fed.run_name:
+            raise ValueError(f"hello for run {run!r}: this participant belongs to run {self.fed.run_name!r}")
         return {"participant": self.name, "model_id": self.policy.model_id,
                 "tokenizer_fp": self.policy.tokenizer_fp, "vocab_size": self.policy.vocab_size,
                 "key_fp": fingerprint(self.key), "model_loads": self.model_loads, "pid": os.getpid(),
                 "completed_round": self.completed_round, "peer_budget": self.spec.peer_budget,
-                "local_budget": self.spec.local_budget}
+                "local_budget": self.spec.local_budget,
+                "proof": sign_challenge(self.key, run, node, self.name, challenge)}
 
     def _fault(self, phase: str, round: int) -> None:
         if not self.spec.fault:

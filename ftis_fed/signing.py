@@ -349,6 +349,36 @@ def verify_frame(frame: bytes, keys: Mapping[str, Ed25519PublicKey],
     return h, body
 
 
+# ------------------------------------------------------------------------ proof of key possession
+
+HELLO_DOMAIN = b"ftis-fed/hello-challenge/v1\x00"
+
+
+def challenge_digest(run_id: str, node: str, participant: str, challenge: bytes) -> bytes:
+    """The 32 bytes a participant signs to prove it holds its private key when it says hello:
+    SHA-256(HELLO_DOMAIN || u16 len + run_id || u16 len + node || u16 len + participant ||
+    u16 len + challenge). Binding run and node means a proof cannot be replayed elsewhere."""
+    d = hashlib.sha256(HELLO_DOMAIN)
+    for raw in (run_id.encode("utf-8"), node.encode("utf-8"), participant.encode("utf-8"), bytes(challenge)):
+        d.update(struct.pack("<H", len(raw)) + raw)
+    return d.digest()
+
+
+def sign_challenge(key: Ed25519PrivateKey, run_id: str, node: str, participant: str, challenge: bytes) -> bytes:
+    """Ed25519 signature over :func:`challenge_digest` (what a participant answers hello with)."""
+    return key.sign(challenge_digest(run_id, node, participant, challenge))
+
+
+def verify_challenge(key: Ed25519PublicKey, run_id: str, node: str, participant: str, challenge: bytes,
+                     signature: bytes) -> bool:
+    """True when ``signature`` is ``participant``'s signature of this run's challenge for ``node``."""
+    try:
+        key.verify(bytes(signature), challenge_digest(run_id, node, participant, challenge))
+    except (InvalidSignature, TypeError, ValueError):
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------------- replay guard
 
 class ReplayGuard:

@@ -1,4 +1,5 @@
-"""The ServerApp: read the run config, prepare keys and the output folder, run the RelayStrategy."""
+"""The ServerApp: read the run config, prepare keys and the output folder, run the round engine
+(``ftis_fed.engine``) over Flower's Grid (``strategies.grid_transport``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from ftis_fed.config import participant_names, validate_run_config
+from ftis_fed.engine import Engine
 from ftis_fed.signing import generate_keypair, key_paths, load_key_directory
 
-from .relay import RelayStrategy
+from .grid_transport import GridTransport
 
 app = ServerApp()
 
@@ -31,11 +33,14 @@ def prepare_keys(keys_dir: str, output_dir: Path, names: list[str]) -> Path:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """In a simulation (nodes report the simulation's SuperNode count at hello), fewer SuperNodes
+    than the run config's declared participants stop the run with the fixing command
+    (``TooFewSupernodes``: the run ends as failed); in deployment only min-participants applies."""
     run_config = dict(context.run_config)
     fed = validate_run_config(run_config)           # the whole config, participants' models included, first
     out = Path(fed.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    keys = prepare_keys(fed.keys_dir, out, participant_names(run_config))
+    declared = participant_names(run_config)
+    keys = prepare_keys(fed.keys_dir, out, declared)
     log(INFO, "ftis-fed: output folder %s, keys %s", out, keys)
-    strategy = RelayStrategy(fed, load_key_directory(keys / "public"), out)
-    strategy.start(grid)
+    Engine(fed, load_key_directory(keys / "public"), out, GridTransport(grid), declared=declared, log=log).run()

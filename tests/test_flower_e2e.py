@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,47 @@ def test_pipelined_run_resumes_where_the_server_stopped(tmp_path):
         assert r["offpolicy/received"] == 2 and r["offpolicy/accepted"] == 2     # round 1's, from peers
         assert r["train/peer_samples"] == 64 and r["worker/model_loads"] == 1   # a new run, a new worker
     assert json.loads((out / "server_state.json").read_text())["completed_round"] == 2
+
+
+def test_plain_flwr_run_with_fewer_supernodes_than_participants_stops_with_the_fix(tmp_path):
+    """`flwr run` with Flower's default of 2 simulated SuperNodes and 3 declared participants:
+    the run must not silently go on with 2; it ends failed, naming the command that fixes it."""
+    home, addr = tmp_path / "flwr-home", f"127.0.0.1:{free_port()}"
+    home.mkdir()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "t"\n\n[superlink.t]\naddress = "{addr}"\n'
+                                      "insecure = true\n")
+    bindir = str(Path(sys.executable).parent)
+    env = {**os.environ, "FLWR_HOME": str(home), "FTIS_FED_RUNTIME": str(tmp_path / "rt"),
+           "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    host, port = addr.rsplit(":", 1)
+    link = subprocess.Popen([f"{bindir}/flower-superlink", "--insecure", "--simulation", "--host", host, "--port",
+                             port, "--database", str(home / "state.db")], cwd=home, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        cfg = {**TINY, "output-dir": str(tmp_path / "out"), "num-rounds": 1, "eval-every": 0}
+        items = [a for k, v in cfg.items() for a in ("--run-config", f"{k}={json.dumps(v)}")]
+        cmd = [f"{bindir}/flwr", "run", str(ROOT), "t", "--format", "json",
+               "--federation-config", "num-supernodes=2", *items]
+        for _ in range(60):                                  # the SuperLink needs a moment to listen
+            started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+            if '"run-id"' in started.stdout:
+                break
+            time.sleep(1)
+        run_id = str(json.loads(started.stdout)["run-id"])
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            ls = subprocess.run([f"{bindir}/flwr", "ls", "t", "--run-id", run_id, "--format", "json"], env=env,
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            status = json.loads(ls.stdout)["runs"][0]
+            if str(status["status"]).startswith("finished"):
+                break
+            time.sleep(2)
+        assert status["status"] == "finished:failed", status
+        details = status.get("status-details", "")
+        assert "declares 3 participants" in details and "2 SuperNodes" in details, details
+        assert 'num-supernodes=3' in details and "ftis-fed sim" in details, details
+        assert not (tmp_path / "out" / "metrics.jsonl").exists()              # no round ran
+    finally:
+        os.killpg(link.pid, signal.SIGKILL)
+        _kill_leftovers(tmp_path)

@@ -1,4 +1,4 @@
-"""Pure helpers of the relay strategy (no Flower, no I/O): which frames go to whom."""
+"""Pure helpers of the engine (no Flower, no I/O): which frames go to whom, when to evaluate."""
 
 from __future__ import annotations
 

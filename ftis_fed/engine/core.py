@@ -1,0 +1,370 @@
+"""The round engine: admission, rounds, evaluation, metrics and resume; nothing of Flower.
+
+    Engine(fed, keys, out_dir, transport, declared=[...]).run()
+
+1. **Admission** (``hello``): wait until ``min-participants`` addresses are connected; send each a
+   fresh random challenge bound to the run name and its address; admit a node only when it names a
+   participant of the key directory, with that participant's key fingerprint, *and* a valid
+   Ed25519 signature of its challenge by that key (proof of possession). A second node claiming
+   an admitted participant is refused. In a simulation (nodes report how many SuperNodes the
+   simulation has) with fewer SuperNodes than declared participants the run stops
+   (:class:`TooFewSupernodes`).
+2. **Rounds**: the schedule registered under ``scheme`` (``schedules/``) decides who is asked what;
+   the engine's steps do the asking through the :class:`~ftis_fed.engine.boundary.Boundary`
+   (every reply checked once), verify frames (signature by the participant the node said hello as,
+   replay, validation), apply the peer budgets and write one metrics row per participant plus the
+   federation row (``fed/...``).
+3. **Evaluation** (``evaluate``) on the rounds ``eval-every`` names; **state** after every round
+   (``server_state.json``: replay guard, pipelined frames) for ``resume``; ``finish`` at the end.
+
+A participant that errors, hangs past the deadline or sends a bad reply is dropped for that phase
+with a named reason (``fed/dropped/<reason>``); the round goes on with the others.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..batch import BatchValidationError
+from ..config import FederationConfig, to_jsonable
+from ..inbox import Inbox, InboxConfig
+from ..metrics import FEDERATION, MetricsWriter, summarize_sources
+from ..signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge
+from ..wire import parse_header
+from .boundary import Boundary
+from .relay import VerifiedFrame, is_eval_round, select_for_receiver, texts_needed
+from .schedules import get_schedule
+from .transport import Address, Failure, Transport
+from .validation import Reply, ReplyLimits, max_frame_bytes_for
+
+LogFn = Callable[..., None]
+
+
+def _order(addr: Address) -> tuple[str, Any]:
+    """Addresses in their natural order (Flower node ids numerically), whatever their type."""
+    return (type(addr).__name__, addr)
+
+
+class AdmissionError(RuntimeError):
+    """Too few participants could be admitted (or connected) to start the run."""
+
+
+class TooFewSupernodes(AdmissionError):
+    """A simulation with fewer SuperNodes than the participants the run config declares."""
+
+
+def too_few_supernodes_message(supernodes: int, declared: list[str]) -> str:
+    """One line: what is wrong and the exact commands that fix it."""
+    n = len(declared)
+    return (f"the run config declares {n} participants ({', '.join(declared)}) but this simulation has "
+            f"{supernodes} SuperNodes, so {n - supernodes} would silently not take part: run `ftis-fed sim` "
+            f"(or `flwr run . local-sim` with the project's flower.toml), or "
+            f"`flwr run . --federation-config \"num-supernodes={n}\"`")
+
+
+@dataclass
+class RoundStats:
+    """What one round collects: per-participant rows, the federation row, rejections, drops."""
+
+    rnd: int
+    rows: dict[str, dict] = field(default_factory=dict)
+    fed: dict[str, float] = field(default_factory=dict)
+    rejected: Counter = field(default_factory=Counter)
+    dropped: Counter = field(default_factory=Counter)
+
+    def row(self, name: str) -> dict:
+        return self.rows.setdefault(name, {"round": self.rnd, "participant": name, "phase": "train"})
+
+
+class Engine:
+    """See the module docstring.
+
+    fed: the run's FederationConfig. keys: the run's public keys. out_dir: metrics + state.
+    transport: Flower's Grid adapter or the in-process one. declared: participant names the run
+    config declares (simulation; [] = no check). budgets: per-participant peer-budget overrides.
+    limits: reply limits (default: one frame per reply, frame size from max-batch-tokens).
+    log: ``log(level, msg, *args)`` (the Flower adapter passes Flower's logger).
+    plots: redraw the PNG plots after every round (False: JSONL/CSV only, e.g. fast tests).
+    """
+
+    def __init__(self, fed: FederationConfig, keys: KeyDirectory, out_dir: str | Path, transport: Transport,
+                 declared: list[str] | None = None, budgets: Mapping[str, int] | None = None,
+                 limits: ReplyLimits | None = None, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep, log: LogFn | None = None, plots: bool = True):
+        self.fed = fed
+        self.keys = keys
+        self.out_dir = Path(out_dir)
+        self.declared = list(declared or [])
+        self.io = Boundary(transport, limits or ReplyLimits(max_frame_bytes=max_frame_bytes_for(fed.max_batch_tokens)))
+        self.transport = transport
+        self.clock, self.sleep = clock, sleep
+        self.log: LogFn = log or logging.getLogger("ftis_fed.engine").log
+        self.schedule = get_schedule(fed.scheme)
+        self.state_path = self.out_dir / "server_state.json"
+        self.guard = ReplayGuard()
+        self.inbox = Inbox(keys, InboxConfig(run_id=fed.run_name, max_tokens=fed.max_batch_tokens), self.guard)
+        self.nodes: dict[Address, dict] = {}            # admitted address -> hello info
+        self.refused: dict[Address, str] = {}           # address -> reason it was not admitted
+        self.budgets = dict(budgets or {})
+        self.texts = False
+        self.pending: list[VerifiedFrame] = []          # pipelined: last round's verified frames
+        self.start_round = 1
+        self.completed_round = 0
+        self.writer: MetricsWriter | None = None
+        self.plots = plots
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> int:
+        """Admit, run the rounds, finish. Returns the last completed round."""
+        fed = self.fed
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(json.dumps(to_jsonable(fed), indent=1))
+        if fed.resume:
+            self._load_state()
+        self.writer = MetricsWriter(self.out_dir, append=fed.resume)
+        for old, new in self.writer.moved:
+            self.log(INFO, "output folder already held %s (no resume): moved it to %s", old.name, new.name)
+        self.log(INFO, "ftis-fed engine: scheme=%s, rounds=%d, G=%d, loss=%s, output=%s", fed.scheme,
+                 fed.num_rounds, fed.group_size, fed.objective.mode, self.out_dir)
+        self.admit()
+        try:
+            if self.start_round == 1 and is_eval_round(0, fed.num_rounds, fed.eval_every):
+                self.evaluate(0)
+            for rnd in range(self.start_round, fed.num_rounds + 1):
+                self.run_round(rnd)
+                if is_eval_round(rnd, fed.num_rounds, fed.eval_every):
+                    self.evaluate(rnd)
+                self._save_state(rnd)
+                self._plot()
+        finally:
+            self.finish()
+        self.log(INFO, "Results: %s (metrics.jsonl, metrics.csv, *.png)", self.out_dir)
+        return self.completed_round
+
+    def _plot(self) -> None:
+        if self.plots:
+            self.writer.plot()
+
+    def run_round(self, rnd: int) -> RoundStats:
+        t0 = self.clock()
+        stats = RoundStats(rnd)
+        self.schedule(self, rnd, stats)
+        stats.fed.update({"fed/participants": float(len(self.nodes)),
+                          "fed/rejected": float(sum(stats.rejected.values())),
+                          "fed/round_seconds": self.clock() - t0,
+                          "fed/complete": float(stats.fed.get("fed/replies", 0.0) >= self.fed.min_participants)})
+        stats.fed.update({f"fed/rejected/{k}": float(v) for k, v in stats.rejected.items()})
+        stats.fed.update({f"fed/dropped/{k}": float(v) for k, v in stats.dropped.items()})
+        fed_row = {"round": rnd, "participant": FEDERATION, "phase": "train", **stats.fed}
+        rows = list(stats.rows.values())
+        self.writer.write(rows + [fed_row])
+        self._log_round(rnd, rows, fed_row, stats)
+        self.completed_round = rnd
+        return stats
+
+    # ------------------------------------------------------------------ admission
+    def wait_for_addresses(self) -> list[Address]:
+        deadline = self.clock() + self.fed.wait_for_participants_s
+        while True:
+            try:
+                addrs = sorted(self.transport.addresses(), key=_order)
+            except Exception as e:                          # noqa: BLE001 - retried until the deadline
+                self.log(WARNING, "listing connected nodes failed: %s", e)
+                addrs = []
+            if len(addrs) >= self.fed.min_participants:
+                return addrs
+            if self.clock() > deadline:
+                raise AdmissionError(f"min-participants={self.fed.min_participants}: only {len(addrs)} connected "
+                                     f"after wait-for-participants-s={self.fed.wait_for_participants_s:.0f}")
+            self.sleep(1.0)
+
+    def admit(self) -> None:
+        """Hello with proof of key possession (see the module docstring)."""
+        addrs = self.wait_for_addresses()
+        challenges = {a: secrets.token_bytes(32) for a in addrs}
+        requests = {a: {"run": self.fed.run_name, "node": str(a), "challenge": challenges[a]} for a in addrs}
+        replies, dropped = self.io.send("hello", requests, self.fed.wait_for_participants_s)
+        self._check_supernodes(replies)
+        for a, why in dropped.items():
+            self._refuse(a, why.reason, why.detail)
+        for a in sorted(replies, key=_order):
+            self._admit_one(a, replies[a].info, challenges[a])
+        if len(self.nodes) < self.fed.min_participants:
+            raise AdmissionError(f"only {len(self.nodes)} participants answered hello with a valid key and proof "
+                                 f"(min-participants={self.fed.min_participants}); refused: "
+                                 + (", ".join(f"{a}: {r}" for a, r in self.refused.items()) or "none"))
+        for info in self.nodes.values():
+            own = info.get("peer_budget")                   # a participant may ask for fewer peers' samples
+            ok = isinstance(own, int) and not isinstance(own, bool) and own >= 0
+            self.budgets.setdefault(info["participant"], own if ok else self.fed.peer_budget)
+        self.texts = texts_needed(self.fed.wire_texts, [i["tokenizer_fp"] for i in self.nodes.values()])
+        for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"]):
+            self.log(INFO, "participant %-12s node %s model %-22s tokenizer %s key %s", info["participant"], node,
+                     info["model_id"], info["tokenizer_fp"], info["key_fp"])
+        self.log(INFO, "batches carry completion texts: %s (wire-texts=%s)", self.texts, self.fed.wire_texts)
+
+    def _check_supernodes(self, replies: Mapping[Address, Reply]) -> None:
+        counts = [r.info["supernodes"] for r in replies.values()
+                  if isinstance(r.info.get("supernodes"), int) and not isinstance(r.info.get("supernodes"), bool)]
+        if counts and self.declared and min(counts) < len(self.declared):
+            msg = too_few_supernodes_message(min(counts), self.declared)
+            self.log(logging.ERROR, "%s", msg)
+            self.finish_nodes(list(replies))
+            raise TooFewSupernodes(msg)
+
+    def _admit_one(self, addr: Address, info: dict, challenge: bytes) -> None:
+        name = info["participant"]
+        if name not in self.keys:
+            return self._refuse(addr, "unknown_participant", f"says it is {name!r}, which has no public key")
+        if fingerprint(self.keys[name]) != info["key_fp"]:
+            return self._refuse(addr, "key_mismatch", f"key of {name!r} does not match the key directory")
+        if not verify_challenge(self.keys[name], self.fed.run_name, str(addr), name, challenge, info["proof"]):
+            return self._refuse(addr, "bad_proof", f"claims {name!r} but cannot sign its challenge with {name!r}'s key")
+        if any(i["participant"] == name for i in self.nodes.values()):
+            return self._refuse(addr, "duplicate_participant", f"participant {name!r} is already connected")
+        self.nodes[addr] = info
+
+    def _refuse(self, addr: Address, reason: str, detail: str) -> None:
+        self.refused[addr] = reason
+        self.log(WARNING, "node %s not admitted (%s): %s", addr, reason, detail)
+
+    # ------------------------------------------------------------------ steps the schedules use
+    def name(self, addr: Address) -> str:
+        return self.nodes[addr]["participant"]
+
+    def ask(self, action: str, requests: Mapping[Address, dict], stats: RoundStats | None,
+            timeout: float | None = None) -> tuple[dict[Address, Reply], dict[Address, Failure]]:
+        """Send through the boundary; log and count every drop (``fed/dropped/<reason>``)."""
+        replies, dropped = self.io.send(action, requests, self.fed.round_timeout_s if timeout is None else timeout)
+        for addr, why in dropped.items():
+            self.log(WARNING, "participant %s dropped from this phase (%s): %s: %s",
+                     self.nodes.get(addr, {}).get("participant", addr), action, why.reason, why.detail[-300:])
+            if stats is not None:
+                stats.dropped[why.reason] += 1
+        return replies, dropped
+
+    def generate(self, rnd: int, stats: RoundStats) -> list[VerifiedFrame]:
+        """Every admitted participant generates and signs its batch of round ``rnd``; returns the
+        verified frames (the participants' generate metrics go to their rows)."""
+        replies, failed = self.ask("generate", {a: {"round": rnd, "texts": self.texts} for a in self.nodes}, stats)
+        stats.fed["fed/generate_failures"] = float(len(failed))
+        for addr, r in replies.items():
+            stats.row(self.name(addr)).update(r.metrics)
+        return self.verify(replies, rnd, stats)
+
+    def relay(self, action: str, frames: list[VerifiedFrame], rnd: int, stats: RoundStats) -> dict[Address, Reply]:
+        """Send each participant its peers' ``frames`` (within its peer budget) with ``action``;
+        their metrics go to their rows. Returns the checked replies."""
+        requests = {}
+        for i, addr in enumerate(sorted(self.nodes, key=_order)):
+            name = self.name(addr)
+            chosen = select_for_receiver(frames, name, self.budgets.get(name, self.fed.peer_budget), rotation=rnd + i)
+            requests[addr] = {"round": rnd, "texts": self.texts, "frames": [f.frame for f in chosen]}
+        replies, failed = self.ask(action, requests, stats)
+        stats.fed.update({"fed/replies": float(len(replies)), "fed/train_failures": float(len(failed)),
+                          "fed/bytes_relayed": float(sum(len(f) for q in requests.values() for f in q["frames"])),
+                          "fed/frames_relayed": float(sum(len(q["frames"]) for q in requests.values()))})
+        for addr, r in list(replies.items()):
+            name = self.name(addr)
+            try:
+                per_source = summarize_sources(r.metrics, name)
+            except Exception as e:                              # noqa: BLE001 - a reply never ends the run
+                self.log(WARNING, "participant %s: metrics unusable (%s: %s)", name, type(e).__name__, e)
+                stats.dropped["internal_error"] += 1
+                per_source = dict(r.metrics)
+            row = stats.row(name)
+            row.update(per_source)
+            row["model_id"] = self.nodes[addr]["model_id"]
+        return replies
+
+    def verify(self, replies: Mapping[Address, Reply], rnd: int, stats: RoundStats) -> list[VerifiedFrame]:
+        """Each reply's frames as the server sees them: the header must name the participant the
+        node said hello as (checked *before* anything is committed to the replay guard), then
+        signature with that participant's key, run, round, replay and content (``Inbox``)."""
+        out = []
+        for addr in sorted(replies, key=_order):
+            name = self.name(addr)
+            for frame in replies[addr].frames:
+                try:
+                    sender = parse_header(frame, self.inbox.config.limits).sender
+                    if sender != name:
+                        raise BatchValidationError("sender_mismatch", f"frame names sender {sender!r}, "
+                                                                      f"the node said hello as {name!r}")
+                    acc = self.inbox.accept(frame, expected_round=rnd)
+                except BatchValidationError as e:
+                    stats.rejected[e.reason] += 1
+                    self.log(WARNING, "round %d: batch from %s rejected: %s", rnd, name, e)
+                    continue
+                except Exception as e:                          # noqa: BLE001 - never let a frame end the run
+                    stats.rejected["internal_error"] += 1
+                    self.log(WARNING, "round %d: batch from %s: %s: %s", rnd, name, type(e).__name__, e)
+                    continue
+                h = parse_header(frame)
+                out.append(VerifiedFrame(acc.batch.sender, rnd, h.n_completions, h.n_completion_tokens, frame))
+        return out
+
+    def evaluate(self, rnd: int) -> None:
+        replies, _ = self.ask("evaluate", {a: {"round": rnd} for a in self.nodes}, None)
+        rows = []
+        for addr in sorted(replies, key=lambda a: self.name(a)):
+            name, m = self.name(addr), replies[addr].metrics
+            rows.append({"round": rnd, "participant": name, "phase": "eval", **m})
+            self.log(INFO, "  eval r%d %-12s ID %.3f  OOD %.3f", rnd, name, m.get("eval/id/accuracy", float("nan")),
+                     m.get("eval/ood/accuracy", float("nan")))
+        self.writer.write(rows)
+
+    def finish(self) -> None:
+        """Stop every participant (short deadline: it only acknowledges)."""
+        self.finish_nodes(list(self.nodes))
+
+    def finish_nodes(self, addrs: list[Address]) -> None:
+        try:
+            self.io.send("finish", {a: {} for a in addrs}, min(60.0, self.fed.round_timeout_s))
+        except Exception as e:                                  # noqa: BLE001 - best effort at the end
+            self.log(WARNING, "finish: %s", e)
+
+    def _log_round(self, rnd: int, rows: list[dict], fed_row: dict, stats: RoundStats) -> None:
+        self.log(INFO, "round %d/%d: %d replies, %d dropped, %d rejected, %.0f bytes relayed, %.1f s", rnd,
+                 self.fed.num_rounds, int(fed_row.get("fed/replies", 0)), sum(stats.dropped.values()),
+                 int(fed_row["fed/rejected"]), fed_row.get("fed/bytes_relayed", 0.0), fed_row["fed/round_seconds"])
+        for row in sorted(rows, key=lambda r: r["participant"]):
+            self.log(INFO, "  %-12s reward %.3f  solved %.2f  loss %+.4f  peers %3d  filtered %.2f  ratio %.3f",
+                     row["participant"], row.get("reward/mean", float("nan")),
+                     row.get("reward/solved_frac", float("nan")), row.get("train/loss", float("nan")),
+                     int(row.get("train/peer_samples", 0)), row.get("offpolicy/filtered_frac", 0.0),
+                     row.get("offpolicy/ratio_mean", float("nan")))
+
+    # ------------------------------------------------------------------ state
+    def _save_state(self, rnd: int) -> None:
+        state: dict[str, Any] = {
+            "completed_round": rnd, "run_name": self.fed.run_name, "guard": self.guard.to_json(),
+            "pending": [{"sender": f.sender, "round": f.round, "completions": f.completions, "tokens": f.tokens,
+                         "frame": base64.b64encode(f.frame).decode()} for f in self.pending]}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.state_path)
+
+    def _load_state(self) -> None:
+        if not self.state_path.exists():
+            self.log(INFO, "resume: no %s yet, starting at round 1", self.state_path)
+            return
+        state = json.loads(self.state_path.read_text())
+        if state["run_name"] != self.fed.run_name:
+            raise ValueError(f"resume: {self.state_path} belongs to run {state['run_name']!r}, "
+                             f"not {self.fed.run_name!r}")
+        self.guard = ReplayGuard.from_json(state["guard"])
+        self.inbox = Inbox(self.keys, self.inbox.config, self.guard)
+        self.pending = [VerifiedFrame(p["sender"], p["round"], p["completions"], p["tokens"],
+                                      base64.b64decode(p["frame"])) for p in state["pending"]]
+        self.completed_round = int(state["completed_round"])
+        self.start_round = self.completed_round + 1
+        self.log(INFO, "resume: round %d done, continuing at round %d", self.start_round - 1, self.start_round)

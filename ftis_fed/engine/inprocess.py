@@ -1,0 +1,64 @@
+"""In-process transport: every participant in this Python process, called directly.
+
+A testing and debugging tool (fast engine tests, stepping through a round in a debugger), not a
+way to run a federation: the product path is ``flwr run`` (simulation or deployment), which goes
+through ``strategies/`` and ``clients/``.
+
+Each request runs ``participant.handle(action, request)`` on its own daemon thread; the call
+waits until every thread is done or the deadline passes. A participant still running at the
+deadline is reported as ``Failure("timeout")`` and left behind (its thread cannot be killed; a
+hung participant stays hung, as a hung worker process would). Like the worker process, a
+participant handles one request at a time: a new request waits for the previous one, within the
+same deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Any, Mapping, Protocol
+
+from .transport import Address, Delivered, Failure
+
+
+class Handles(Protocol):
+    def handle(self, action: str, request: dict) -> dict: ...
+
+
+class InProcessTransport:
+    """``participants``: address -> object with ``handle(action, request) -> reply``."""
+
+    def __init__(self, participants: Mapping[Address, Handles]):
+        self.participants = dict(participants)
+        self._locks = {a: threading.Lock() for a in self.participants}
+
+    def addresses(self) -> list[Address]:
+        return list(self.participants)
+
+    def send(self, action: str, requests: Mapping[Address, dict], timeout: float) -> dict[Address, Any]:
+        results: dict[Address, Any] = {}
+        threads = []
+        for addr, req in requests.items():
+            if addr not in self.participants:
+                results[addr] = Failure("unknown_node", f"no participant at {addr!r}")
+                continue
+            t = threading.Thread(target=self._call, args=(addr, action, req, results), daemon=True,
+                                 name=f"ftis-inprocess-{addr}-{action}")
+            t.start()
+            threads.append((addr, t))
+        deadline = time.monotonic() + timeout
+        for addr, t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        out = {}
+        for addr in requests:
+            got = results.get(addr)
+            out[addr] = got if got is not None else Failure("timeout", f"no reply within {timeout:.1f} s")
+        return out
+
+    def _call(self, addr: Address, action: str, req: dict, results: dict) -> None:
+        with self._locks[addr]:
+            try:
+                results[addr] = Delivered(addr, self.participants[addr].handle(action, dict(req)))
+            except Exception as e:                              # noqa: BLE001 - an error reply
+                results[addr] = Failure("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")

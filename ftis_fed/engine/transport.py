@@ -1,0 +1,65 @@
+"""The one interface between the round engine and whatever carries its messages.
+
+A transport delivers one action to a set of addresses and gives back, per address, what came
+back by the deadline::
+
+    send(action, {address: request}, timeout_s) -> {address: Delivered | Failure}
+
+``address`` is the transport's own name for a participant's endpoint (a Flower node id, or a
+participant name in-process). ``request`` is a plain dict (``round``, ``texts``, ``frames``, ...);
+``Delivered.content`` is the raw reply as plain data, *not yet checked*: every reply goes through
+:mod:`ftis_fed.engine.validation` (in :class:`ftis_fed.engine.boundary.Boundary`) before the
+engine looks at it. A transport never raises for one participant's sake: an error reply, a
+missing reply or one after the deadline is a :class:`Failure` with a short reason.
+
+Actions, one name end to end (engine -> transport -> participant entry point
+``Participant.handle(action, request)``): see :data:`ACTIONS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Mapping, Protocol
+
+#: action -> (what the request carries, what the reply must carry)
+ACTIONS: dict[str, tuple[str, str]] = {
+    "hello": ("run, node, challenge", "info (participant, key_fp, model_id, tokenizer_fp, proof, ...)"),
+    "generate": ("round, texts", "frames (this round's signed frame), metrics"),
+    "learn": ("round, frames (peers' frames of the round)", "metrics"),
+    "exchange": ("round, texts, frames (peers' frames of the previous round)", "frames, metrics"),
+    "evaluate": ("round", "metrics"),
+    "finish": ("-", "info"),
+}
+
+Address = Hashable
+
+
+@dataclass(frozen=True)
+class Failure:
+    """No usable reply from one address: ``reason`` is a short metric-safe name (``timeout``,
+    ``error``, ``no_reply``, ...), ``detail`` a human-readable explanation for the log."""
+
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """A raw reply: ``src`` is who the transport says sent it (checked against the address it
+    was sent to), ``content`` maps field names (``info``, ``frames``, ``metrics``) to raw values."""
+
+    src: Address
+    content: Mapping[str, Any]
+
+
+class Transport(Protocol):
+    """What the engine needs from a transport (Flower's Grid, or in-process for tests)."""
+
+    def addresses(self) -> list[Address]:
+        """Currently connected endpoints."""
+        ...
+
+    def send(self, action: str, requests: Mapping[Address, dict], timeout: float) -> dict[Address, Any]:
+        """Deliver ``action`` to each address; per address a :class:`Delivered` or :class:`Failure`
+        (addresses missing from the result count as ``no_reply``)."""
+        ...

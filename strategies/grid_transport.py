@@ -1,0 +1,59 @@
+"""The round engine's transport over Flower's ``Grid`` (simulation and deployment alike).
+
+``send(action, {node_id: request}, timeout)``: one message per node (type derived from the
+action by ``ftis_fed.flower_io.message_type``), pushed at once, then pulled until every reply is
+in or the deadline passes. An error reply or a missing one is a ``Failure`` for that node; every
+other reply is handed back unchecked (``Delivered``) for the engine's boundary to validate.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from ftis_fed.engine.transport import Delivered, Failure
+from ftis_fed.flower_io import content_to_reply, message_type, request_to_content
+
+
+class GridTransport:
+    def __init__(self, grid: Grid, clock: Callable[[], float] = time.monotonic, poll_s: float = 0.2):
+        self.grid = grid
+        self.clock = clock
+        self.poll_s = poll_s
+
+    def addresses(self) -> list[int]:
+        return sorted(self.grid.get_node_ids())
+
+    def send(self, action: str, requests: Mapping[int, dict], timeout: float) -> dict[int, Any]:
+        nodes = list(requests)
+        msgs = [Message(request_to_content(requests[n]), n, message_type(action),
+                        group_id=f"{requests[n].get('round', '-')}-{action}") for n in nodes]
+        ids = list(self.grid.push_messages(msgs))
+        dst = dict(zip(ids, nodes))
+        out: dict[int, Any] = {}
+        waiting = set(ids)
+        deadline = self.clock() + timeout
+        while waiting and self.clock() < deadline:
+            for rep in self.grid.pull_messages(list(waiting)):
+                mid = rep.metadata.reply_to_message_id
+                if mid not in waiting:
+                    continue
+                waiting.discard(mid)
+                out[dst[mid]] = self._unpack(rep)
+            if waiting:
+                time.sleep(self.poll_s)
+        for mid in waiting:
+            out[dst[mid]] = Failure("timeout", f"no reply within {timeout:.0f} s")
+        return out
+
+    @staticmethod
+    def _unpack(rep: Message) -> Any:
+        try:
+            if rep.has_error():
+                return Failure("error", f"error {rep.error.code}: {str(rep.error.reason)[-300:]}")
+            return Delivered(rep.metadata.src_node_id, content_to_reply(rep.content))
+        except Exception as e:                                  # noqa: BLE001 - a reply never ends the run
+            return Failure("internal_error", f"unpacking the reply: {type(e).__name__}: {e}")

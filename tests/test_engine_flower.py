@@ -1,0 +1,69 @@
+"""The Flower adapters without a SuperLink: the ClientApp forwarder maps each message type to one
+action of ``Participant.handle`` (the worker call is recorded instead of made), and the
+request/reply packing round-trips through real Flower records."""
+
+from __future__ import annotations
+
+import pytest
+from flwr.app import Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+import clients.client_app as client_app
+from ftis_fed.engine import check_reply
+from ftis_fed.flower_io import action_of, content_to_reply, message_type, request_to_content
+
+SIM = {"partition-id": 0, "num-partitions": 2}
+DEPLOY = {"participant": "alice", "model": "smollm2"}
+
+
+@pytest.fixture
+def worker_calls(monkeypatch):
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    calls = []
+
+    def call(conn, action, request, timeout=None):
+        calls.append((action, request))
+        if action == "hello":
+            return {"info": {"participant": "alice", "proof": b"sig"}}
+        if action in ("generate", "exchange"):
+            return {"frames": [b"frame"], "metrics": {"reward/mean": 0.5}}
+        return {"metrics": {"train/loss": 0.1}}
+
+    monkeypatch.setattr(client_app, "_worker", lambda ctx: ("conn", 5.0))
+    monkeypatch.setattr(client_app, "call", call)
+    return calls
+
+
+def deliver(action: str, request: dict, node_config: dict) -> dict:
+    msg = Message(request_to_content(request), 7, message_type(action))
+    ctx = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
+    return content_to_reply(client_app.app(msg, ctx).content)
+
+
+@pytest.mark.parametrize("action", ["generate", "learn", "exchange", "evaluate"])
+def test_every_message_type_reaches_the_participant_as_one_action(worker_calls, action):
+    reply = deliver(action, {"round": 3, "texts": False, "frames": [b"a", b"b"]}, SIM)
+    assert worker_calls == [(action, {"round": 3, "texts": False, "frames": [b"a", b"b"]})]
+    assert action_of(message_type(action)) == action
+    check_reply(action, reply)                                           # what the server will accept
+
+
+def test_hello_reports_the_simulated_supernodes_only_in_a_simulation(worker_calls):
+    sim = deliver("hello", {"run": "r", "node": "7", "challenge": b"c" * 32}, SIM)
+    assert sim["info"]["supernodes"] == 2 and sim["info"]["proof"] == b"sig"
+    assert worker_calls[0] == ("hello", {"run": "r", "node": "7", "challenge": b"c" * 32})
+    assert "supernodes" not in deliver("hello", {"run": "r", "node": "7", "challenge": b"c"}, DEPLOY)["info"]
+
+
+def test_finish_does_not_start_a_worker_to_stop_it(worker_calls, monkeypatch, tmp_path):
+    monkeypatch.setenv("FTIS_FED_RUNTIME", str(tmp_path))
+    monkeypatch.setattr(client_app, "_worker", lambda ctx: pytest.fail("finish started a worker"))
+    reply = deliver("finish", {}, DEPLOY)
+    assert reply == {"info": {"stopped": False}} and worker_calls == []
+
+
+def test_message_types_that_carry_no_action_are_refused():
+    with pytest.raises(ValueError):
+        action_of("train.unknown")
