@@ -90,7 +90,9 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
         spec_path.write_text(json.dumps({**payload, "socket": str(sock), "keyfile": str(keyfile)}))
         os.chmod(spec_path, 0o600)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+        from ftis_fed.devices import worker_env
+
+        env = worker_env(os.environ)                             # the launcher's GPUs, not Ray's mask
         root = str(Path(__file__).resolve().parent.parent)          # the folder holding clients/, ftis_fed/
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(log_path, "ab") as log:
@@ -156,6 +158,13 @@ class Worker:
         self.run_config, self.node_config = spec["run_config"], spec["node_config"]
         fed = federation_from_run_config(self.run_config)
         pspec = participant_spec(self.run_config, self.node_config, fed)
+        from ftis_fed.devices import CUDA_ENV, VISIBLE_ENV, worker_device
+
+        parent_cvd = os.environ.get(CUDA_ENV, "<unset>")
+        pinned, local, chosen = worker_device(pspec.policy.device, os.environ, key=f"{pspec.name}: device")
+        os.environ.update(pinned)                                # before anything initialises CUDA
+        print(f"[worker {pspec.name}] device {chosen} (in-process {local}); CUDA_VISIBLE_DEVICES at start "
+              f"{parent_cvd!r}, launcher's {os.environ.get(VISIBLE_ENV, '<none>')!r}", flush=True)
         threads = fed.threads or max(1, (os.cpu_count() or 1) // max(1, int(spec.get("concurrent", 1))))
         torch.set_num_threads(threads)
         self.idle_timeout = fed.worker_idle_timeout_s

@@ -310,9 +310,12 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     # the SuperLink starts `flower-superexec` (which starts the apps) by name: our interpreter's
     # bin directory goes first on PATH so `.venv/bin/ftis-fed` works without an activated venv
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "PYTHONUNBUFFERED": "1"}                   # progress lines reach a redirected log as they come
+    from .devices import launcher_env
+
+    # launcher_env records the GPUs visible here (FTIS_FED_VISIBLE_DEVICES) before Ray masks them
+    env = launcher_env({**os.environ, "PATH": path, "FLWR_HOME": str(home),
+                        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
+                        "PYTHONUNBUFFERED": "1"})     # progress lines reach a redirected log as they come
     link = None
     if conn.get("ftis-managed"):
         link = acquire_superlink(conn["address"], home, env, reuse_superlink)

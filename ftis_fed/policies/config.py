@@ -49,6 +49,14 @@ class PolicyConfig:
         weights and optimizer stay fp32; ~0.03 nats/token generation-vs-training mismatch that the
         importance weights then absorb) or ``auto`` (bf16 on CUDA or a CPU with AVX512-BF16/AMX, else
         fp32).""", per_participant=True)
+    device: str = knob("device", "auto", """
+        ``auto`` (the first CUDA device the launcher saw, else the CPU), ``cuda:N`` or ``cpu``. In
+        simulation the launcher passes the GPUs it sees through to the participant processes (Ray
+        hides them from actors that ask for none); see docs/gpu.md.""", per_participant=True)
+    gpu_memory_share: float = knob("gpu-memory-share", 0.0, """
+        this participant's share of its GPU's memory for a vLLM engine, in [0, 0.9]; 0 = derived
+        from the number of participants on the same device (``ftis_fed.devices.memory_shares``).""",
+        per_participant=True)
     seed: int = knob("policy-seed", 0, "torch seed for the initialisation of adapters.")
     name: str = knob("model-id", "", """
         label recorded in batches as the generator's model id ('' = derived from model, quant and
@@ -74,6 +82,13 @@ class PolicyConfig:
         need(self.micro_batch >= 1, "micro_batch", "must be >= 1")
         need(self.logit_chunk >= 1, "logit_chunk", "must be >= 1")
         need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "must be 'auto', 'fp32' or 'bf16'")
+        from ..devices import DeviceError, parse_device
+
+        try:
+            parse_device(self.device)
+        except DeviceError:
+            need(False, "device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N >= 0)")
+        need(0.0 <= self.gpu_memory_share <= 0.9, "gpu_memory_share", "must be in [0, 0.9] (0 = derived)")
 
     @property
     def effective_lr(self) -> float:
