@@ -165,6 +165,10 @@ class ParticipantSpec:
                              run=False, per_participant=True)
     peer_budget: int = knob("peer-budget", 0, "this participant's peer-budget (default: the run-wide value).",
                             run=False, per_participant=True)
+    byzantine: str = knob("byzantine", "", """
+        a validly signing ATTACKER, for security experiments only: '' (honest) or attacks from
+        ``ftis_fed.attacks`` (``forge``, ``inflate``, ``logprobs``, ``flood``, comma-separated, or
+        ``all``); see docs/security.md.""", run=False, per_participant=True)
 
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.peer_budget < 0:
@@ -174,6 +178,10 @@ class ParticipantSpec:
             if (len(parts) != 3 or parts[0] not in ("raise", "exit", "hang")
                     or parts[1] not in ("generate", "learn", "evaluate") or not parts[2].isdigit()):
                 raise ValueError(f"fault={self.fault!r}: must be '' or <raise|exit|hang>:<generate|learn|evaluate>:<round>")
+        if self.byzantine:
+            from .attacks import parse_kinds
+
+            parse_kinds(self.byzantine)
 
 
 # ----------------------------------------------------------------------------- key tables (derived)
@@ -384,6 +392,7 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
     state_dir = str(Path(get("state-dir", "") or out / "participants" / name).resolve())
     return ParticipantSpec(name=name, policy=policy, partition_id=pid, num_partitions=n,
                            keys_dir=keys_dir, state_dir=state_dir, fault=str(get("fault", "")),
+                           byzantine=str(get("byzantine", "")),
                            local_budget=_coerce(get("local-budget", fed.local_budget), 0, named("local-budget")),
                            peer_budget=_coerce(get("peer-budget", fed.peer_budget), 0, named("peer-budget")))
 

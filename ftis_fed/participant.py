@@ -30,6 +30,7 @@ from .evaluation import evaluate as evaluate_policy
 from .inbox import Inbox, InboxConfig
 from .policies import build_policy
 from .rewards import Verifier
+from .attacks import hostile_frames, parse_kinds
 from .receive import ReceiverContext, receive
 from .signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
                       sign_challenge)
@@ -84,13 +85,13 @@ class Participant:
         if action == "hello":
             return {"info": self.hello(str(r["run"]), str(r["node"]), bytes(r["challenge"]))}
         if action == "generate":
-            frame, metrics = self.generate(int(r["round"]), bool(r["texts"]))
-            return {"frames": [frame], "metrics": metrics}
+            frames, metrics = self.generate(int(r["round"]), bool(r["texts"]))
+            return {"frames": frames, "metrics": metrics}
         if action == "learn":
             return {"metrics": self.learn(int(r["round"]), list(r["frames"]))}
         if action == "exchange":
-            frame, metrics = self.exchange(int(r["round"]), list(r["frames"]), bool(r["texts"]))
-            return {"frames": [frame], "metrics": metrics}
+            frames, metrics = self.exchange(int(r["round"]), list(r["frames"]), bool(r["texts"]))
+            return {"frames": frames, "metrics": metrics}
         if action == "evaluate":
             return {"metrics": self.evaluate(int(r["round"]))}
         if action == "finish":
@@ -122,8 +123,9 @@ class Participant:
             raise InjectedFault(f"{self.name}: injected fault at {phase} round {round}")
 
     # ------------------------------------------------------------------ phase 1
-    def generate(self, round: int, texts: bool) -> tuple[bytes, dict[str, float]]:
-        """Sample this round's prompts, reward them, sign the batch. Returns (frame, metrics)."""
+    def generate(self, round: int, texts: bool) -> tuple[list[bytes], dict[str, float]]:
+        """Sample this round's prompts, reward them, sign the batch. Returns ([frame], metrics);
+        an attacker (``byzantine``) returns what ``_attack`` makes of it."""
         self._fault("generate", round)
         t0 = time.perf_counter()
         fed = self.fed
@@ -146,9 +148,10 @@ class Participant:
                                 vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))
         frame = sign_batch(batch, self.key, WireOptions(texts=texts), max_tokens=fed.max_batch_tokens)
         self.own[round] = batch
+        frames = self._attack(batch, round, texts) if self.spec.byzantine else [frame]
         rw = np.asarray(rewards)
         group_std = np.mean([np.std(g.rewards) for g in groups])
-        return frame, {
+        return frames, {
             "reward/mean": float(rw.mean()), "reward/solved_frac": float((rw >= 1.0).mean()),
             "reward/groups_with_signal": float(np.mean([np.ptp(g.rewards) > 0 for g in groups])),
             "reward/group_std": float(group_std), "gen/completion_len": float(np.mean(lengths)),
@@ -197,13 +200,24 @@ class Participant:
         return CompletionBatch(batch.sender, batch.run_id, batch.round, batch.seq, batch.model_id, batch.tokenizer_fp,
                                batch.vocab_size, batch.sampling, tuple(keep) or batch.groups[:1])
 
-    def exchange(self, round: int, peer_frames: list[bytes], texts: bool) -> tuple[bytes, dict[str, float]]:
+    def exchange(self, round: int, peer_frames: list[bytes], texts: bool) -> tuple[list[bytes], dict[str, float]]:
         """Pipelined round: generate this round's batch, then train on it plus peers' batches of the
         previous round (one message per round instead of two)."""
-        frame, gen_metrics = self.generate(round, texts)
+        frames, gen_metrics = self.generate(round, texts)
         metrics = self.learn(round, peer_frames, peer_round=round - 1)
         metrics.update(gen_metrics)
-        return frame, metrics
+        return frames, metrics
+
+    def _attack(self, batch: CompletionBatch, round: int, texts: bool) -> list[bytes]:
+        """An attacker's frames (security experiments): the corrupted batch, one frame per round; with
+        ``flood`` every even round is instead a flood of re-signed copies (which the server refuses
+        whole: a reply carries one frame), so the other attacks still reach the odd rounds."""
+        kinds = parse_kinds(self.spec.byzantine)
+        flood = "flood" in kinds and round % 2 == 0
+        lies = tuple(k for k in kinds if k != "flood") + (("flood",) if flood else ())
+        frames = hostile_frames(batch, self.key, lies, flood=200, options=WireOptions(texts=texts))
+        self.seq = batch.seq + len(frames) - 1
+        return frames
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, round: int) -> dict[str, float]:

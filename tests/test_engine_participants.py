@@ -35,3 +35,31 @@ def test_real_participants_learn_from_each_other_in_one_process(tmp_path):
     for n in names:
         assert r1[n]["offpolicy/accepted"] == 1 and r1[n]["train/peer_samples"] == 4   # the peer's batch
         assert r1[n]["train/own_samples"] == 4 and r1[n]["model_id"] == "tiny-llama"
+
+
+def test_a_byzantine_participant_is_bounded_by_server_and_receivers(tmp_path):
+    """mallory signs validly but lies (forged references + rewards 1 + implausible log-probs) in
+    round 1 and floods in round 2: the server refuses the flood whole, the honest receiver corrects
+    the rewards from its own reference and records it against mallory; the run completes."""
+    names = ("alice", "mallory")
+    for n in names:
+        generate_keypair(n, tmp_path / "keys")
+    fed = FederationConfig(num_rounds=2, scheme="sync", min_participants=2, group_size=2, max_new_tokens=4,
+                           run_name="byz", output_dir=str(tmp_path), eval_every=0,
+                           task=TaskSpec(families=("add1",), prompts_per_round=2))
+    specs = [ParticipantSpec("alice", PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3), 0, 2,
+                             str(tmp_path / "keys"), str(tmp_path / "participants" / "alice")),
+             ParticipantSpec("mallory", PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3), 1, 2,
+                             str(tmp_path / "keys"), str(tmp_path / "participants" / "mallory"), byzantine="all")]
+    parts = {s.name: Participant(s, fed) for s in specs}
+    eng = Engine(fed, load_key_directory(tmp_path / "keys"), tmp_path, InProcessTransport(parts), plots=False)
+    assert eng.run() == 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    by = {(r["round"], r["participant"]): r for r in rows}
+    r1 = by[(1, "alice")]
+    assert r1["trust/mallory/accepted"] == 1
+    assert r1["trust/mallory/forged_references"] == 2          # both groups' references were forged
+    assert r1["trust/mallory/rewards_corrected"] >= 1           # rewards 1 on wrong answers -> own verdict
+    assert by[(2, "_federation")]["fed/dropped/too_many_frames"] == 1
+    assert by[(2, "alice")]["offpolicy/received"] == 0          # the flood never reached alice
+    assert by[(2, "alice")]["train/own_samples"] == 4           # and alice's round went on
