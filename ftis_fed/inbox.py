@@ -43,7 +43,7 @@ from .wire import WireHeader, WireLimits, check_header_limits, decode_payload
 
 REASONS = (
     "missing_field", "undecodable", "unsupported_version", "too_large", "unknown_sender",
-    "bad_signature", "quarantined", "wrong_run", "wrong_round", "replay", "too_many_frames", "bad_header",
+    "bad_signature", "revoked_key", "quarantined", "wrong_run", "wrong_round", "replay", "too_many_frames", "bad_header",
     "bad_sampling", "bad_ids", "id_out_of_range", "length_mismatch", "bad_reward", "nonfinite_logprob",
     "positive_logprob", "text_too_long", "wrong_sampling", "wrong_tokenizer",
 )

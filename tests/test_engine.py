@@ -324,6 +324,19 @@ def test_hello_with_someone_elses_public_fingerprint_but_not_their_key_is_refuse
     assert [a for a, _ in mallory.calls] == ["hello"]                  # never asked anything else
 
 
+def test_a_revoked_participant_is_refused_at_hello(tmp_path):
+    """A key listed in revoked.txt cannot join, even with a valid proof of possession."""
+    from ftis_fed.signing import RevocationList
+
+    (tmp_path / "revoked.txt").write_text(f"{fingerprint(DIRECTORY['carol'])}  # carol: key leaked\n")
+    keys = KeyDirectory(dict(DIRECTORY.items()), revocations=RevocationList(tmp_path / "revoked.txt"))
+    eng = Engine(fed(tmp_path, num_rounds=1), keys, tmp_path, InProcessTransport(trio()), sleep=lambda s: None,
+                 plots=False)
+    eng.run()
+    assert eng.refused == {"carol": "revoked_key"}
+    assert sorted(i["participant"] for i in eng.nodes.values()) == ["alice", "bob"]
+
+
 def test_a_participant_may_lower_its_own_peer_budget_but_a_bad_value_is_ignored(tmp_path):
     stubs = trio(alice={"extra_info": {"peer_budget": 4}}, bob={"extra_info": {"peer_budget": "lots"}},
                  carol={"extra_info": {"peer_budget": -3}})

@@ -227,6 +227,9 @@ class Engine:
             return self._refuse(addr, "unknown_participant", f"says it is {name!r}, which has no public key")
         if fingerprint(self.keys[name]) != info["key_fp"]:
             return self._refuse(addr, "key_mismatch", f"key of {name!r} does not match the key directory")
+        if self.keys.is_revoked(name):
+            where = self.keys.revocations.path if self.keys.revocations is not None else "revoked.txt"
+            return self._refuse(addr, "revoked_key", f"the key of {name!r} is revoked ({where})")
         if not verify_challenge(self.keys[name], self.fed.run_name, str(addr), name, challenge, info["proof"]):
             return self._refuse(addr, "bad_proof", f"claims {name!r} but cannot sign its challenge with {name!r}'s key")
         if any(i["participant"] == name for i in self.nodes.values()):
