@@ -101,7 +101,9 @@ class FederationConfig:
                 raise ValueError(f"{_key_of(f)}={getattr(self, f)!r}: {limit}")
 
         need(self.num_rounds >= 1, "num_rounds", "must be >= 1")
-        need(self.scheme in ("sync", "pipelined"), "scheme", "must be 'sync' or 'pipelined'")
+        from .engine.schedules import SCHEDULES          # registered round schedules (one file each)
+
+        need(self.scheme in SCHEDULES, "scheme", f"must be a registered schedule: {', '.join(sorted(SCHEDULES))}")
         need(self.min_participants >= 1, "min_participants", "must be >= 1")
         need(self.wait_for_participants_s > 0, "wait_for_participants_s", "must be > 0")
         need(self.round_timeout_s > 0, "round_timeout_s", "must be > 0")

@@ -115,7 +115,7 @@ def test_deployment_node_config_wins():
     ("loss-mode", "FTIS", "loss-mode='FTIS': must be one of"),
     ("group-size", 1, "group-size=1: must be >= 2"),
     ("top-p", 1.5, "top-p=1.5: must be in (0, 1]"),
-    ("scheme", "async", "scheme='async': must be 'sync' or 'pipelined'"),
+    ("scheme", "async", "scheme='async': must be a registered schedule: pipelined, sync"),
     ("resume", "maybe", "resume='maybe': must be true or false"),
     ("num-rounds", 2.5, "num-rounds=2.5: must be an integer"),
     ("wait-for-participants-s", 0.0, "wait-for-participants-s=0.0: must be > 0"),
