@@ -491,3 +491,94 @@ def test_kl_estimate_clamps_each_token_symmetrically():
     # a sequence-level row: the per-token average is clamped
     assert kl_estimate(torch.tensor([[-300.0, -300.0]]), torch.ones(1, 2, dtype=torch.bool), torch.tensor([True]),
                        "sum-k1", 20.0).item() == pytest.approx(40.0)
+
+
+# ------------------------------------------------------------------ samples_from_batches (training.py)
+
+import numpy as np  # noqa: E402
+
+from ftis_fed.batch import CompletionBatch, SamplingParams, make_group  # noqa: E402
+from ftis_fed.training import (advantage_group_metrics, completion_ended, samples_from_batches,  # noqa: E402
+                               sender_eos_id)
+
+
+def _batch(sender, tasks, rewards, fp="tok-a", budget=8, completions=None, logprobs=None):
+    """One batch of ``sender``: per task, len(rewards[k]) completions of 3 tokens."""
+    groups = []
+    for k, (task, rw) in enumerate(zip(tasks, rewards)):
+        comps = completions[k] if completions else [[5, 6, 7]] * len(rw)
+        lps = logprobs[k] if logprobs else [[-1.0] * len(c) for c in comps]
+        groups.append(make_group([1, 2], comps, lps, rw, task, "ref", "question", ["text"] * len(rw)))
+    return CompletionBatch(sender=sender, run_id="r", round=0, seq=1, model_id="m", tokenizer_fp=fp, vocab_size=100,
+                           sampling=SamplingParams(max_new_tokens=budget), groups=tuple(groups)).validate()
+
+
+def test_alone_never_sees_peers_also_with_horizontal_groups():
+    """Issue 13: alone + horizontal computed advantages over every sender's completions of a task
+    before dropping the peers' rows, so Alone's update depended on its peers."""
+    own = _batch("me", ["t/0", "t/1"], [[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    peer = _batch("peer", ["t/0", "t/1"], [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    for groups in ("vertical", "horizontal"):
+        cfg = ObjectiveConfig(mode="alone", advantage_groups=groups)
+        alone = samples_from_batches([own], "me", "tok-a", cfg)
+        mixed = samples_from_batches([own, peer], "me", "tok-a", cfg)
+        assert all(s.local for s in mixed)
+        assert [s.advantage for s in mixed] == [s.advantage for s in alone]
+        assert [s.group for s in mixed] == [s.group for s in alone]
+
+
+def test_horizontal_groups_mix_senders_of_the_same_task():
+    """Each of two senders generated part (2) of each shared prompt's group (4): the advantages are
+    those of the mixed group of 4, and the metrics count the groups as mixed."""
+    a = _batch("a", ["t/0", "t/1"], [[1.0, 0.0], [1.0, 1.0]])
+    b = _batch("b", ["t/0", "t/1"], [[1.0, 1.0], [0.0, 1.0]], fp="tok-a")
+    cfg = ObjectiveConfig(mode="F-TIS", advantage_groups="horizontal")
+    samples = samples_from_batches([a, b], "a", "tok-a", cfg)
+    ref = compute_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]),
+                             torch.tensor([0, 0, 1, 1, 0, 0, 1, 1]))
+    assert [s.advantage for s in samples] == pytest.approx(ref.tolist())
+    assert [s.group for s in samples] == ["t/0", "t/0", "t/1", "t/1"] * 2
+    m = advantage_group_metrics(samples, cfg)
+    assert m == {"train/advantage_groups": 2.0, "train/horizontal_mixed_groups": 2.0,
+                 "train/horizontal_unshared_groups": 0.0}
+    vertical = samples_from_batches([a, b], "a", "tok-a", ObjectiveConfig(advantage_groups="vertical"))
+    assert [s.advantage for s in vertical] != [s.advantage for s in samples]
+
+
+def test_horizontal_with_disjoint_prompts_is_reported_unshared():
+    """Today's schedule gives participants disjoint prompts: horizontal then equals vertical, and
+    the metrics say so."""
+    a = _batch("a", ["t/0"], [[1.0, 0.0]])
+    b = _batch("b", ["t/1"], [[0.0, 1.0]])
+    cfg = ObjectiveConfig(advantage_groups="horizontal")
+    samples = samples_from_batches([a, b], "a", "tok-a", cfg)
+    m = advantage_group_metrics(samples, cfg)
+    assert m["train/horizontal_mixed_groups"] == 0.0 and m["train/horizontal_unshared_groups"] == 2.0
+    vertical = samples_from_batches([a, b], "a", "tok-a", ObjectiveConfig())
+    assert [s.advantage for s in samples] == [s.advantage for s in vertical]
+    assert "train/horizontal_mixed_groups" not in advantage_group_metrics(vertical, ObjectiveConfig())
+
+
+def test_sender_eos_is_derived_from_its_own_batch():
+    """Completions shorter than the budget stopped at EOS, so their common last id is the sender's
+    EOS; a completion as long as the budget ended only if its last token is that id."""
+    b = _batch("peer", ["t/0"], [[1.0, 0.0, 0.0, 1.0]], budget=4,
+               completions=[[[5, 9], [5, 6, 7, 8], [5, 6, 7, 9], [9]]])
+    assert sender_eos_id(b) == 9
+    ended = [completion_ended(c, 4, 9) for c in b.groups[0].completion_ids]
+    assert ended == [True, False, True, True]
+    assert sender_eos_id(_batch("p", ["t/0"], [[1.0]], budget=3, completions=[[[5, 6, 7]]])) is None
+    assert completion_ended(np.array([5, 6, 7]), 3, None) is False              # cut at the budget
+    assert completion_ended(np.array([5, 6]), 3, None) is True                 # stopped early: EOS
+    calls = []
+    samples_from_batches([b], "me", "tok-other", ObjectiveConfig(),
+                         retokenize=lambda p, c, e: calls.append(e) or ([1], [2, 3]))
+    assert calls == [True, False, True, True]
+
+
+def test_implausible_claims_are_flagged_per_completion():
+    b = _batch("peer", ["t/0"], [[1.0, 0.0, 0.0]],
+               logprobs=[[[-1.0, -2.0, -69.0], [-1.0, -3e38, -1.0], [-1.0, -70.0, -1.0]]])
+    for fp in ("tok-a", "tok-other"):                                        # same and cross tokenizer
+        samples = samples_from_batches([b], "me", fp, ObjectiveConfig(), retokenize=lambda p, c, e: ([1], [2, 3]))
+        assert [s.implausible for s in samples] == [False, True, True]
