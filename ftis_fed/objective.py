@@ -1,4 +1,4 @@
-"""The F-TIS objective family as pure tensor functions (read next to ../shared/FTIS.md).
+"""The F-TIS objective family as pure tensor functions (read next to docs/method.md).
 
     L = -(1/N) sum_i norm_i sum_t  w_it * min( R_it * A'_i , clip(R_it, 1-eps, 1+eps) * A'_i )
 
@@ -12,11 +12,17 @@ Each named mode is an importance-weight rule plus a filter switch (``MODES``):
     alone   own samples only, w = 1 (on-policy GRPO)   noIS / F-noIS   w = 1
     VIS / F-VIS   R = pi_theta / pi_gen inside the clip  TIS / F-TIS     w = min(ratio, C)
 
-The three pieces are kept apart, as in FTIS.md: ``importance_weights`` (w and R), ``filter_advantages``
+The three pieces are kept apart, as in docs/method.md: ``importance_weights`` (w and R), ``filter_advantages``
 (A'), and ``aggregate`` (length normalisation: per-sequence as in GRPO, a constant as in Dr. GRPO,
 token-mean as in DAPO). ``ftis_loss`` composes them and returns per-source diagnostics measured
 *before* truncation and filtering. All log-ratios are clamped before ``exp``; masked positions are
 selected with ``torch.where`` (never multiplied), so no -inf/NaN reaches the loss or its gradient.
+
+Sender-reported log-probs are sanitised and bounded (docs/method.md, "Sanitisation and clamps"):
+per-token generator log-probs below ``LOGP_GEN_FLOOR`` = log(1e-30) (or non-finite) cannot come from
+an honest sampler; such a sample is *implausible*: its log-probs are floored for the importance
+weight, and the F filter treats it as maximally off-policy (KL = +inf). The KL estimate itself uses
+log-ratios clamped symmetrically to +-log_ratio_clamp per token.
 
 Shapes: B samples (completions), T padded completion length.
 """
@@ -50,14 +56,16 @@ class ObjectiveConfig:
     kl_estimator: str = knob("kl-estimator", "sum-k1", """
         ``sum-k1`` (default), ``sum-k3``, ``mean-k1``, ``mean-k3``: how the per-sample
         KL(pi_gen || pi_theta) is estimated from per-token log-ratios d = log pi_gen - log pi_theta
-        (k1 = d, k3 = exp(-d) - 1 + d); the FTIS.md default is the sum of k1.""")
+        (k1 = d, k3 = exp(-d) - 1 + d); the default (docs/method.md) is the sum of k1.""")
     length_norm: str = knob("length-norm", "sequence", """
         ``sequence`` (GRPO: each completion's token sum / its length, then mean over completions),
         ``constant`` (Dr. GRPO: token sum / (N * norm_constant)), ``token`` (DAPO: token sum / number
         of tokens).""")
     #: the Dr. GRPO constant (the generation budget), >= 1; set from ``max-new-tokens`` by the run config
     norm_constant: int = 128
-    log_ratio_clamp: float = knob("log-ratio-clamp", 20.0, "|log-ratio| is clamped to this before exp, finite and > 0.")
+    log_ratio_clamp: float = knob("log-ratio-clamp", 20.0, """
+        |log-ratio| is clamped to this before exp, and each token's log-ratio entering the KL
+        estimate is clamped to +-this; finite and > 0.""")
     advantage_groups: str = knob("advantage-groups", "vertical", """
         ``vertical`` (each sender's G completions of a prompt form a group, the paper's default) or
         ``horizontal`` (all senders' completions of the same task).""")
@@ -114,6 +122,13 @@ def compute_advantages(rewards: Tensor, group_index: Tensor, scale: str = "group
 
 # ----------------------------------------------------------------------------- log-ratios & KL
 
+#: Lowest per-token generator log-prob a sender can honestly claim for a token it sampled: log(1e-30).
+#: An honest sampler draws a token of probability < 1e-30 with probability < V * 1e-30 per step
+#: (V = vocabulary size, ~5e4 here): never in practice. Lower (or non-finite) claims mark the sample
+#: implausible (see ``implausible_rows``).
+LOGP_GEN_FLOOR = math.log(1e-30)
+
+
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     """(B,T) -> (B,) sum over valid positions, selecting with where (no 0 * inf)."""
     return torch.where(mask, x, torch.zeros_like(x)).sum(-1)
@@ -122,32 +137,40 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
 def log_ratios(logp: Tensor, logp_gen: Tensor, mask: Tensor, seq_level: Tensor,
                seq_logp_gen: Tensor | None) -> Tensor:
     """log(pi_theta / pi_gen), (B,T), *unclamped*; on sequence-level rows the summed log-ratio
-    sum_t logp - seq_logp_gen (default sum_t logp_gen) is broadcast over the row.
+    sum_t logp - seq_logp_gen (default sum_t logp_gen) is the value of every position of the row.
 
     Inputs are finite (clamped by the caller), so the result is finite. Gradient flows through
-    ``logp`` (VIS needs it); callers clamp before any exp and detach for weights.
+    ``logp`` (VIS needs it); callers clamp before any exp and detach for weights. On a
+    sequence-level row the gradient at position t is d log pi_theta(a_t) (the summed log-ratio's
+    value, each token's own gradient), so the length normalisation scales a sequence-level row's
+    gradient by 1/|a_i| exactly as it does a token-level row's; broadcasting the sum itself would
+    give every token the whole row's gradient, |a_i| times too much.
     """
     tok = torch.where(mask, logp - logp_gen, torch.zeros_like(logp))               # (B,T)
     gen_seq = masked_sum(logp_gen, mask) if seq_logp_gen is None else seq_logp_gen  # (B,)
-    seq = masked_sum(logp, mask) - gen_seq.to(logp.dtype)                          # (B,)
-    return torch.where(seq_level[:, None], seq[:, None].expand_as(tok), tok)        # (B,T)
+    seq = (masked_sum(logp, mask) - gen_seq.to(logp.dtype)).detach()               # (B,)
+    seq_tok = seq[:, None] + torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))  # (B,T)
+    return torch.where(seq_level[:, None], seq_tok, tok)                           # (B,T)
 
 
 def kl_estimate(log_ratio: Tensor, mask: Tensor, seq_level: Tensor, estimator: str, clamp: float) -> Tensor:
     """(B,) sample estimate of KL(pi_gen || pi_theta) from log-ratios lr = log(pi_theta/pi_gen).
 
-    Per token d = -lr; k1 = d, k3 = exp(-d) - 1 + d (the exp argument clamped to +-clamp).
-    ``sum-*`` sums over the completion, ``mean-*`` averages. On sequence-level rows only the summed
-    d is known: k1 is exact, k3 uses the per-token average d/n.
+    Each token's lr is clamped to [-clamp, clamp] first (symmetrically: a sender's claimed
+    log-probs can move one token's term by at most ``clamp`` either way). Per token d = -lr;
+    k1 = d, k3 = exp(-d) - 1 + d. ``sum-*`` sums over the completion, ``mean-*`` averages. On
+    sequence-level rows only the summed d is known: its per-token average d/n is clamped, k1 is
+    exact (within the clamp), k3 uses the average.
     """
     reduce, k = estimator.split("-")
     n = mask.sum(-1).clamp(min=1).to(log_ratio.dtype)                              # (B,)
-    lr_seq_mean = log_ratio[:, 0] / n if log_ratio.shape[1] else torch.zeros_like(n)  # (B,)
+    lr_tok = log_ratio.clamp(-clamp, clamp)                                        # (B,T)
+    lr_seq_mean = (log_ratio[:, 0] / n).clamp(-clamp, clamp) if log_ratio.shape[1] else torch.zeros_like(n)  # (B,)
     if k == "k1":
-        per_tok, seq_val = -log_ratio, -lr_seq_mean
+        per_tok, seq_val = -lr_tok, -lr_seq_mean
     else:
-        per_tok = torch.expm1(log_ratio.clamp(max=clamp)) - log_ratio
-        seq_val = torch.expm1(lr_seq_mean.clamp(max=clamp)) - lr_seq_mean
+        per_tok = torch.expm1(lr_tok) - lr_tok
+        seq_val = torch.expm1(lr_seq_mean) - lr_seq_mean
     kl = torch.where(seq_level, seq_val * n, masked_sum(per_tok, mask))             # (B,) summed
     return kl if reduce == "sum" else kl / n
 
@@ -265,6 +288,9 @@ class LossInputs:
     seq_level: (B,) rows that must use a sequence-level ratio (cross-tokenizer); default none.
     seq_logp_gen: (B,) the generator's summed log-prob per completion (needed on cross-tokenizer
         rows, where logp_gen has no per-token meaning); default the masked sum of logp_gen.
+    implausible: (B,) rows whose sender claimed an implausible log-prob somewhere the loss cannot
+        see it (a cross-tokenizer row's per-token claims in the sender's tokenizer); default none.
+        ``ftis_loss`` adds the rows it can check itself (see ``sanitize_generator_logprobs``).
     """
 
     logp: Tensor
@@ -277,6 +303,7 @@ class LossInputs:
     logp_old: Tensor | None = None
     seq_level: Tensor | None = None
     seq_logp_gen: Tensor | None = None
+    implausible: Tensor | None = None
 
 
 @dataclass
@@ -302,27 +329,57 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     mode = MODES[cfg.mode]
     mask = x.mask.bool()
     logp = torch.where(mask, x.logp, torch.zeros_like(x.logp)).clamp(min=-1e4)     # (B,T)
-    gen = torch.nan_to_num(x.logp_gen.to(logp.dtype), nan=-1e4, posinf=0.0, neginf=-1e4)
-    logp_gen = torch.where(mask, gen, torch.zeros_like(logp)).clamp(-1e4, 0.0)      # (B,T)
     logp_old = logp.detach() if x.logp_old is None else \
         torch.where(mask, x.logp_old, logp.detach()).clamp(min=-1e4)
     seq_level = participating_seq_level(x, cfg)                                     # (B,)
     rows = participating_rows(x, cfg)                                              # (B,)
+    logp_gen, seq_logp_gen, implausible = sanitize_generator_logprobs(x, mask, seq_level, logp.dtype)
 
-    raw = log_ratios(logp, logp_gen, mask, seq_level, x.seq_logp_gen)             # (B,T)
+    raw = log_ratios(logp, logp_gen, mask, seq_level, seq_logp_gen)               # (B,T)
     log_ratio_gen = raw.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)           # clamp before exp
     w, log_r = importance_weights(cfg.mode, logp, logp_old, log_ratio_gen, cfg.trunc_c)
     kl = kl_estimate(raw.detach(), mask, seq_level, cfg.kl_estimator, cfg.log_ratio_clamp)  # (B,)
     adv = x.advantages.to(logp.dtype)
-    dropped = filter_mask(adv, kl, cfg.filter_g) & rows if mode.filtered else torch.zeros_like(rows)
+    kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)
+    dropped = filter_mask(adv, kl_filter, cfg.filter_g) & rows if mode.filtered else torch.zeros_like(rows)
     adv_f = filter_advantages(adv, dropped)
 
     per_token = clipped_surrogate(log_r, w, adv_f, cfg.clip_eps, cfg.log_ratio_clamp)  # (B,T)
     loss = aggregate(per_token, mask, rows, cfg.length_norm, cfg.norm_constant, denominators)
     with torch.no_grad():
-        stats = source_stats(raw.detach(), mask, rows, kl, dropped, x, cfg)
+        stats = source_stats(raw.detach(), mask, rows, kl, dropped, x, cfg, implausible)
         stats["loss/value"] = float(loss.detach())
     return LossOutput(loss, stats)
+
+
+def sanitize_generator_logprobs(x: LossInputs, mask: Tensor, seq_level: Tensor,
+                                dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The sender's claims made safe to compute with: (logp_gen (B,T), seq_logp_gen (B,) or None,
+    implausible (B,) bool).
+
+    Per token: NaN and -inf become ``LOGP_GEN_FLOOR``, +inf becomes 0, then values are clamped to
+    [LOGP_GEN_FLOOR, 0]; a row with any valid token that was not a finite value >= the floor is
+    implausible. Per completion (``seq_logp_gen``, used on sequence-level rows): NaN and -inf become
+    n * LOGP_GEN_FLOOR (n: the row's valid tokens), +inf becomes 0, then clamped to
+    [n * LOGP_GEN_FLOOR, 0]; a sequence-level row whose value was not finite or below that bound is
+    implausible. ``x.implausible`` adds the rows flagged by whoever built the inputs.
+    """
+    gen = x.logp_gen.to(dtype)
+    bad_tok = mask & ~(torch.isfinite(gen) & (gen >= LOGP_GEN_FLOOR))               # (B,T)
+    gen = torch.nan_to_num(gen, nan=LOGP_GEN_FLOOR, posinf=0.0, neginf=LOGP_GEN_FLOOR)
+    logp_gen = torch.where(mask, gen, torch.zeros_like(gen)).clamp(LOGP_GEN_FLOOR, 0.0)  # (B,T)
+    implausible = bad_tok.any(-1) if bad_tok.shape[1] else torch.zeros_like(seq_level)  # (B,)
+    seq_logp_gen = None
+    if x.seq_logp_gen is not None:
+        floor = LOGP_GEN_FLOOR * mask.sum(-1).clamp(min=1).to(dtype)               # (B,)
+        raw = x.seq_logp_gen.to(dtype)
+        bad_seq = seq_level & ~(torch.isfinite(raw) & (raw >= floor))              # (B,)
+        raw = torch.where(torch.isnan(raw) | (raw == -math.inf), floor, raw)
+        seq_logp_gen = torch.maximum(raw.clamp(max=0.0), floor)                    # (B,)
+        implausible = implausible | bad_seq
+    if x.implausible is not None:
+        implausible = implausible | x.implausible.bool()
+    return logp_gen, seq_logp_gen, implausible
 
 
 def participating_seq_level(x: LossInputs, cfg: ObjectiveConfig) -> Tensor:
@@ -344,9 +401,10 @@ def count_denominators(mask: Tensor, rows: Tensor) -> tuple[float, float]:
 
 
 def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, dropped: Tensor,
-                 x: LossInputs, cfg: ObjectiveConfig) -> dict[str, float]:
+                 x: LossInputs, cfg: ObjectiveConfig, implausible: Tensor | None = None) -> dict[str, float]:
     """Mergeable per-source sums: raw ratio statistics before truncation (the ratio saturates at
-    exp(log_ratio_clamp); log-ratio statistics are unclamped), truncated tokens, filtered samples, KL."""
+    exp(log_ratio_clamp); log-ratio statistics are unclamped), truncated tokens, filtered samples,
+    samples with implausible generator log-probs, KL (the clamped estimate, finite)."""
     out: dict[str, float] = {}
     ratio = torch.exp(log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))  # (B,T)
     for s, name in enumerate(x.source_names):
@@ -359,6 +417,7 @@ def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, drop
         out[p + "samples"] = float(sel.sum())
         out[p + "tokens"] = float(r.numel())
         out[p + "filtered"] = float(dropped[sel].sum())
+        out[p + "implausible"] = float(implausible[sel].sum()) if implausible is not None else 0.0
         out[p + "kl_sum"] = float(kl[sel].sum())
         out[p + "kl_max"] = float(kl[sel].max())
         if r.numel():
@@ -386,8 +445,9 @@ def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 def finalize_stats(stats: dict[str, float]) -> dict[str, float]:
-    """Sums -> means/fractions: ratio_mean, log_ratio_mean, truncated_frac, filtered_frac, kl_mean."""
-    out = {k: v for k, v in stats.items() if not k.endswith(("_sum", "/filtered", "/truncated"))}
+    """Sums -> means/fractions: ratio_mean, log_ratio_mean, truncated_frac, filtered_frac,
+    implausible_frac, kl_mean."""
+    out = {k: v for k, v in stats.items() if not k.endswith(("_sum", "/filtered", "/truncated", "/implausible"))}
     for prefix in {k.rsplit("/", 1)[0] for k in stats if k.startswith("offpolicy/")}:
         g = lambda key: stats.get(f"{prefix}/{key}", 0.0)  # noqa: E731
         n_tok, n_s = max(g("tokens"), 1.0), max(g("samples"), 1.0)
@@ -396,5 +456,6 @@ def finalize_stats(stats: dict[str, float]) -> dict[str, float]:
             out[f"{prefix}/log_ratio_mean"] = g("log_ratio_sum") / n_tok
             out[f"{prefix}/truncated_frac"] = g("truncated") / n_tok
         out[f"{prefix}/filtered_frac"] = g("filtered") / n_s
+        out[f"{prefix}/implausible_frac"] = g("implausible") / n_s
         out[f"{prefix}/kl_mean"] = g("kl_sum") / n_s
     return out

@@ -34,7 +34,7 @@ from .attacks import hostile_frames, parse_kinds
 from .receive import ReceiverContext, receive
 from .signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
                       sign_challenge)
-from .training import samples_from_batches
+from .training import Trainer, samples_from_batches
 from .wire import WireOptions
 
 
@@ -46,7 +46,8 @@ class Participant:
     def __init__(self, spec: ParticipantSpec, fed: FederationConfig, policy=None, run_key: str = ""):
         self.spec, self.fed = spec, fed
         self.name = spec.name
-        self.policy = policy if policy is not None else build_policy(spec.policy, fed.objective)
+        self.policy = policy if policy is not None else build_policy(spec.policy)
+        self.trainer = Trainer(self.policy, fed.objective)
         self.state_dir = Path(spec.state_dir)
         self.run_key = run_key
         self.model_loads = self._count_load()
@@ -178,7 +179,7 @@ class Participant:
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
         if samples:
-            metrics.update(self.policy.update(samples, self.fed.sampling))
+            metrics.update(self.trainer.step(samples, self.fed.sampling))
         metrics["train/seconds"] = time.perf_counter() - t0
         metrics["worker/pid"] = float(os.getpid())
         metrics["worker/model_loads"] = float(self.model_loads)
@@ -232,8 +233,7 @@ class Participant:
     def save(self) -> None:
         """Checkpoint: trainable state + optimizer (policy), sequence number, replay guard."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        if hasattr(self.policy, "save"):
-            self.policy.save(self.state_dir / "policy.pt")
+        self.trainer.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
                  "model_id": self.policy.model_id}
         tmp = self.state_dir / "participant.json.tmp"
@@ -246,7 +246,7 @@ class Participant:
             raise ValueError(f"resume: {self.state_dir} holds a checkpoint of {state.get('model_id')!r}, "
                              f"not {self.policy.model_id!r}")
         if (self.state_dir / "policy.pt").exists():
-            self.policy.load(self.state_dir / "policy.pt")
+            self.trainer.load(self.state_dir / "policy.pt")
         self.seq = int(state["seq"])
         self.completed_round = int(state["completed_round"])
         self.guard = ReplayGuard.from_json(state["guard"])

@@ -1,9 +1,15 @@
-"""From received batches to one optimizer step on the F-TIS objective.
+"""From received batches to one optimizer step on the F-TIS objective; the optimizer lives here.
 
 ``samples_from_batches`` turns completion batches (the receiver's own and its peers') into
 ``TrainSample`` rows: advantages computed per group *before* any filtering (vertical: each sender's
-G completions of a prompt; horizontal: every sender's completions of the same task), and samples
-from a different tokenizer re-tokenized from their text and marked for a sequence-level ratio.
+G completions of a prompt; horizontal: every sender's completions of the same task id, a mixed
+group), and samples from a different tokenizer re-tokenized from their text and marked for a
+sequence-level ratio. In a local-only mode (``alone``) peers' batches are dropped *before* the
+advantages are computed, so nothing of a peer reaches the update.
+
+``Trainer`` owns the optimisation of one model backend (``policies.base.Policy``): AdamW over the
+backend's trainable parameters, ``step(samples, sampling)`` (one F-TIS step, then the backend is told
+its weights changed), and the checkpoint (trainable weights + optimizer + step count).
 
 ``ftis_step`` runs the objective over micro-batches with the whole update's denominators (so the
 micro-batch losses add up to the full-batch loss), accumulates gradients, clips, and steps.
@@ -11,15 +17,22 @@ micro-batch losses add up to the full-batch loss), accumulates gradients, clips,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
 from .batch import CompletionBatch
-from .objective import (LossInputs, ObjectiveConfig, compute_advantages, count_denominators, ftis_loss,
-                        merge_stats, finalize_stats, MODES)
+from .objective import (LOGP_GEN_FLOOR, LossInputs, ObjectiveConfig, compute_advantages, count_denominators,
+                        ftis_loss, merge_stats, finalize_stats, MODES)
+from .policies.config import PolicyConfig
+
+if TYPE_CHECKING:
+    from .batch import SamplingParams
+    from .policies.base import Policy
 
 
 @dataclass
@@ -29,6 +42,10 @@ class TrainSample:
     logp_gen: (T,) the generator's per-token log-probs (zeros when ``seq_level``).
     seq_logp_gen: the generator's summed log-prob of the completion.
     seq_level: the generator's tokenizer differs: only a sequence-level ratio is defined.
+    group: the advantage group the sample was normalised in (``<batch>/<group>`` when vertical,
+        the task id when horizontal).
+    implausible: the generator's claimed per-token log-probs (in its own tokenizer) include a value
+        that is not finite or below ``objective.LOGP_GEN_FLOOR`` (see docs/method.md).
     """
 
     prompt_ids: list[int]
@@ -39,9 +56,46 @@ class TrainSample:
     source: str
     local: bool
     seq_level: bool = False
+    group: str = ""
+    implausible: bool = False
 
 
-Retokenize = Callable[[str, str], tuple[list[int], list[int]]]
+#: retokenize(prompt_text, completion_text, ended) -> (prompt_ids, completion_ids) in the receiver's
+#: tokenizer; ``ended``: the sender's completion ended with its EOS (append the receiver's EOS).
+Retokenize = Callable[[str, str, bool], tuple[list[int], list[int]]]
+
+
+def sender_eos_id(batch: CompletionBatch) -> int | None:
+    """The sender's EOS id as its own batch shows it, or None.
+
+    Generation stops before ``sampling.max_new_tokens`` only at EOS (both backends pass the
+    tokenizer's single EOS id and no stop strings), so every completion shorter than the budget ends
+    with the sender's EOS: that id, when all of them agree. None when no completion stopped early
+    or they disagree.
+    """
+    budget = batch.sampling.max_new_tokens
+    last = {int(c[-1]) for g in batch.groups for c in g.completion_ids if 0 < len(c) < budget}
+    return last.pop() if len(last) == 1 else None
+
+
+def completion_ended(completion_ids: np.ndarray, budget: int, eos: int | None) -> bool:
+    """Did the sender's completion end with EOS (rather than being cut at the budget)?
+
+    With the sender's EOS id known (``sender_eos_id``): its last token is that id (this also covers
+    a completion whose EOS is exactly its ``budget``-th token). Otherwise: it is shorter than the
+    budget.
+    """
+    if len(completion_ids) == 0:
+        return False
+    if eos is not None:
+        return int(completion_ids[-1]) == eos
+    return len(completion_ids) < budget
+
+
+def generator_claims_plausible(logprobs: np.ndarray) -> bool:
+    """Every claimed per-token log-prob is finite and >= LOGP_GEN_FLOOR (docs/method.md)."""
+    lp = np.asarray(logprobs, dtype=np.float64)
+    return bool(np.all(np.isfinite(lp)) and np.all(lp >= LOGP_GEN_FLOOR))
 
 
 def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, tokenizer_fp: str,
@@ -49,18 +103,28 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
                          sample_weights: dict[tuple[int, int], np.ndarray] | None = None) -> list[TrainSample]:
     """Rows for ``ftis_step`` from all batches of one update.
 
-    receiver: this participant's id (its own batches are ``local``).
-    retokenize(prompt_text, completion_text) -> (prompt_ids, completion_ids) in the receiver's
-        tokenizer; needed for batches whose ``tokenizer_fp`` differs (they must carry texts).
+    receiver: this participant's id (its own batches are ``local``). In a local-only mode
+        (``alone``) the other senders' batches are skipped before anything is computed from them.
+    retokenize(prompt_text, completion_text, ended) -> (prompt_ids, completion_ids) in the
+        receiver's tokenizer; needed for batches whose ``tokenizer_fp`` differs (they must carry
+        texts). ``ended`` says whether the sender's completion ended with EOS (``completion_ended``).
     sample_weights[(batch_index, group_index)]: per-completion multipliers of the advantage
         (down-weighting after reward disagreement), applied after normalisation.
+
+    Advantage groups: ``vertical``, each (batch, group); ``horizontal``, every completion of the
+    same task id, across senders (the mixed group of the paper's horizontal mode; the schedule must
+    give participants the same prompts for groups to mix: ``advantage_group_metrics`` counts them).
     """
     rows: list[dict] = []
+    local_only = MODES[cfg.mode].local_only
     for bi, b in enumerate(batches):
+        if local_only and b.sender != receiver:
+            continue
         cross = b.tokenizer_fp != tokenizer_fp
         if cross and retokenize is None:
             raise ValueError(f"batch from {b.sender!r} has tokenizer {b.tokenizer_fp}, receiver has "
                              f"{tokenizer_fp}: a retokenize function is needed")
+        eos = sender_eos_id(b) if cross else None
         for gi, g in enumerate(b.groups):
             rewards = g.rewards
             weights = (sample_weights or {}).get((bi, gi), np.ones(g.size))
@@ -69,7 +133,8 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
                                  "completion_texts in the batch")
             for i in range(g.size):
                 if cross:
-                    p_ids, c_ids = retokenize(g.prompt_text, g.completion_texts[i])
+                    ended = completion_ended(g.completion_ids[i], b.sampling.max_new_tokens, eos)
+                    p_ids, c_ids = retokenize(g.prompt_text, g.completion_texts[i], ended)
                     lp = np.zeros(len(c_ids), dtype=np.float32)
                 else:
                     p_ids, c_ids, lp = g.prompt_ids.tolist(), g.completion_ids[i].tolist(), g.logprobs[i]
@@ -77,15 +142,36 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
                 rows.append(dict(prompt_ids=p_ids, completion_ids=c_ids, logp_gen=lp,
                                  seq_logp_gen=float(np.sum(g.logprobs[i], dtype=np.float64)),
                                  reward=float(rewards[i]), weight=float(weights[i]), group=group_key,
-                                 source=b.sender, local=b.sender == receiver, seq_level=cross))
+                                 source=b.sender, local=b.sender == receiver, seq_level=cross,
+                                 implausible=not generator_claims_plausible(g.logprobs[i])))
     if not rows:
         return []
     keys = {k: j for j, k in enumerate(dict.fromkeys(r["group"] for r in rows))}
     adv = compute_advantages(torch.tensor([r["reward"] for r in rows], dtype=torch.float64),
                              torch.tensor([keys[r["group"]] for r in rows]), cfg.scale_rewards)
     return [TrainSample(r["prompt_ids"], r["completion_ids"], r["logp_gen"], r["seq_logp_gen"],
-                        float(a) * r["weight"], r["source"], r["local"], r["seq_level"])
+                        float(a) * r["weight"], r["source"], r["local"], r["seq_level"], str(r["group"]),
+                        r["implausible"])
             for r, a in zip(rows, adv.tolist())]
+
+
+def advantage_group_metrics(samples: Sequence[TrainSample], cfg: ObjectiveConfig) -> dict[str, float]:
+    """How the advantage groups of one update were made up.
+
+    ``train/advantage_groups``: groups; in horizontal mode also ``train/horizontal_mixed_groups``
+    (groups with completions from more than one sender: the partition of prompts is shared) and
+    ``train/horizontal_unshared_groups`` (one sender only: horizontal then equals vertical for that
+    prompt, a sign that the schedule gave participants disjoint prompts).
+    """
+    senders: dict[str, set[str]] = {}
+    for s in samples:
+        senders.setdefault(s.group, set()).add(s.source)
+    out = {"train/advantage_groups": float(len(senders))}
+    if cfg.advantage_groups == "horizontal":
+        mixed = sum(len(v) > 1 for v in senders.values())
+        out["train/horizontal_mixed_groups"] = float(mixed)
+        out["train/horizontal_unshared_groups"] = float(len(senders) - mixed)
+    return out
 
 
 def _pad(arrays: Sequence[np.ndarray], T: int) -> torch.Tensor:
@@ -135,6 +221,7 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
             logp_old=_pad([logp_old[i] for i in idx], T) if logp_old is not None else None,
             seq_level=torch.tensor([s.seq_level for s in mb]),
             seq_logp_gen=torch.tensor([s.seq_logp_gen for s in mb], dtype=torch.float32),
+            implausible=torch.tensor([s.implausible for s in mb]),
         )
         out = ftis_loss(x, cfg, denominators)
         if out.loss.requires_grad:
@@ -152,3 +239,53 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
                     "train/skipped_nonfinite": float(not finite), "train/samples": float(len(samples)),
                     "train/tokens": float(denominators[1])})
     return metrics
+
+
+class Trainer:
+    """The optimisation of one model backend: AdamW over ``policy.trainable_parameters()``.
+
+    policy: a ``policies.base.Policy`` (it scores with gradient and exposes its parameters; it
+        owns no optimizer). objective: the F-TIS objective of every step.
+    cfg: learning rate, weight decay, micro-batch and gradient clipping (``PolicyConfig``: those
+        keys are per participant); default ``policy.cfg``.
+    """
+
+    def __init__(self, policy: "Policy", objective: ObjectiveConfig, cfg: PolicyConfig | None = None):
+        self.policy = policy
+        self.objective = objective
+        self.cfg = cfg if cfg is not None else policy.cfg
+        self.params = list(policy.trainable_parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.effective_lr, weight_decay=self.cfg.weight_decay)
+        self.steps = 0
+
+    def step(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> dict[str, float]:
+        """One F-TIS optimizer step on ``samples``; ``sampling`` defines pi_theta's distribution.
+        Returns the metrics of ``ftis_step`` and ``advantage_group_metrics``."""
+        pol = self.policy
+        pol.train_mode(True)
+        try:
+            metrics = ftis_step(lambda p, c, g: pol.score_padded(p, c, sampling, g), self.params, self.optimizer,
+                                samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm)
+        finally:
+            pol.train_mode(False)
+        self.steps += 1
+        pol.weights_changed()
+        metrics.update(advantage_group_metrics(samples, self.objective))
+        return metrics
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Trainable parameters + optimizer state + step count (resume), written atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                    "steps": self.steps, "model_id": self.policy.model_id}, tmp)
+        tmp.replace(path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore what ``save`` wrote (the backend's weights first, then the optimizer)."""
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.policy.load_trainable_state(state["trainable"], source=str(path))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+        self.policy.weights_changed()

@@ -187,9 +187,11 @@ def tied_head_check(pol, prompts, args) -> dict:
 
 def run_mode(mode: str, args) -> dict:
     from ftis_fed.batch import SamplingParams
+    from ftis_fed.objective import ObjectiveConfig
     from ftis_fed.policies.base import Prompt
     from ftis_fed.policies.config import PolicyConfig
     from ftis_fed.policies.vllm_policy import VLLMPolicy
+    from ftis_fed.training import Trainer
 
     res: dict = {"refresh": mode}
     cfg = PolicyConfig(model=args.model, backend="vllm", adapter="full" if mode == "full" else "lora",
@@ -238,7 +240,7 @@ def run_mode(mode: str, args) -> dict:
     sp_train = SamplingParams(max_new_tokens=T, **CONFIGS["T0.7_p0.9"])
     rolls = pol.generate(prompts, G, sp_train, seed=args.seed + 1)
     t1 = time.time()
-    metrics = pol.update(train_samples(rolls), sp_train)                          # step + refresh
+    metrics = Trainer(pol, ObjectiveConfig()).step(train_samples(rolls), sp_train)   # step + refresh
     res["update_and_refresh_s"] = round(time.time() - t1, 1)
     res["train_metrics"] = {k: v for k, v in metrics.items() if k in ("train/loss", "train/grad_norm", "train/tokens")}
     eng_after = pol.engine_logprobs(fp, fc)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ftis_fed.objective import (MODES, LossInputs, ObjectiveConfig, aggregate, compute_advantages,
-                                count_denominators, filter_mask, ftis_loss, kl_estimate, merge_stats,
-                                finalize_stats)
+from ftis_fed.objective import (LOGP_GEN_FLOOR, MODES, LossInputs, ObjectiveConfig, aggregate,
+                                compute_advantages, count_denominators, filter_mask, finalize_stats, ftis_loss,
+                                kl_estimate, log_ratios, merge_stats, sanitize_generator_logprobs)
 
 LN = math.log
 
@@ -337,12 +337,248 @@ def test_filter_only_changes_filtered_rows(b):
             out.loss.backward()
         grads.append(torch.zeros_like(lg) if lg.grad is None else lg.grad)
     x = _inputs(logits, mask, gen, adv, src, seq)
-    from ftis_fed.objective import log_ratios
     lp = torch.where(x.mask, x.logp, torch.zeros_like(x.logp)).clamp(min=-1e4)
-    raw = log_ratios(lp, torch.where(x.mask, gen, torch.zeros_like(gen)).clamp(-1e4, 0), x.mask,
-                     torch.zeros_like(seq), None)
-    kl = kl_estimate(raw, x.mask, torch.zeros_like(seq), "sum-k1", 20.0)
+    gen_s, seq_gen, implausible = sanitize_generator_logprobs(x, x.mask, seq, lp.dtype)
+    raw = log_ratios(lp, gen_s, x.mask, seq, seq_gen)
+    kl = kl_estimate(raw, x.mask, seq, "sum-k1", 20.0)
+    kl = torch.where(implausible, torch.full_like(kl, math.inf), kl)          # implausible: maximally off-policy
     dropped = filter_mask(adv, kl, 5.0)
     keep = ~dropped
     assert torch.allclose(grads[0][keep], grads[1][keep], atol=1e-6)
     assert (grads[0][dropped] == 0).all()
+
+
+# ------------------------------------------------------------------ issue 13: sequence-level length scaling
+
+@pytest.mark.parametrize("mode", ["VIS", "F-VIS", "TIS", "noIS"])
+@pytest.mark.parametrize("norm", ["sequence", "token", "constant"])
+def test_sequence_level_rows_get_the_token_level_length_scaling(mode, norm):
+    """On-policy rows (pi_theta = pi_gen): every ratio is 1, so a sequence-level row must produce
+    the same loss and gradient as a token-level row, per token d/dlogp_t = -A * (1/|a_i|) / N under
+    GRPO's length norm. Before the fix, sequence-level VIS gave every token the whole row's
+    gradient (|a_i| times too much)."""
+    lp = torch.log(torch.tensor([[0.5, 0.4, 0.3], [0.6, 0.1, 0.2]]))
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    adv = torch.tensor([1.0, -0.5])
+    grads, losses = [], []
+    for level in ("token", "sequence"):
+        logp = lp.clone().requires_grad_(True)
+        x = LossInputs(logp=logp, logp_gen=lp.clone(), mask=mask, advantages=adv, source=torch.tensor([0, 0]),
+                       local=torch.tensor([False, False]), source_names=("p",))
+        out = ftis_loss(x, ObjectiveConfig(mode=mode, ratio_level=level, length_norm=norm, norm_constant=4))
+        out.loss.backward()
+        grads.append(logp.grad.clone())
+        losses.append(out.loss.item())
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+    assert torch.allclose(grads[1], grads[0], atol=1e-6)
+    if norm == "sequence":
+        assert grads[0][0].tolist() == pytest.approx([-1 / 3 / 2] * 3, abs=1e-6)     # -A / |a| / N
+
+
+def test_cross_tokenizer_vis_row_weighs_like_a_token_level_row():
+    """A cross-tokenizer row (sequence-level, given summed generator log-prob) at ratio 1 has the
+    gradient of the same row scored token by token."""
+    lp = torch.log(torch.tensor([[0.5, 0.4, 0.3, 0.9]]))
+    ref = lp.clone().requires_grad_(True)
+    x = LossInputs(logp=ref, logp_gen=lp.clone(), mask=torch.ones(1, 4, dtype=torch.bool),
+                   advantages=torch.tensor([2.0]), source=torch.tensor([0]), local=torch.tensor([False]),
+                   source_names=("p",))
+    ftis_loss(x, ObjectiveConfig(mode="VIS")).loss.backward()
+    cross = lp.clone().requires_grad_(True)
+    x = LossInputs(logp=cross, logp_gen=torch.zeros(1, 4), mask=torch.ones(1, 4, dtype=torch.bool),
+                   advantages=torch.tensor([2.0]), source=torch.tensor([0]), local=torch.tensor([False]),
+                   source_names=("p",), seq_level=torch.tensor([True]), seq_logp_gen=lp.sum(-1))
+    ftis_loss(x, ObjectiveConfig(mode="VIS")).loss.backward()
+    assert torch.allclose(cross.grad, ref.grad, atol=1e-6)
+    assert cross.grad[0].tolist() == pytest.approx([-2.0 / 4] * 4, abs=1e-6)
+
+
+# ------------------------------------------------------------------ issue 13: seq_logp_gen sanitised
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -3e38])
+def test_bad_sequence_logprob_cannot_poison_the_batch(mode, bad):
+    """A cross-tokenizer row whose summed generator log-prob is NaN/inf/absurd: the loss and every
+    gradient stay finite, and the honest row's gradient is the same as with a sane value there."""
+    lp = torch.log(torch.tensor([[0.5, 0.4], [0.3, 0.2]]))
+    grads = []
+    for seq_gen in (torch.tensor([bad, LN(0.1)]), torch.tensor([LN(0.2), LN(0.1)])):
+        logp = lp.clone().requires_grad_(True)
+        x = LossInputs(logp=logp, logp_gen=torch.zeros(2, 2), mask=torch.ones(2, 2, dtype=torch.bool),
+                       advantages=torch.tensor([1.0, 1.0]), source=torch.tensor([0, 1]),
+                       local=torch.tensor([True, True]), source_names=("a", "b"),
+                       seq_level=torch.tensor([True, True]), seq_logp_gen=seq_gen)
+        out = ftis_loss(x, ObjectiveConfig(mode=mode))
+        assert torch.isfinite(out.loss)
+        out.loss.backward()
+        assert torch.isfinite(logp.grad).all()
+        assert all(math.isfinite(v) for v in out.metrics.values())
+        grads.append(logp.grad.clone())
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-6)
+    if bad != float("inf"):
+        m = ftis_loss(LossInputs(logp=lp, logp_gen=torch.zeros(2, 2), mask=torch.ones(2, 2, dtype=torch.bool),
+                                 advantages=torch.tensor([1.0, 1.0]), source=torch.tensor([0, 1]),
+                                 local=torch.tensor([True, True]), source_names=("a", "b"),
+                                 seq_level=torch.tensor([True, True]),
+                                 seq_logp_gen=torch.tensor([bad, LN(0.1)])), ObjectiveConfig(mode=mode)).metrics
+        if mode != "alone":
+            assert m["offpolicy/a/implausible_frac"] == 1.0 and m["offpolicy/b/implausible_frac"] == 0.0
+
+
+# ------------------------------------------------------------------ issue 10: implausible generator log-probs
+
+def _liar_inputs(claim: float, n: int = 8, seq: bool = False):
+    """Row 0: an honest peer's sample; row 1: a peer's sample the receiver finds very unlikely
+    (log pi_theta = -15 per token), negative advantage, generator log-probs claimed = ``claim``."""
+    logp = torch.full((2, n), -15.0)
+    logp[0] = -1.0
+    logp = logp.requires_grad_(True)
+    gen = torch.full((2, n), claim)
+    gen[0] = -1.2
+    kw = {}
+    if seq:
+        kw = dict(seq_level=torch.tensor([False, True]), seq_logp_gen=torch.tensor([-1.2 * n, claim * n]))
+        gen[1] = 0.0
+    return logp, LossInputs(logp=logp, logp_gen=gen, mask=torch.ones(2, n, dtype=torch.bool),
+                            advantages=torch.tensor([1.0, -1.0]), source=torch.tensor([0, 1]),
+                            local=torch.tensor([False, False]), source_names=("honest", "liar"), **kw)
+
+
+@pytest.mark.parametrize("claim", [-3e38, -1e4, -1e3, LOGP_GEN_FLOOR - 0.01, float("-inf"), float("nan")])
+@pytest.mark.parametrize("est", ["sum-k1", "mean-k1", "sum-k3", "mean-k3"])
+@pytest.mark.parametrize("seq", [False, True], ids=["token", "cross-tokenizer"])
+def test_implausible_sender_cannot_get_past_the_filter(claim, est, seq):
+    """Claimed generator log-probs below log(1e-30) cannot come from an honest sampler: the sample is
+    treated as maximally off-policy, so with a negative advantage the F filter drops it (before the
+    rule, -3e38 drove the summed k1 estimate to about -8e4 and the sample was kept)."""
+    g = 50.0 if est.startswith("sum") else 0.5
+    logp, x = _liar_inputs(claim, seq=seq)
+    out = ftis_loss(x, ObjectiveConfig(mode="F-TIS", kl_estimator=est, filter_g=g))
+    out.loss.backward()
+    assert logp.grad[1].abs().sum() == 0                                       # the liar's sample is dropped
+    assert logp.grad[0].abs().sum() > 0                                        # the honest one is kept
+    m = out.metrics
+    assert m["offpolicy/liar/filtered_frac"] == 1.0 and m["offpolicy/liar/implausible_frac"] == 1.0
+    assert m["offpolicy/honest/implausible_frac"] == 0.0
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_implausible_claims_bound_the_importance_weight_by_c():
+    """Positive-advantage samples are kept however off-policy; an implausible claim buys at most C."""
+    logp, x = _liar_inputs(-3e38)
+    x.advantages = torch.tensor([1.0, 1.0])
+    out = ftis_loss(x, ObjectiveConfig(mode="F-TIS"))
+    out.loss.backward()
+    n = logp.shape[1]
+    assert logp.grad[1].tolist() == pytest.approx([-2.0 / n / 2] * n, abs=1e-6)   # w = C = 2, A = 1, N = 2
+
+
+def test_plausible_claims_keep_the_unclamped_estimate_and_the_floor_is_log_1e_minus_30():
+    assert LOGP_GEN_FLOOR == pytest.approx(-69.0776, abs=1e-4)
+    logp, x = _liar_inputs(-60.0)                                              # low but plausible
+    gen, _, implausible = sanitize_generator_logprobs(x, x.mask, torch.zeros(2, dtype=torch.bool), torch.float32)
+    assert not implausible.any() and gen[1, 0].item() == -60.0
+
+
+def test_kl_estimate_clamps_each_token_symmetrically():
+    lr = torch.tensor([[100.0, -100.0, 0.5]])                                  # log(pi_theta / pi_gen)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    seq = torch.tensor([False])
+    assert kl_estimate(lr, mask, seq, "sum-k1", 20.0).item() == pytest.approx(-20 + 20 - 0.5)
+    assert kl_estimate(lr[:, :1], mask[:, :1], seq, "sum-k1", 20.0).item() == pytest.approx(-20.0)
+    k3 = math.expm1(-20.0) + 20.0
+    assert kl_estimate(lr[:, 1:2], mask[:, :1], seq, "sum-k3", 20.0).item() == pytest.approx(k3)
+    # a sequence-level row: the per-token average is clamped
+    assert kl_estimate(torch.tensor([[-300.0, -300.0]]), torch.ones(1, 2, dtype=torch.bool), torch.tensor([True]),
+                       "sum-k1", 20.0).item() == pytest.approx(40.0)
+
+
+# ------------------------------------------------------------------ samples_from_batches (training.py)
+
+import numpy as np  # noqa: E402
+
+from ftis_fed.batch import CompletionBatch, SamplingParams, make_group  # noqa: E402
+from ftis_fed.training import (advantage_group_metrics, completion_ended, samples_from_batches,  # noqa: E402
+                               sender_eos_id)
+
+
+def _batch(sender, tasks, rewards, fp="tok-a", budget=8, completions=None, logprobs=None):
+    """One batch of ``sender``: per task, len(rewards[k]) completions of 3 tokens."""
+    groups = []
+    for k, (task, rw) in enumerate(zip(tasks, rewards)):
+        comps = completions[k] if completions else [[5, 6, 7]] * len(rw)
+        lps = logprobs[k] if logprobs else [[-1.0] * len(c) for c in comps]
+        groups.append(make_group([1, 2], comps, lps, rw, task, "ref", "question", ["text"] * len(rw)))
+    return CompletionBatch(sender=sender, run_id="r", round=0, seq=1, model_id="m", tokenizer_fp=fp, vocab_size=100,
+                           sampling=SamplingParams(max_new_tokens=budget), groups=tuple(groups)).validate()
+
+
+def test_alone_never_sees_peers_also_with_horizontal_groups():
+    """Issue 13: alone + horizontal computed advantages over every sender's completions of a task
+    before dropping the peers' rows, so Alone's update depended on its peers."""
+    own = _batch("me", ["t/0", "t/1"], [[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    peer = _batch("peer", ["t/0", "t/1"], [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    for groups in ("vertical", "horizontal"):
+        cfg = ObjectiveConfig(mode="alone", advantage_groups=groups)
+        alone = samples_from_batches([own], "me", "tok-a", cfg)
+        mixed = samples_from_batches([own, peer], "me", "tok-a", cfg)
+        assert all(s.local for s in mixed)
+        assert [s.advantage for s in mixed] == [s.advantage for s in alone]
+        assert [s.group for s in mixed] == [s.group for s in alone]
+
+
+def test_horizontal_groups_mix_senders_of_the_same_task():
+    """Each of two senders generated part (2) of each shared prompt's group (4): the advantages are
+    those of the mixed group of 4, and the metrics count the groups as mixed."""
+    a = _batch("a", ["t/0", "t/1"], [[1.0, 0.0], [1.0, 1.0]])
+    b = _batch("b", ["t/0", "t/1"], [[1.0, 1.0], [0.0, 1.0]], fp="tok-a")
+    cfg = ObjectiveConfig(mode="F-TIS", advantage_groups="horizontal")
+    samples = samples_from_batches([a, b], "a", "tok-a", cfg)
+    ref = compute_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]),
+                             torch.tensor([0, 0, 1, 1, 0, 0, 1, 1]))
+    assert [s.advantage for s in samples] == pytest.approx(ref.tolist())
+    assert [s.group for s in samples] == ["t/0", "t/0", "t/1", "t/1"] * 2
+    m = advantage_group_metrics(samples, cfg)
+    assert m == {"train/advantage_groups": 2.0, "train/horizontal_mixed_groups": 2.0,
+                 "train/horizontal_unshared_groups": 0.0}
+    vertical = samples_from_batches([a, b], "a", "tok-a", ObjectiveConfig(advantage_groups="vertical"))
+    assert [s.advantage for s in vertical] != [s.advantage for s in samples]
+
+
+def test_horizontal_with_disjoint_prompts_is_reported_unshared():
+    """Today's schedule gives participants disjoint prompts: horizontal then equals vertical, and
+    the metrics say so."""
+    a = _batch("a", ["t/0"], [[1.0, 0.0]])
+    b = _batch("b", ["t/1"], [[0.0, 1.0]])
+    cfg = ObjectiveConfig(advantage_groups="horizontal")
+    samples = samples_from_batches([a, b], "a", "tok-a", cfg)
+    m = advantage_group_metrics(samples, cfg)
+    assert m["train/horizontal_mixed_groups"] == 0.0 and m["train/horizontal_unshared_groups"] == 2.0
+    vertical = samples_from_batches([a, b], "a", "tok-a", ObjectiveConfig())
+    assert [s.advantage for s in samples] == [s.advantage for s in vertical]
+    assert "train/horizontal_mixed_groups" not in advantage_group_metrics(vertical, ObjectiveConfig())
+
+
+def test_sender_eos_is_derived_from_its_own_batch():
+    """Completions shorter than the budget stopped at EOS, so their common last id is the sender's
+    EOS; a completion as long as the budget ended only if its last token is that id."""
+    b = _batch("peer", ["t/0"], [[1.0, 0.0, 0.0, 1.0]], budget=4,
+               completions=[[[5, 9], [5, 6, 7, 8], [5, 6, 7, 9], [9]]])
+    assert sender_eos_id(b) == 9
+    ended = [completion_ended(c, 4, 9) for c in b.groups[0].completion_ids]
+    assert ended == [True, False, True, True]
+    assert sender_eos_id(_batch("p", ["t/0"], [[1.0]], budget=3, completions=[[[5, 6, 7]]])) is None
+    assert completion_ended(np.array([5, 6, 7]), 3, None) is False              # cut at the budget
+    assert completion_ended(np.array([5, 6]), 3, None) is True                 # stopped early: EOS
+    calls = []
+    samples_from_batches([b], "me", "tok-other", ObjectiveConfig(),
+                         retokenize=lambda p, c, e: calls.append(e) or ([1], [2, 3]))
+    assert calls == [True, False, True, True]
+
+
+def test_implausible_claims_are_flagged_per_completion():
+    b = _batch("peer", ["t/0"], [[1.0, 0.0, 0.0]],
+               logprobs=[[[-1.0, -2.0, -69.0], [-1.0, -3e38, -1.0], [-1.0, -70.0, -1.0]]])
+    for fp in ("tok-a", "tok-other"):                                        # same and cross tokenizer
+        samples = samples_from_batches([b], "me", fp, ObjectiveConfig(), retokenize=lambda p, c, e: ([1], [2, 3]))
+        assert [s.implausible for s in samples] == [False, True, True]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
 from ftis_fed.objective import ObjectiveConfig
 from ftis_fed.policies import PolicyConfig, Prompt, build_policy, processed_logprobs
-from ftis_fed.training import samples_from_batches
+from ftis_fed.training import Trainer, ftis_step, samples_from_batches
 
 PROMPTS = [Prompt("add/0", "What is 3 + 4? Reply with just the number.", "7"),
            Prompt("add/1", "What is 12 + 35? Reply with just the number.", "47")]
@@ -102,7 +104,7 @@ def test_full_update_changes_weights_and_own_samples_are_on_policy(smol):
     batch = as_batch(smol, rolls, "me", sp)
     samples = samples_from_batches([batch], "me", smol.tokenizer_fp, ObjectiveConfig())
     before = {n: p.detach().clone() for n, p in smol.model.named_parameters()}
-    m = smol.update(samples, sp)
+    m = Trainer(smol, ObjectiveConfig()).step(samples, sp)
     assert np.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
     assert abs(m["offpolicy/me/ratio_mean"] - 1.0) < 1e-3                     # own fp32 samples: ratio 1
     assert m["offpolicy/me/truncated_frac"] == 0.0
@@ -119,25 +121,32 @@ def test_lora_trains_only_adapters_and_resumes(tmp_path):
     assert diff.max().item() <= FP32_TOL
     frozen = {n: p.detach().clone() for n, p in pol.model.named_parameters() if not p.requires_grad}
     samples = samples_from_batches([as_batch(pol, rolls, "me", sp)], "me", pol.tokenizer_fp, ObjectiveConfig())
-    m = pol.update(samples, sp)
+    trainer = Trainer(pol, ObjectiveConfig())
+    m = trainer.step(samples, sp)
     assert m["train/grad_norm"] > 0
     assert all(torch.equal(frozen[n], p) for n, p in pol.model.named_parameters() if not p.requires_grad)
     assert all("lora_" in n for n, p in pol.model.named_parameters() if p.requires_grad)
-    pol.save(tmp_path / "state.pt")
+    trainer.save(tmp_path / "state.pt")
     twin = build_policy(PolicyConfig(model="smollm2", adapter="lora", dtype="fp32", micro_batch=4, lora_r=4, seed=9))
-    twin.load(tmp_path / "state.pt")
+    twin_trainer = Trainer(twin, ObjectiveConfig())
+    twin_trainer.load(tmp_path / "state.pt")
     a, b = pol.trainable_state(), twin.trainable_state()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert twin.steps == 1
-    assert twin.optimizer.state_dict()["state"].keys() == pol.optimizer.state_dict()["state"].keys()
+    assert twin_trainer.steps == 1
+    assert twin_trainer.optimizer.state_dict()["state"].keys() == trainer.optimizer.state_dict()["state"].keys()
     # the resumed twin scores exactly like the original
     s1, s2 = pol.score(P[:2], C[:2], sp), twin.score(P[:2], C[:2], sp)
     assert all(torch.allclose(x, y) for x, y in zip(s1, s2))
 
 
-def test_cross_tokenizer_batches_train_at_sequence_level(smol):
+@pytest.fixture(scope="module")
+def bpe8k():
+    return build_policy(PolicyConfig(model="smollm2-bpe8k", dtype="fp32", micro_batch=4))
+
+
+def test_cross_tokenizer_batches_train_at_sequence_level(smol, bpe8k):
     """A SmolLM2 batch used by the bpe8k participant (different tokenizer) and vice versa."""
-    other = build_policy(PolicyConfig(model="smollm2-bpe8k", dtype="fp32", micro_batch=4))
+    other = bpe8k
     assert other.tokenizer_fp != smol.tokenizer_fp and other.vocab_size < smol.vocab_size
     sp = SAMPLINGS[0]
     b_smol = as_batch(smol, smol.generate(PROMPTS, 2, sp, seed=5), "smol", sp)
@@ -147,7 +156,7 @@ def test_cross_tokenizer_batches_train_at_sequence_level(smol):
     peer = [s for s in samples if s.source == "smol"]
     assert peer and all(s.seq_level for s in peer) and not any(s.seq_level for s in samples if s.local)
     assert all(max(s.completion_ids) < other.vocab_size for s in peer)
-    m = other.update(samples, sp)
+    m = Trainer(other, cfg).step(samples, sp)
     assert np.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
     assert "offpolicy/smol/kl_mean" in m and np.isfinite(m["offpolicy/smol/ratio_mean"])
     with pytest.raises(ValueError, match="retokenize"):
@@ -155,6 +164,110 @@ def test_cross_tokenizer_batches_train_at_sequence_level(smol):
     no_text = as_batch(smol, smol.generate(PROMPTS[:1], 2, sp, seed=5), "smol", sp, texts=False)
     with pytest.raises(ValueError, match="completion_texts"):
         samples_from_batches([no_text], "bpe", other.tokenizer_fp, cfg, retokenize=other.retokenize)
+
+
+def test_retokenized_completion_gets_eos_only_when_the_sender_stopped_at_eos(smol, bpe8k):
+    """Issue 13: the receiver appended EOS to every re-tokenized completion, also to one the sender
+    cut at max-new-tokens, adding a log pi(EOS) term the sender's summed log-prob lacks."""
+    tok, eos = smol.tokenizer, smol.tokenizer.eos_token_id
+    words = tok("The answer is 7 because", add_special_tokens=False)["input_ids"]
+    budget = 4
+    comps = [tok("7", add_special_tokens=False)["input_ids"] + [eos],       # stopped early at EOS
+             words[:4],                                                    # cut at the budget
+             words[:3] + [eos]]                                            # EOS exactly at the budget
+    assert [len(c) for c in comps][1:] == [budget, budget]
+    texts = [tok.decode(c, skip_special_tokens=True) for c in comps]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=budget)
+    group = make_group(smol.format_prompt(PROMPTS[0].text), comps, [[-1.0] * len(c) for c in comps], [1.0, 0.0, 1.0],
+                       PROMPTS[0].task_id, PROMPTS[0].reference, PROMPTS[0].text, texts)
+    batch = CompletionBatch(sender="smol", run_id="t", round=0, seq=0, model_id=smol.model_id,
+                            tokenizer_fp=smol.tokenizer_fp, vocab_size=smol.vocab_size, sampling=sp,
+                            groups=(group,)).validate()
+    samples = samples_from_batches([batch], "bpe", bpe8k.tokenizer_fp, ObjectiveConfig(), retokenize=bpe8k.retokenize)
+    other_eos = bpe8k.tokenizer.eos_token_id
+    assert [s.completion_ids[-1] == other_eos for s in samples] == [True, False, True]
+    for s, text in zip(samples, texts):
+        body = [i for i in s.completion_ids if i != other_eos]
+        assert body == bpe8k.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert s.seq_level and s.prompt_ids == bpe8k.format_prompt(PROMPTS[0].text)
+
+
+class GradRecorder(torch.optim.SGD):
+    """An optimizer that only records the gradients it is asked to apply."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.grads: list[torch.Tensor] = []
+
+    def step(self, closure=None):
+        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                      for g in self.param_groups for p in g["params"]]
+
+
+def test_alone_gradient_is_independent_of_peers_with_horizontal_groups():
+    """Issue 13: Alone's gradient must not depend on its peers, whatever the advantage groups."""
+    pol = build_policy(PolicyConfig(model="tiny-llama", micro_batch=4))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    own = as_batch(pol, pol.generate(PROMPTS, 3, sp, seed=0), "me", sp, rewards=[[1, 0, 0], [0, 1, 1]])
+    peer = as_batch(pol, pol.generate(PROMPTS, 3, sp, seed=1), "peer", sp, rewards=[[1, 1, 1], [0, 0, 0]])
+    grads = {}
+    for groups in ("vertical", "horizontal"):
+        cfg = ObjectiveConfig(mode="alone", advantage_groups=groups)
+        for name, batches in (("alone", [own]), ("with_peers", [own, peer])):
+            rec = GradRecorder(pol.trainable_parameters())
+            samples = samples_from_batches(batches, "me", pol.tokenizer_fp, cfg)
+            pol.train_mode(True)
+            ftis_step(lambda p, c, g: pol.score_padded(p, c, sp, g), pol.trainable_parameters(), rec, samples, cfg,
+                      micro_batch=4, max_grad_norm=math.inf)
+            grads[groups, name] = rec.grads
+        a, b = grads[groups, "alone"], grads[groups, "with_peers"]
+        assert any(g.abs().sum() > 0 for g in a)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), groups
+
+
+def test_backend_interface_is_declared_and_backends_do_not_optimise():
+    """Everything the participant and the Trainer call is declared on ``Policy``; the optimizer is
+    the Trainer's (issue 9)."""
+    from ftis_fed.policies.base import Policy
+    from ftis_fed.policies.hf import HFPolicy
+    from ftis_fed.policies.vllm_policy import VLLMPolicy
+
+    assert Policy.__abstractmethods__ == {"generate", "score", "score_padded", "retokenize", "trainable_parameters",
+                                          "trainable_state", "load_trainable_state"}
+    for name in ("generate_greedy", "format_prompt", "train_mode", "weights_changed"):
+        assert callable(getattr(Policy, name))
+    for backend in (HFPolicy, VLLMPolicy):
+        assert not backend.__abstractmethods__
+        assert not any(hasattr(backend, n) for n in ("update", "save", "load", "optimizer"))
+
+
+def test_trainer_steps_the_backend_and_tells_it_its_weights_changed(tmp_path):
+    """The Trainer's optimizer moves exactly the backend's trainable parameters, leaves the model in
+    eval mode, and calls ``weights_changed`` after every step and load (the vLLM backend refreshes
+    its engine there)."""
+    from ftis_fed.policies.hf import HFPolicy
+
+    class Recording(HFPolicy):
+        changes = 0
+
+        def weights_changed(self):
+            self.changes += 1
+
+    pol = Recording(PolicyConfig(model="tiny-llama", micro_batch=4, lr=1e-3))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    batch = as_batch(pol, pol.generate(PROMPTS, 3, sp, seed=0), "me", sp, rewards=[[1, 0, 0], [0, 1, 1]])
+    trainer = Trainer(pol, ObjectiveConfig())
+    assert trainer.params == pol.trainable_parameters() and trainer.optimizer.param_groups[0]["lr"] == 1e-3
+    before = pol.trainable_state()
+    m = trainer.step(samples_from_batches([batch], "me", pol.tokenizer_fp, ObjectiveConfig()), sp)
+    assert m["train/grad_norm"] > 0 and m["train/advantage_groups"] == 2.0
+    assert pol.changes == 1 and trainer.steps == 1 and not pol.model.training
+    assert any(not torch.equal(before[n], t) for n, t in pol.trainable_state().items())
+    trainer.save(tmp_path / "ckpt.pt")
+    twin = Recording(PolicyConfig(model="tiny-llama", micro_batch=4, lr=1e-3))
+    Trainer(twin, ObjectiveConfig()).load(tmp_path / "ckpt.pt")
+    assert twin.changes == 1
+    assert all(torch.equal(a, b) for a, b in zip(pol.trainable_state().values(), twin.trainable_state().values()))
 
 
 @pytest.mark.parametrize("adapter", ["full", "lora"])

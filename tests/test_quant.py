@@ -1,4 +1,4 @@
-"""4-bit + LoRA (QLoRA) on the CPU: the bitsandbytes repacking trap and its workaround (FTIS.md)."""
+"""4-bit + LoRA (QLoRA) on the CPU: the bitsandbytes repacking trap and its workaround (see ftis_fed/policies/quant.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ftis_fed.batch import CompletionBatch, SamplingParams, make_group  # noqa: 
 from ftis_fed.objective import ObjectiveConfig  # noqa: E402
 from ftis_fed.policies import PolicyConfig, Prompt, build_policy  # noqa: E402
 from ftis_fed.policies.hf import cpu_has_bf16  # noqa: E402
-from ftis_fed.training import samples_from_batches  # noqa: E402
+from ftis_fed.training import Trainer, samples_from_batches  # noqa: E402
 
 SP = SamplingParams(temperature=0.7, max_new_tokens=12)
 PROMPTS = [Prompt("add/0", "What is 3 + 4? Reply with just the number.", "7"),
@@ -44,8 +44,9 @@ def test_4bit_lora_learns_after_generating():
     batch = CompletionBatch("me", "t", 0, 0, pol.model_id, pol.tokenizer_fp, pol.vocab_size, SP, groups).validate()
     samples = samples_from_batches([batch], "me", pol.tokenizer_fp, ObjectiveConfig())
     before = sum(s.float().sum().item() for s in pol.score(P, C, SP))
+    trainer = Trainer(pol, ObjectiveConfig())
     for _ in range(3):
-        m = pol.update(samples, SP)
+        m = trainer.step(samples, SP)
         assert m["train/grad_norm"] > 0
         pol.generate(PROMPTS[:1], 1, SP, seed=1)                                  # generating between steps
     after = sum(s.float().sum().item() for s in pol.score(P, C, SP))

@@ -5,7 +5,7 @@ number of new tokens, the same temperature and the same reward (``Verifier``); a
 
     ours: HFPolicy.generate (G completions per prompt, one left-padded batch, sampling log-probs
           recorded) -> Verifier rewards -> CompletionBatch -> samples_from_batches (F-TIS, vertical
-          groups) -> HFPolicy.update (one F-TIS optimizer step, micro-batches, chunked log-probs)
+          groups) -> Trainer.step (one F-TIS optimizer step, micro-batches, chunked log-probs)
     TRL:  GRPOTrainer.train() optimizer step: transformers generate (one batch of prompts x G) ->
           reward -> advantages -> gradient_accumulation_steps micro-batches of forward + backward
           (TRL's fused LM head) -> clip -> AdamW
@@ -14,7 +14,7 @@ Each side runs in its own fresh subprocess (so the other's memory and caches do 
 the same torch thread count; rounds alternate the order (ours, TRL / TRL, ours, ...). Inside a
 subprocess, ``--warmup`` steps run first (kernel set-up, optimizer state allocation) and the next
 ``--steps`` steps are timed; TRL's step is timed from ``on_step_begin`` to ``on_step_end`` (generation
-+ rewards + loss + backward + optimizer), ours from ``generate`` to the end of ``update``. Peak RSS is
++ rewards + loss + backward + optimizer), ours from ``generate`` to the end of ``Trainer.step``. Peak RSS is
 each subprocess's ``ru_maxrss`` (model load, warm-up and timed steps included).
 
     ftis-fed bench step                                  # 8 prompts x 8 completions x 64 tokens
@@ -44,7 +44,7 @@ import time
 NOTES = [
     "ours: HFPolicy(PolicyConfig(model, dtype, micro_batch, logit_chunk, grad_checkpointing=True unless "
     "--no-grad-checkpointing)).generate -> Verifier rewards -> "
-    "CompletionBatch -> samples_from_batches(mode F-TIS, vertical groups) -> HFPolicy.update (one AdamW step)",
+    "CompletionBatch -> samples_from_batches(mode F-TIS, vertical groups) -> Trainer.step (one AdamW step)",
     "trl: GRPOTrainer, one optimizer step timed on_step_begin -> on_step_end (generate + rewards + "
     "forward/backward over gradient_accumulation_steps micro-batches + clip + AdamW)",
     "same model (fp32 weights), prompts (tasks.make_tasks(ID_FAMILIES[0], 'train')), G, temperature, "
@@ -108,7 +108,7 @@ def ours_worker(c: dict) -> dict:
     from ..policies import PolicyConfig
     from ..policies.hf import HFPolicy
     from ..rewards import Verifier
-    from ..training import samples_from_batches
+    from ..training import Trainer, samples_from_batches
 
     t0 = time.perf_counter()
     pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
@@ -120,6 +120,7 @@ def ours_worker(c: dict) -> dict:
     prompts = _prompts(c["prompts"], c["seed"])
     sampling = SamplingParams(temperature=c["temperature"], max_new_tokens=c["max_new_tokens"])
     objective = ObjectiveConfig(mode=c["mode"], norm_constant=c["max_new_tokens"])
+    trainer = Trainer(pol, objective)
     verifier = Verifier()
     steps, gen, train, tokens, rewards = [], [], [], [], []
     for k in range(c["warmup"] + c["steps"]):
@@ -134,7 +135,7 @@ def ours_worker(c: dict) -> dict:
         batch = CompletionBatch("bench", "bench-step", k, k, pol.model_id, pol.tokenizer_fp, pol.vocab_size,
                                 sampling, tuple(groups)).validate()
         samples = samples_from_batches([batch], "bench", pol.tokenizer_fp, objective)
-        metrics = pol.update(samples, sampling)
+        metrics = trainer.step(samples, sampling)
         t2 = time.perf_counter()
         if k >= c["warmup"]:
             steps.append(t2 - t0)
@@ -236,9 +237,10 @@ def memory_worker(c: dict) -> dict:
     import torch
 
     from ..batch import SamplingParams
+    from ..objective import ObjectiveConfig
     from ..policies import PolicyConfig
     from ..policies.hf import HFPolicy
-    from ..training import TrainSample
+    from ..training import Trainer, TrainSample
 
     pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
                                 logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
@@ -253,10 +255,11 @@ def memory_worker(c: dict) -> dict:
         lp = -np.random.default_rng(i).exponential(1.0, c["max_new_tokens"]).astype(np.float32)
         samples.append(TrainSample(prompts[i // c["group_size"]], comp, lp, float(lp.sum()),
                                    float(np.random.default_rng(i).standard_normal()), "bench", True))
-    pol.update(samples, sampling)
+    trainer = Trainer(pol, ObjectiveConfig())
+    trainer.step(samples, sampling)
     after_warmup = _peak_rss_mb()
     t = time.perf_counter()
-    pol.update(samples, sampling)
+    trainer.step(samples, sampling)
     return {"micro_batch": c["micro_batch"], "logit_chunk": c["logit_chunk"], "update_s": round(time.perf_counter() - t, 2),
             "rss_after_load_mb": round(rss_loaded), "peak_after_first_update_mb": round(after_warmup),
             "peak_rss_mb": round(_peak_rss_mb())}

@@ -1,4 +1,5 @@
-"""Policies: generation + scoring + training backends behind one interface (see base.py)."""
+"""Policies: model backends (generate, score, expose trainable parameters) behind one interface
+(``base.Policy``); the optimizer is ``ftis_fed.training.Trainer``'s."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ __all__ = ["Policy", "PolicyConfig", "Prompt", "Rollout", "build_policy", "proce
            "tokenizer_fingerprint"]
 
 
-def build_policy(cfg: PolicyConfig, objective=None) -> Policy:
+def build_policy(cfg: PolicyConfig) -> Policy:
     """The backend ``cfg.backend`` names, loaded once (this is the expensive call)."""
     if cfg.backend == "vllm":
         from .vllm_policy import VLLMPolicy
 
-        return VLLMPolicy(cfg, objective)
+        return VLLMPolicy(cfg)
     from .hf import HFPolicy
 
-    return HFPolicy(cfg, objective)
+    return HFPolicy(cfg)

@@ -1,12 +1,17 @@
-"""The policy interface every backend implements.
+"""The model-backend interface every backend implements (``Policy``, an ABC).
 
-A participant's policy can
+A backend generates, scores and exposes its trainable parameters; it does not optimise:
   (a) ``generate``: sample G completions per prompt and record the log-probs of the distribution it
-      *really* sampled from (temperature, top-k, top-p applied, renormalised);
-  (b) ``score``: teacher-force any (prompt, completion) token sequences and return per-token log-probs
-      under its current weights and the given sampling parameters (with or without gradient);
-  (c) ``update``: take one optimizer step on the F-TIS objective (see ``ftis_fed.training``);
-  (d) ``save`` / ``load`` its trainable state and optimizer, for resume.
+      *really* sampled from (temperature, top-k, top-p applied, renormalised); ``generate_greedy``
+      for evaluation;
+  (b) ``score`` / ``score_padded``: teacher-force any (prompt, completion) token sequences and return
+      per-token log-probs under its current weights and the given sampling parameters (with or
+      without gradient); ``retokenize``: a peer's texts in this backend's tokenizer;
+  (c) ``trainable_parameters`` / ``train_mode`` / ``weights_changed``: what the optimizer in
+      ``ftis_fed.training.Trainer`` steps, and the hooks around a step (a generation engine that
+      holds its own copy of the weights, e.g. vLLM, refreshes it in ``weights_changed``);
+  (d) ``trainable_state`` / ``load_trainable_state``: the trainable weights, for the Trainer's
+      checkpoint (resume).
 
 Sampling-distribution log-probs are defined once, in ``processed_logprobs``: log_softmax of the
 logits divided by the temperature after top-k and top-p filtering (HF's ``TopKLogitsWarper`` /
@@ -20,12 +25,15 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from ..batch import SamplingParams
+
+if TYPE_CHECKING:
+    from .config import PolicyConfig
 
 
 @dataclass(frozen=True)
@@ -93,13 +101,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 class Policy(ABC):
-    """A model that generates, scores and learns. See module docstring.
+    """A model backend: generates, scores and exposes its trainable parameters (module docstring).
 
-    Attributes every backend sets: ``model_id`` (str), ``tokenizer`` (HF tokenizer),
+    Attributes every backend sets: ``cfg`` (its ``PolicyConfig``), ``model_id`` (str, recorded in
+    batches), ``tokenizer`` (HF tokenizer: chat template, ``decode``, ``eos_token_id``),
     ``tokenizer_fp`` (``tokenizer_fingerprint(tokenizer)``), ``vocab_size`` (int, ids are below it).
+    Everything a participant, the evaluation and ``training.Trainer`` call is declared here.
     """
 
+    cfg: "PolicyConfig"
     model_id: str
+    tokenizer: object
     tokenizer_fp: str
     vocab_size: int
 
@@ -114,17 +126,50 @@ class Policy(ABC):
             return list(ids)
         return list(tok(text, add_special_tokens=True)["input_ids"])
 
+    # ------------------------------------------------------------------ generate
     @abstractmethod
     def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingParams,
                  seed: int) -> list[Rollout]:
         """G = group_size completions per prompt, with sampling-distribution log-probs."""
 
+    def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]:
+        """Greedy completions (evaluation). Backends override when they can do better."""
+        rolls = self.generate(prompts, 1, SamplingParams(temperature=1e-4, max_new_tokens=max_new_tokens), seed=0)
+        return [r.completion_texts[0] for r in rolls]
+
+    # ------------------------------------------------------------------ score
     @abstractmethod
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
               sampling: SamplingParams, grad: bool = False) -> list[torch.Tensor]:
         """Per-token log-probs (T_i,) of each completion given its prompt under current weights."""
 
-    def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]:
-        """Greedy completions (evaluation). Backends override when they can do better."""
-        rolls = self.generate(prompts, 1, SamplingParams(temperature=1e-4, max_new_tokens=max_new_tokens), seed=0)
-        return [r.completion_texts[0] for r in rolls]
+    @abstractmethod
+    def score_padded(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                     sampling: SamplingParams, grad: bool) -> torch.Tensor:
+        """(b, T) right-padded per-token log-probs of one micro-batch (the trainer's forward pass)."""
+
+    @abstractmethod
+    def retokenize(self, prompt_text: str, completion_text: str, ended: bool) -> tuple[list[int], list[int]]:
+        """A peer's prompt and completion text as (prompt_ids, completion_ids) in this backend's
+        tokenizer and chat template; EOS appended only when ``ended`` (the sender's completion
+        ended with its EOS, not cut at max-new-tokens)."""
+
+    # ------------------------------------------------------------------ training hooks
+    @abstractmethod
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer steps (all weights, or the LoRA adapters)."""
+
+    def train_mode(self, training: bool) -> None:
+        """Enter (True) or leave (False) training mode around an optimizer step. Default: nothing."""
+
+    def weights_changed(self) -> None:
+        """Called after every optimizer step and checkpoint load. Default: nothing."""
+
+    @abstractmethod
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """{name: tensor} copies of the trainable parameters (CPU)."""
+
+    @abstractmethod
+    def load_trainable_state(self, state: dict[str, torch.Tensor], source: str = "state") -> None:
+        """Copy ``trainable_state()`` output back in; a name the model lacks is a ValueError naming
+        ``source`` and the parameter."""

@@ -5,12 +5,13 @@ of ours, ``RecordingSampler``, that applies ``processed_logprobs`` (temperature,
 records the log-prob of each token the generator then samples from exactly that distribution. So
 the recorded log-probs are those of the actual sampling distribution by construction, and ``score``
 recomputes them with the same function (tests check the two agree).
+
+The backend does not optimise: ``ftis_fed.training.Trainer`` steps ``trainable_parameters()``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -19,8 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..batch import SamplingParams
-from ..objective import ObjectiveConfig
-from ..training import TrainSample, ftis_step
 from . import quant as quantization
 from .base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
 from .config import PolicyConfig
@@ -74,11 +73,10 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
 
 
 class HFPolicy(Policy):
-    """A transformers causal LM that generates, scores and trains on the F-TIS objective."""
+    """A transformers causal LM that generates, scores and exposes its trainable parameters."""
 
-    def __init__(self, cfg: PolicyConfig, objective: ObjectiveConfig | None = None):
+    def __init__(self, cfg: PolicyConfig):
         self.cfg = cfg
-        self.objective = objective or ObjectiveConfig()
         torch.manual_seed(cfg.seed)
         path = resolve_model(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -92,9 +90,7 @@ class HFPolicy(Policy):
         self.tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
         self.vocab_size = int(max(len(self.tokenizer), self.model.get_input_embeddings().weight.shape[0]))
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.effective_lr, weight_decay=cfg.weight_decay)
         self.autocast = self._autocast_dtype()
-        self.steps = 0
 
     # ------------------------------------------------------------------ loading
     def _load_model(self, path: str) -> torch.nn.Module:
@@ -187,7 +183,7 @@ class HFPolicy(Policy):
             texts += tok.batch_decode(seqs[:, P:].cpu(), skip_special_tokens=True)
         return texts
 
-    # ------------------------------------------------------------------ score / update
+    # ------------------------------------------------------------------ score
     def score(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool = False) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         self.model.train(grad)
@@ -202,40 +198,27 @@ class HFPolicy(Policy):
         return token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
                               grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast).cpu()
 
-    def retokenize(self, prompt_text: str, completion_text: str) -> tuple[list[int], list[int]]:
-        """A peer's text in this model's tokenizer and chat template (EOS appended)."""
-        ids = self.tokenizer(completion_text, add_special_tokens=False)["input_ids"]
-        return self.format_prompt(prompt_text), list(ids) + [self.tokenizer.eos_token_id]
+    def retokenize(self, prompt_text: str, completion_text: str, ended: bool) -> tuple[list[int], list[int]]:
+        """A peer's text in this model's tokenizer and chat template; EOS appended only when the
+        sender's completion ended with EOS (a completion cut at max-new-tokens has none, and an
+        appended EOS would add a log pi(EOS) term the sender's summed log-prob lacks)."""
+        ids = list(self.tokenizer(completion_text, add_special_tokens=False)["input_ids"])
+        return self.format_prompt(prompt_text), (ids + [self.tokenizer.eos_token_id] if ended else ids)
 
-    def update(self, samples: Sequence[TrainSample], sampling: SamplingParams) -> dict[str, float]:
-        """One F-TIS optimizer step on ``samples``; ``sampling`` defines pi_theta's distribution."""
-        self.model.train()
-        metrics = ftis_step(lambda p, c, g: self.score_padded(p, c, sampling, g), self.trainable, self.optimizer,
-                            samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm)
-        self.steps += 1
-        self.model.eval()
-        return metrics
+    # ------------------------------------------------------------------ training hooks / state
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return self.trainable
 
-    # ------------------------------------------------------------------ state
+    def train_mode(self, training: bool) -> None:
+        self.model.train(training)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Trainable parameters + optimizer state + step count (resume)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"trainable": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
-                    "steps": self.steps, "model_id": self.model_id}, tmp)
-        tmp.replace(path)
-
-    def load(self, path: str | os.PathLike) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    def load_trainable_state(self, state: dict[str, torch.Tensor], source: str = "state") -> None:
         names = dict(self.model.named_parameters())
         with torch.no_grad():
-            for n, t in state["trainable"].items():
+            for n, t in state.items():
                 if n not in names:
-                    raise ValueError(f"checkpoint {path}: parameter {n!r} not in model {self.model_id}")
+                    raise ValueError(f"checkpoint {source}: parameter {n!r} not in model {self.model_id}")
                 names[n].copy_(t)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = int(state["steps"])

