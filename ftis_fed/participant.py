@@ -7,7 +7,9 @@ One entry point, one name per action end to end (engine -> transport -> here)::
 
     handle(action, request) -> reply
       hello    {run, node, challenge}  -> {info: who I am + proof: my signature of the challenge}
-      generate {round, texts}          -> {frames: [my signed batch of the round], metrics}   (phase 1)
+      generate {round, texts}          -> {frames: [my signed batch of the round], metrics}   (phase 1);
+                                          texts: bool, or [False, True] = the batch twice: without
+                                          and with its texts (one per kind of receiver), same seq
       learn    {round, frames}         -> {metrics}: verify + re-check peers' batches, train (phase 2)
       exchange {round, texts, frames}  -> {frames, metrics}: pipelined: generate, then learn from it
                                           and peers' batches of the previous round
@@ -38,6 +40,14 @@ from .training import Trainer, samples_from_batches
 from .wire import WireOptions
 
 
+def text_variants(texts) -> tuple[bool, ...]:
+    """A request's ``texts`` (a bool, or a list of bools: one frame per entry) -> a tuple of 1-2 bools."""
+    v = tuple(bool(t) for t in texts) if isinstance(texts, (list, tuple)) else (bool(texts),)
+    if not 1 <= len(v) <= 2:
+        raise ValueError(f"texts={texts!r}: a bool or a list of one or two bools")
+    return v
+
+
 class InjectedFault(RuntimeError):
     """Raised by a participant configured with ``fault=raise:<phase>:<round>`` (tests)."""
 
@@ -46,7 +56,9 @@ class Participant:
     def __init__(self, spec: ParticipantSpec, fed: FederationConfig, policy=None, run_key: str = ""):
         self.spec, self.fed = spec, fed
         self.name = spec.name
+        t0 = time.perf_counter()
         self.policy = policy if policy is not None else build_policy(spec.policy)
+        self.load_seconds = time.perf_counter() - t0        # reported in hello (the engine logs it)
         self.trainer = Trainer(self.policy, fed.objective)
         self.state_dir = Path(spec.state_dir)
         self.run_key = run_key
@@ -86,12 +98,12 @@ class Participant:
         if action == "hello":
             return {"info": self.hello(str(r["run"]), str(r["node"]), bytes(r["challenge"]))}
         if action == "generate":
-            frames, metrics = self.generate(int(r["round"]), bool(r["texts"]))
+            frames, metrics = self.generate(int(r["round"]), text_variants(r["texts"]))
             return {"frames": frames, "metrics": metrics}
         if action == "learn":
             return {"metrics": self.learn(int(r["round"]), list(r["frames"]))}
         if action == "exchange":
-            frames, metrics = self.exchange(int(r["round"]), list(r["frames"]), bool(r["texts"]))
+            frames, metrics = self.exchange(int(r["round"]), list(r["frames"]), text_variants(r["texts"]))
             return {"frames": frames, "metrics": metrics}
         if action == "evaluate":
             return {"metrics": self.evaluate(int(r["round"]))}
@@ -109,7 +121,7 @@ class Participant:
                 "tokenizer_fp": self.policy.tokenizer_fp, "vocab_size": self.policy.vocab_size,
                 "key_fp": fingerprint(self.key), "model_loads": self.model_loads, "pid": os.getpid(),
                 "completed_round": self.completed_round, "peer_budget": self.spec.peer_budget,
-                "local_budget": self.spec.local_budget,
+                "local_budget": self.spec.local_budget, "load_seconds": round(self.load_seconds, 2),
                 "proof": sign_challenge(self.key, run, node, self.name, challenge)}
 
     def _fault(self, phase: str, round: int) -> None:
@@ -124,9 +136,11 @@ class Participant:
             raise InjectedFault(f"{self.name}: injected fault at {phase} round {round}")
 
     # ------------------------------------------------------------------ phase 1
-    def generate(self, round: int, texts: bool) -> tuple[list[bytes], dict[str, float]]:
-        """Sample this round's prompts, reward them, sign the batch. Returns ([frame], metrics);
-        an attacker (``byzantine``) returns what ``_attack`` makes of it."""
+    def generate(self, round: int, texts: bool | tuple[bool, ...]) -> tuple[list[bytes], dict[str, float]]:
+        """Sample this round's prompts, reward them, sign the batch: one frame per entry of ``texts``
+        (a bool = one frame; ``(False, True)`` = without and with the completion texts, same seq).
+        Returns (frames, metrics); an attacker (``byzantine``) returns what ``_attack`` makes of it."""
+        variants = text_variants(texts)
         self._fault("generate", round)
         t0 = time.perf_counter()
         fed = self.fed
@@ -147,9 +161,11 @@ class Participant:
         batch = CompletionBatch(sender=self.name, run_id=fed.run_name, round=round, seq=self.seq,
                                 model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
                                 vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))
-        frame = sign_batch(batch, self.key, WireOptions(texts=texts), max_tokens=fed.max_batch_tokens)
+        signed = [sign_batch(batch, self.key, WireOptions(texts=t), max_tokens=fed.max_batch_tokens) for t in variants]
         self.own[round] = batch
-        frames = self._attack(batch, round, texts) if self.spec.byzantine else [frame]
+        frames = [f for t in variants for f in self._attack(batch, round, t)] if self.spec.byzantine else signed
+        n_tok = max(1, int(np.sum(lengths)))
+        suffix = {False: "", True: "_texts"}
         rw = np.asarray(rewards)
         group_std = np.mean([np.std(g.rewards) for g in groups])
         return frames, {
@@ -157,7 +173,8 @@ class Participant:
             "reward/groups_with_signal": float(np.mean([np.ptp(g.rewards) > 0 for g in groups])),
             "reward/group_std": float(group_std), "gen/completion_len": float(np.mean(lengths)),
             "gen/tokens": float(np.sum(lengths)), "gen/seconds": time.perf_counter() - t0,
-            "wire/frame_bytes": float(len(frame)), "wire/bytes_per_token": len(frame) / max(1, int(np.sum(lengths))),
+            **{f"wire/frame_bytes{suffix[t]}": float(len(f)) for t, f in zip(variants, signed)},
+            **{f"wire/bytes_per_token{suffix[t]}": len(f) / n_tok for t, f in zip(variants, signed)},
         }
 
     # ------------------------------------------------------------------ phase 2
@@ -201,7 +218,8 @@ class Participant:
         return CompletionBatch(batch.sender, batch.run_id, batch.round, batch.seq, batch.model_id, batch.tokenizer_fp,
                                batch.vocab_size, batch.sampling, tuple(keep) or batch.groups[:1])
 
-    def exchange(self, round: int, peer_frames: list[bytes], texts: bool) -> tuple[list[bytes], dict[str, float]]:
+    def exchange(self, round: int, peer_frames: list[bytes],
+                 texts: bool | tuple[bool, ...]) -> tuple[list[bytes], dict[str, float]]:
         """Pipelined round: generate this round's batch, then train on it plus peers' batches of the
         previous round (one message per round instead of two)."""
         frames, gen_metrics = self.generate(round, texts)

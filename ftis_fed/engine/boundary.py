@@ -13,7 +13,7 @@ import logging
 from typing import Mapping
 
 from .transport import Address, Delivered, Failure, Transport
-from .validation import BadReply, Reply, ReplyLimits, check_reply
+from .validation import BadReply, Reply, ReplyLimits, check_reply, requested_variants
 
 log = logging.getLogger("ftis_fed.engine")
 
@@ -37,7 +37,7 @@ class Boundary:
         dropped: dict[Address, Failure] = {}
         for addr in requests:
             try:
-                replies[addr] = self._check(action, addr, raw.get(addr))
+                replies[addr] = self._check(action, addr, raw.get(addr), requests[addr])
             except BadReply as e:
                 dropped[addr] = Failure(e.reason, e.detail)
             except Exception as e:                                  # noqa: BLE001 - never let a reply end the run
@@ -47,7 +47,7 @@ class Boundary:
                 log.warning("%s: reply from %r, which was not asked: ignored (unknown_node)", action, addr)
         return replies, dropped
 
-    def _check(self, action: str, addr: Address, got) -> Reply:
+    def _check(self, action: str, addr: Address, got, request: Mapping | None = None) -> Reply:
         if got is None:
             raise BadReply("no_reply", "the transport returned nothing for this address")
         if isinstance(got, Failure):
@@ -56,4 +56,4 @@ class Boundary:
             raise BadReply("internal_error", f"transport returned {type(got).__name__}")
         if got.src != addr:
             raise BadReply("wrong_node", f"reply to {addr!r} came from {got.src!r}")
-        return check_reply(action, got.content, self.limits)
+        return check_reply(action, got.content, self.limits, requested_variants(request))

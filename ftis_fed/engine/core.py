@@ -38,10 +38,11 @@ from ..batch import BatchValidationError
 from ..config import FederationConfig, to_jsonable
 from ..inbox import Inbox, InboxConfig
 from ..metrics import FEDERATION, MetricsWriter, summarize_sources
-from ..signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge
-from ..wire import parse_header
+from ..signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge, verify_frame
+from ..wire import decode_payload, parse_header
 from .boundary import Boundary
-from .relay import VerifiedFrame, is_eval_round, select_for_receiver, texts_needed
+from .relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
+                    texts_differ)
 from .schedules import get_schedule
 from .transport import Address, Failure, Transport
 from .validation import Reply, ReplyLimits, max_frame_bytes_for
@@ -85,6 +86,25 @@ class RoundStats:
         return self.rows.setdefault(name, {"round": self.rnd, "participant": name, "phase": "train"})
 
 
+def wire_metrics(sent: Mapping[bool, list[tuple[int, int]]]) -> dict[str, float]:
+    """``wire/bytes_per_token``: bytes relayed per completion token, per receiver (its peers' frames
+    WITHOUT texts: what a receiver with the senders' tokenizer gets), averaged over the receivers
+    that got any; ``wire/bytes_per_token_texts``: the same for the frames WITH texts (receivers with
+    another tokenizer, or everyone under wire-texts=always). Absent when no receiver got that kind."""
+    out = {}
+    for variant, name in ((False, "wire/bytes_per_token"), (True, "wire/bytes_per_token_texts")):
+        got = [b / t for b, t in sent.get(variant, []) if t]
+        if got:
+            out[name] = sum(got) / len(got)
+    return out
+
+
+def _loaded(info: Mapping[str, Any]) -> str:
+    """`` (model loaded in X s)`` from a hello's ``load_seconds``, if it carries a number."""
+    s = info.get("load_seconds")
+    return f" (model loaded in {s:.1f} s)" if isinstance(s, (int, float)) and not isinstance(s, bool) else ""
+
+
 class Engine:
     """See the module docstring.
 
@@ -115,7 +135,8 @@ class Engine:
         self.nodes: dict[Address, dict] = {}            # admitted address -> hello info
         self.refused: dict[Address, str] = {}           # address -> reason it was not admitted
         self.budgets = dict(budgets or {})
-        self.texts = False
+        self.texts = False                              # whether any batch carries texts
+        self.variants: dict[str, tuple[bool, ...]] = {}  # sender -> frame variants it signs (relay.text_variants)
         self.pending: list[VerifiedFrame] = []          # pipelined: last round's verified frames
         self.start_round = 1
         self.completed_round = 0
@@ -206,11 +227,16 @@ class Engine:
             own = info.get("peer_budget")                   # a participant may ask for fewer peers' samples
             ok = isinstance(own, int) and not isinstance(own, bool) and own >= 0
             self.budgets.setdefault(info["participant"], own if ok else self.fed.peer_budget)
-        self.texts = texts_needed(self.fed.wire_texts, [i["tokenizer_fp"] for i in self.nodes.values()])
+        fps = {i["participant"]: i["tokenizer_fp"] for i in self.nodes.values()}
+        self.variants = {n: text_variants(self.fed.wire_texts, fp, [f for m, f in fps.items() if m != n])
+                         for n, fp in fps.items()}
+        self.texts = any(True in v for v in self.variants.values())
         for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"]):
-            self.log(INFO, "participant %-12s node %s model %-22s tokenizer %s key %s", info["participant"], node,
-                     info["model_id"], info["tokenizer_fp"], info["key_fp"])
-        self.log(INFO, "batches carry completion texts: %s (wire-texts=%s)", self.texts, self.fed.wire_texts)
+            self.log(INFO, "participant %-12s node %s model %-22s tokenizer %s key %s%s", info["participant"], node,
+                     info["model_id"], info["tokenizer_fp"], info["key_fp"], _loaded(info))
+        self.log(INFO, "completion texts (wire-texts=%s) only to receivers with another tokenizer: %s",
+                 self.fed.wire_texts, ", ".join(f"{n} signs {'+'.join('texts' if t else 'no-texts' for t in v)}"
+                                                for n, v in sorted(self.variants.items())))
 
     def _check_supernodes(self, replies: Mapping[Address, Reply]) -> None:
         counts = [r.info["supernodes"] for r in replies.values()
@@ -244,6 +270,16 @@ class Engine:
     def name(self, addr: Address) -> str:
         return self.nodes[addr]["participant"]
 
+    def texts_request(self, addr: Address) -> bool | list[bool]:
+        """The ``texts`` field of a generate/exchange request: one variant as a bool, two as a list
+        (the frame without texts, then the one with them)."""
+        v = self.variants.get(self.name(addr), (self.texts,))
+        return v[0] if len(v) == 1 else list(v)
+
+    def _needs_texts(self, receiver: str, sender: str) -> bool:
+        fp = {i["participant"]: i["tokenizer_fp"] for i in self.nodes.values()}
+        return receiver_needs_texts(self.fed.wire_texts, fp.get(sender, ""), fp.get(receiver, ""))
+
     def ask(self, action: str, requests: Mapping[Address, dict], stats: RoundStats | None,
             timeout: float | None = None) -> tuple[dict[Address, Reply], dict[Address, Failure]]:
         """Send through the boundary; log and count every drop (``fed/dropped/<reason>``)."""
@@ -258,7 +294,8 @@ class Engine:
     def generate(self, rnd: int, stats: RoundStats) -> list[VerifiedFrame]:
         """Every admitted participant generates and signs its batch of round ``rnd``; returns the
         verified frames (the participants' generate metrics go to their rows)."""
-        replies, failed = self.ask("generate", {a: {"round": rnd, "texts": self.texts} for a in self.nodes}, stats)
+        replies, failed = self.ask("generate", {a: {"round": rnd, "texts": self.texts_request(a)} for a in self.nodes},
+                                   stats)
         stats.fed["fed/generate_failures"] = float(len(failed))
         for addr, r in replies.items():
             stats.row(self.name(addr)).update(r.metrics)
@@ -268,14 +305,26 @@ class Engine:
         """Send each participant its peers' ``frames`` (within its peer budget) with ``action``;
         their metrics go to their rows. Returns the checked replies."""
         requests = {}
+        sent: dict[bool, list[tuple[int, int]]] = {False: [], True: []}   # variant -> per receiver (bytes, tokens)
         for i, addr in enumerate(sorted(self.nodes, key=_order)):
             name = self.name(addr)
             chosen = select_for_receiver(frames, name, self.budgets.get(name, self.fed.peer_budget), rotation=rnd + i)
-            requests[addr] = {"round": rnd, "texts": self.texts, "frames": [f.frame for f in chosen]}
+            out, tally = [], {False: [0, 0], True: [0, 0]}
+            for f in chosen:
+                frame = f.for_receiver(self._needs_texts(name, f.sender))
+                out.append(frame)
+                t = tally[parse_header(frame).has_texts]
+                t[0] += len(frame)
+                t[1] += f.tokens
+            for variant, (nbytes, ntok) in tally.items():
+                if ntok:
+                    sent[variant].append((nbytes, ntok))
+            requests[addr] = {"round": rnd, "texts": self.texts_request(addr), "frames": out}
         replies, failed = self.ask(action, requests, stats)
         stats.fed.update({"fed/replies": float(len(replies)), "fed/train_failures": float(len(failed)),
                           "fed/bytes_relayed": float(sum(len(f) for q in requests.values() for f in q["frames"])),
                           "fed/frames_relayed": float(sum(len(q["frames"]) for q in requests.values()))})
+        stats.fed.update(wire_metrics(sent))
         for addr, r in list(replies.items()):
             name = self.name(addr)
             try:
@@ -296,7 +345,11 @@ class Engine:
         out = []
         for addr in sorted(replies, key=_order):
             name = self.name(addr)
-            for frame in replies[addr].frames:
+            frames = replies[addr].frames
+            texts_variant = None
+            if len(self.variants.get(name, ())) > 1 and len(frames) == 2:
+                frames, texts_variant = frames[:1], frames[1]   # the boundary checked their order and headers
+            for frame in frames:
                 try:
                     sender = parse_header(frame, self.inbox.config.limits).sender
                     if sender != name:
@@ -312,8 +365,30 @@ class Engine:
                     self.log(WARNING, "round %d: batch from %s: %s: %s", rnd, name, type(e).__name__, e)
                     continue
                 h = parse_header(frame)
-                out.append(VerifiedFrame(acc.batch.sender, rnd, h.n_completions, h.n_completion_tokens, frame))
+                with_texts = self._verify_texts_variant(texts_variant, acc.batch, rnd, stats) if texts_variant else None
+                out.append(VerifiedFrame(acc.batch.sender, rnd, h.n_completions, h.n_completion_tokens, frame,
+                                         with_texts))
         return out
+
+    def _verify_texts_variant(self, frame: bytes, plain, rnd: int, stats: RoundStats) -> bytes | None:
+        """The texts variant of a verified batch: signed by the same sender (its seq is already used
+        by the variant without texts, so it bypasses the replay guard, not the signature), decodable,
+        valid, and the same batch apart from its texts. None (counted as ``variant_mismatch`` or the
+        frame's own reason) when not; the variant without texts is relayed to everyone then."""
+        try:
+            h, body = verify_frame(frame, self.keys, self.inbox.config.limits)
+            batch = decode_payload(h, body).validate(self.inbox.config.max_tokens)
+            diff = texts_differ(plain, batch)
+            if diff:
+                raise BatchValidationError("variant_mismatch", f"the texts variant differs in {diff}")
+            return frame
+        except BatchValidationError as e:
+            stats.rejected[e.reason] += 1
+            self.log(WARNING, "round %d: texts variant from %s rejected: %s", rnd, plain.sender, e)
+        except Exception as e:                                  # noqa: BLE001 - never let a frame end the run
+            stats.rejected["internal_error"] += 1
+            self.log(WARNING, "round %d: texts variant from %s: %s: %s", rnd, plain.sender, type(e).__name__, e)
+        return None
 
     def evaluate(self, rnd: int) -> None:
         replies, _ = self.ask("evaluate", {a: {"round": rnd} for a in self.nodes}, None)
@@ -351,7 +426,9 @@ class Engine:
         state: dict[str, Any] = {
             "completed_round": rnd, "run_name": self.fed.run_name, "guard": self.guard.to_json(),
             "pending": [{"sender": f.sender, "round": f.round, "completions": f.completions, "tokens": f.tokens,
-                         "frame": base64.b64encode(f.frame).decode()} for f in self.pending]}
+                         "frame": base64.b64encode(f.frame).decode(),
+                         "frame_texts": base64.b64encode(f.frame_texts).decode() if f.frame_texts else None}
+                        for f in self.pending]}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_path)
@@ -367,7 +444,9 @@ class Engine:
         self.guard = ReplayGuard.from_json(state["guard"])
         self.inbox = Inbox(self.keys, self.inbox.config, self.guard)
         self.pending = [VerifiedFrame(p["sender"], p["round"], p["completions"], p["tokens"],
-                                      base64.b64decode(p["frame"])) for p in state["pending"]]
+                                      base64.b64decode(p["frame"]),
+                                      base64.b64decode(p["frame_texts"]) if p.get("frame_texts") else None)
+                        for p in state["pending"]]
         self.completed_round = int(state["completed_round"])
         self.start_round = self.completed_round + 1
         self.log(INFO, "resume: round %d done, continuing at round %d", self.start_round - 1, self.start_round)

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
+from ..batch import CompletionBatch
+
 
 @dataclass(frozen=True)
 class VerifiedFrame:
@@ -15,6 +19,11 @@ class VerifiedFrame:
     completions: int
     tokens: int
     frame: bytes
+    frame_texts: bytes | None = None    # the same batch signed with its texts (for other tokenizers)
+
+    def for_receiver(self, texts: bool) -> bytes:
+        """The variant a receiver gets: with texts when it needs them and the sender made one."""
+        return self.frame_texts if texts and self.frame_texts is not None else self.frame
 
 
 def select_for_receiver(frames: Sequence[VerifiedFrame], receiver: str, budget: int, rotation: int) -> list[VerifiedFrame]:
@@ -44,6 +53,47 @@ def texts_needed(mode: str, tokenizer_fps: Sequence[str]) -> bool:
     if mode == "never":
         return False
     return len(set(tokenizer_fps)) > 1
+
+
+def receiver_needs_texts(mode: str, sender_fp: str, receiver_fp: str) -> bool:
+    """Whether ``receiver`` must get a sender's completion texts (``wire-texts``): always / never /
+    auto = only when its tokenizer differs from the sender's."""
+    if mode == "always":
+        return True
+    if mode == "never":
+        return False
+    return sender_fp != receiver_fp
+
+
+def text_variants(mode: str, sender_fp: str, receiver_fps: Sequence[str]) -> tuple[bool, ...]:
+    """The frame variants a sender signs each round, in this order: ``(False,)`` (no texts),
+    ``(True,)`` (texts only: every receiver needs them) or ``(False, True)`` (both: the receivers
+    with the sender's tokenizer get the frame without texts, the others the one with texts).
+    ``receiver_fps``: the tokenizers of the sender's receivers (everyone else)."""
+    needs = {receiver_needs_texts(mode, sender_fp, fp) for fp in receiver_fps}
+    return tuple(sorted(needs)) or (False,)
+
+
+def texts_differ(a: CompletionBatch, b: CompletionBatch) -> str:
+    """'' when two batches are the same apart from their texts (prompt_text, completion_texts),
+    else the first field that differs (e.g. ``groups[2].logprobs``)."""
+    for f in ("sender", "run_id", "round", "seq", "model_id", "tokenizer_fp", "vocab_size", "sampling"):
+        if getattr(a, f) != getattr(b, f):
+            return f
+    if len(a.groups) != len(b.groups):
+        return "groups"
+    for i, (g, h) in enumerate(zip(a.groups, b.groups)):
+        if g.task_id != h.task_id or g.reference != h.reference:
+            return f"groups[{i}].task_id/reference"
+        if not np.array_equal(g.prompt_ids, h.prompt_ids):
+            return f"groups[{i}].prompt_ids"
+        if not np.array_equal(np.asarray(g.rewards), np.asarray(h.rewards)):
+            return f"groups[{i}].rewards"
+        for f in ("completion_ids", "logprobs"):
+            x, y = getattr(g, f), getattr(h, f)
+            if len(x) != len(y) or not all(np.array_equal(u, v) for u, v in zip(x, y)):
+                return f"groups[{i}].{f}"
+    return ""
 
 
 def is_eval_round(round: int, num_rounds: int, every: int) -> bool:

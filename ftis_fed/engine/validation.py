@@ -4,7 +4,13 @@
 
     missing_record / extra_record   the reply's fields differ from what the action returns
     wrong_type                      a field of the wrong type (frames not a list, metrics not a mapping, ...)
-    too_many_frames                 more frames than ``frames_per_reply`` (one frame per sender per round)
+    too_many_frames                 more frames than ``frames_per_reply`` (one frame per sender per round;
+                                    times the variants asked for: see below)
+    wrong_variants                  the request asked for two variants (``texts: [False, True]``) and the
+                                    reply has neither none nor exactly one frame per variant, in order
+    variant_mismatch                the two variants' headers disagree on anything but the texts (flags,
+                                    payload sizes): sender, run, round, seq, model, tokenizer, vocabulary,
+                                    sampling, counts; or a header that cannot be read
     frame_not_bytes                 a frame that is not ``bytes``
     frame_too_large                 a frame above ``max_frame_bytes`` (from the run's max-batch-tokens)
     nonscalar_metric                a metric that is not a plain int/float (list, string, ...)
@@ -23,7 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..batch import DEFAULT_MAX_TOKENS
+from ..batch import DEFAULT_MAX_TOKENS, BatchValidationError
+from ..wire import FLAG_TEXTS, WireHeader, WireLimits, parse_header
 
 #: fields every reply of an action carries: exactly these, no more
 REPLY_FIELDS: dict[str, frozenset[str]] = {
@@ -90,8 +97,17 @@ class Reply:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def check_reply(action: str, content: Any, limits: ReplyLimits = ReplyLimits()) -> Reply:
-    """The raw reply of ``action`` -> :class:`Reply`, or :class:`BadReply`."""
+def requested_variants(request: Mapping[str, Any] | None) -> tuple[bool, ...]:
+    """The frame variants a generate/exchange request asks for: its ``texts`` as a tuple (a single
+    bool = one variant; a list = one frame per entry, in order)."""
+    t = (request or {}).get("texts", ())
+    return tuple(bool(x) for x in t) if isinstance(t, (list, tuple)) else (bool(t),)
+
+
+def check_reply(action: str, content: Any, limits: ReplyLimits = ReplyLimits(),
+                variants: tuple[bool, ...] = ()) -> Reply:
+    """The raw reply of ``action`` -> :class:`Reply`, or :class:`BadReply`. ``variants``: the frame
+    variants the request asked for (``requested_variants``); two or more allow one frame each."""
     if action not in REPLY_FIELDS:
         raise BadReply("internal_error", f"no reply rules for action {action!r}")
     if not isinstance(content, Mapping):
@@ -101,7 +117,11 @@ def check_reply(action: str, content: Any, limits: ReplyLimits = ReplyLimits()) 
         raise BadReply("missing_record", f"{action} reply lacks {sorted(want - got)} (has {sorted(got)})")
     if got - want:
         raise BadReply("extra_record", f"{action} reply has unexpected {sorted(got - want, key=str)[:8]}")
+    if len(variants) > 1:
+        limits = ReplyLimits(limits.frames_per_reply * len(variants), limits.max_frame_bytes, limits.max_metrics)
     frames = check_frames(content["frames"], limits) if "frames" in want else ()
+    if len(variants) > 1 and frames:
+        check_variants(frames, variants, limits)
     metrics = check_metrics(content["metrics"], limits) if "metrics" in want else {}
     info = check_info(content["info"], hello=action == "hello") if "info" in want else {}
     return Reply(frames=frames, metrics=metrics, info=info)
@@ -120,6 +140,35 @@ def check_frames(frames: Any, limits: ReplyLimits) -> tuple[bytes, ...]:
             raise BadReply("frame_too_large", f"frames[{i}] has {len(f)} bytes: limit {limits.max_frame_bytes} "
                                               "(from max-batch-tokens)")
     return tuple(frames)
+
+
+#: header fields that may differ between the variants of one batch (the texts flag and sizes)
+VARIANT_FREE_FIELDS = frozenset({"flags", "raw_len", "payload_len", "body_len"})
+
+
+def check_variants(frames: tuple[bytes, ...], variants: tuple[bool, ...], limits: ReplyLimits) -> None:
+    """Exactly one frame per requested variant, in order, each with (or without) texts as asked,
+    and headers that agree on everything but the texts (``VARIANT_FREE_FIELDS``)."""
+    if len(frames) != len(variants):
+        raise BadReply("wrong_variants", f"{len(frames)} frames for the {len(variants)} variants asked for "
+                                         f"(texts={list(variants)}): one frame per variant, or none")
+    heads: list[WireHeader] = []
+    for i, f in enumerate(frames):
+        try:
+            h = parse_header(f, WireLimits(max_frame_bytes=limits.max_frame_bytes))
+        except BatchValidationError as e:
+            raise BadReply("variant_mismatch", f"frames[{i}]: header unreadable ({e})") from None
+        if bool(h.flags & FLAG_TEXTS) != variants[i]:
+            raise BadReply("wrong_variants", f"frames[{i}] {'has' if h.has_texts else 'lacks'} texts: "
+                                             f"asked for texts={list(variants)}")
+        heads.append(h)
+    first = {k: v for k, v in vars(heads[0]).items() if k not in VARIANT_FREE_FIELDS}
+    for i, h in enumerate(heads[1:], 1):
+        other = {k: v for k, v in vars(h).items() if k not in VARIANT_FREE_FIELDS}
+        diff = sorted(k for k in first if first[k] != other[k])
+        if diff:
+            raise BadReply("variant_mismatch", f"frames[{i}] differs from frames[0] in {', '.join(diff)} "
+                                               "(variants of one batch differ only in their texts)")
 
 
 def check_metrics(metrics: Any, limits: ReplyLimits) -> dict[str, float]:
