@@ -91,6 +91,11 @@ class FederationConfig:
         a participant process with no request for this long exits (the end-of-run message normally
         stops it first), > 0.""")
     seed: int = knob("seed", 0, "base seed of sampling (round and participant are mixed in), >= 0.")
+    report_to: str = knob("report-to", "none", """
+        the server's metrics rows also to ``tensorboard`` (``<output-dir>/tensorboard``) and/or
+        ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
+        TRL; ``none`` = only metrics.jsonl/.csv. Optional extras: ``pip install
+        'ftis-fed[tensorboard]'`` / ``'ftis-fed[wandb]'``; a missing package stops the run at start.""")
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     task: TaskSpec = field(default_factory=TaskSpec)
     reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
@@ -120,6 +125,9 @@ class FederationConfig:
         need(self.threads >= 0, "threads", "must be >= 0 (0 = auto)")
         need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
+        from .report import parse_report_to
+
+        parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
         if self.eval_every > 0:                                 # the held-out sets must exist: fail now, not mid-run
             try:

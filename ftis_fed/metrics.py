@@ -59,7 +59,8 @@ class MetricsWriter:
     so plots never mix two runs; ``moved`` lists the (old, new) paths for the caller to report.
     ``append=True`` (resume) continues the existing files."""
 
-    def __init__(self, out_dir: str | Path, append: bool = True):
+    def __init__(self, out_dir: str | Path, append: bool = True, sinks: list | None = None):
+        self.sinks = list(sinks or [])          # report-to: each also gets every written row (ftis_fed/report.py)
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.dir / "metrics.jsonl"
@@ -92,6 +93,14 @@ class MetricsWriter:
             for r in rows:
                 f.write(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n")
         self._write_csv(self.rows())
+        for sink in self.sinks:
+            sink.log(rows)
+
+    def close(self) -> None:
+        """Close the report-to sinks (the JSONL/CSV files need nothing)."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def _write_csv(self, rows: list[dict[str, Any]]) -> None:
         head = ["round", "participant", "phase"]

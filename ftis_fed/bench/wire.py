@@ -7,6 +7,8 @@ log-prob error, and the encode+sign+verify+decode throughput.
 
     ftis-fed bench wire                      # 8 prompts x 8 completions x 64 tokens
     ftis-fed bench wire --source synthetic   # no model (smoke test)
+    ftis-fed bench wire --prompt-set task --prompts 4 --group-size 4 --max-new-tokens 24
+                                             # the default federation's shapes and prompts
 
 The rollout source is one small function (``SOURCES``): ``policy`` uses the project's policy API
 (``build_policy(PolicyConfig(model=...)).generate``), ``transformers`` plain ``generate`` with
@@ -28,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..batch import CompletionBatch, SamplingParams, make_group
 from ..signing import KeyDirectory, sign_batch, sign_body, verify_frame
-from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body
+from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header
 
 if TYPE_CHECKING:                       # policies import torch: only the model sources need it
     from ..policies.base import Prompt, Rollout
@@ -55,6 +57,17 @@ def arithmetic_prompts(n: int, seed: int = 0) -> list[Prompt]:
         a, b = rng.randint(2, 60), rng.randint(2, 60)
         out.append(Prompt(f"bench/add/{i}", f"What is {a} + {b}? Answer with a number.", str(a + b)))
     return out
+
+
+def task_prompts(n: int, seed: int = 0) -> list[Prompt]:
+    """n prompts of the default run's task suite (round 1 of participant 0 of 3, as ``ftis-fed sim``
+    generates them: the chat template and questions a participant really sends)."""
+    from ..tasks.suite import TaskSpec
+
+    return TaskSpec(prompts_per_round=n).prompts_for_round(0, 3, 1)[:n]
+
+
+PROMPT_SETS = {"arithmetic": arithmetic_prompts, "task": task_prompts}
 
 
 def policy_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
@@ -199,10 +212,14 @@ def time_round_trip(batch: CompletionBatch, options: WireOptions, repeats: int) 
 
 def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int = 8,
                    max_new_tokens: int = 64, temperature: float = 0.7, seed: int = 0,
-                   repeats: int = 20, model: str = "smollm2") -> dict:
-    """Generate rollouts from ``source`` and measure the wire format on them -> one result dict."""
+                   repeats: int = 20, model: str = "smollm2", prompt_set: str = "arithmetic") -> dict:
+    """Generate rollouts from ``source`` and measure the wire format on them -> one result dict.
+
+    ``bytes_per_token`` is the frame WITHOUT texts (what a receiver with the sender's tokenizer is
+    relayed), ``bytes_per_token_with_texts`` the frame WITH texts (a receiver with another
+    tokenizer); ``fixed_bytes`` = header + signature, the part that does not grow with tokens."""
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-    prompts = arithmetic_prompts(n_prompts, seed)
+    prompts = PROMPT_SETS[prompt_set](n_prompts, seed)
     kwargs = {} if source == "synthetic" else {"model": model}
     t0 = time.perf_counter()
     rs = SOURCES[source](prompts, group_size, sampling, seed, **kwargs)
@@ -218,7 +235,7 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
     from ..flower_io import frames_to_record, record_nbytes
 
     result = {
-        "bench": "wire", "source": source, "model": rs.model_id, "prompts": n_prompts,
+        "bench": "wire", "source": source, "model": rs.model_id, "prompt_set": prompt_set, "prompts": len(prompts),
         "group_size": group_size, "max_new_tokens": max_new_tokens, "temperature": temperature,
         "completion_tokens": N, "prompt_tokens": sum(len(g.prompt_ids) for g in batch.groups),
         "bytes_per_token": round(len(frame) / N, 3),
@@ -227,6 +244,8 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
         "ratio_vs_paper": round(len(paper) / len(frame), 2),
         "flower_record_bytes_per_token": round(record_nbytes(frames_to_record([frame])) / N, 3),
         "frame_bytes": len(frame), "frame_bytes_with_texts": len(frame_texts), "paper_frame_bytes": len(paper),
+        "fixed_bytes": len(frame) - parse_header(frame).payload_len,
+        "payload_bytes": parse_header(frame).payload_len,
         "max_logprob_error": max_logprob_error(batch, decoded), "ids_exact": ids_equal(batch, decoded),
         "generate_s": round(gen_s, 1),
     }
@@ -241,6 +260,8 @@ def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--source", choices=sorted(SOURCES), default="policy",
                     help="rollouts from the policy API (default), plain transformers, or synthetic")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompt-set", choices=sorted(PROMPT_SETS), default="arithmetic",
+                    help="bench arithmetic questions (default) or the default run's task prompts")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -252,7 +273,7 @@ def _add_arguments(ap: argparse.ArgumentParser) -> None:
 def run_cli(a: argparse.Namespace) -> int:
     """Handler: print the bench's one JSON line."""
     print(json.dumps(run_bench_wire(a.source, a.prompts, a.group_size, a.max_new_tokens, a.temperature,
-                                    a.seed, a.repeats, a.model)))
+                                    a.seed, a.repeats, a.model, a.prompt_set)))
     return 0
 
 

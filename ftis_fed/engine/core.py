@@ -38,6 +38,7 @@ from ..batch import BatchValidationError
 from ..config import FederationConfig, to_jsonable
 from ..inbox import Inbox, InboxConfig
 from ..metrics import FEDERATION, MetricsWriter, summarize_sources
+from ..report import open_sinks, parse_report_to
 from ..signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge, verify_frame
 from ..wire import decode_payload, parse_header
 from .boundary import Boundary
@@ -151,7 +152,8 @@ class Engine:
         (self.out_dir / "config.json").write_text(json.dumps(to_jsonable(fed), indent=1))
         if fed.resume:
             self._load_state()
-        self.writer = MetricsWriter(self.out_dir, append=fed.resume)
+        sinks = open_sinks(parse_report_to(fed.report_to), self.out_dir, fed.run_name, to_jsonable(fed))
+        self.writer = MetricsWriter(self.out_dir, append=fed.resume, sinks=sinks)
         for old, new in self.writer.moved:
             self.log(INFO, "output folder already held %s (no resume): moved it to %s", old.name, new.name)
         self.log(INFO, "ftis-fed engine: scheme=%s, rounds=%d, G=%d, loss=%s, output=%s", fed.scheme,
@@ -168,6 +170,7 @@ class Engine:
                 self._plot()
         finally:
             self.finish()
+            self.writer.close()
         self.log(INFO, "Results: %s (metrics.jsonl, metrics.csv, *.png)", self.out_dir)
         return self.completed_round
 
