@@ -210,6 +210,7 @@ class Worker:
                           "skipped, its caller stopped waiting", flush=True)
                     continue
                 t0 = time.perf_counter()
+                from ftis_fed.engine.progress import phase_summary
                 self.busy = True
                 try:
                     reply = {"result": self.handle(req)}
@@ -217,8 +218,12 @@ class Worker:
                     reply = {"error": traceback.format_exc()}
                 finally:
                     self.busy = False
+                result = reply.get("result")
+                summary = phase_summary("", result["metrics"]).strip() \
+                    if isinstance(result, dict) and isinstance(result.get("metrics"), dict) else ""
+                rate = f" ({summary})" if summary else ""
                 print(f"[worker {self.participant.name}] {what}: "
-                      f"{'error' if 'error' in reply else 'ok'} in {time.perf_counter() - t0:.1f} s", flush=True)
+                      f"{'error' if 'error' in reply else 'ok'} in {time.perf_counter() - t0:.1f} s{rate}", flush=True)
                 with contextlib.suppress(OSError):
                     conn.send(reply)
                 self.last_request = time.monotonic()

@@ -91,6 +91,9 @@ class FederationConfig:
         a participant process with no request for this long exits (the end-of-run message normally
         stops it first), > 0.""")
     seed: int = knob("seed", 0, "base seed of sampling (round and participant are mixed in), >= 0.")
+    progress_every_s: float = knob("progress-every-s", 15.0, """
+        while a phase runs, the server logs every this many seconds which participants replied and
+        which it still waits for (one plain line, also fine in a log file), >= 0; 0 = off.""")
     report_to: str = knob("report-to", "none", """
         the server's metrics rows also to ``tensorboard`` (``<output-dir>/tensorboard``) and/or
         ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
@@ -125,6 +128,7 @@ class FederationConfig:
         need(self.threads >= 0, "threads", "must be >= 0 (0 = auto)")
         need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
+        need(self.progress_every_s >= 0, "progress_every_s", "must be >= 0 (0 = off)")
         from .report import parse_report_to
 
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values

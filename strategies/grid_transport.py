@@ -8,6 +8,7 @@ other reply is handed back unchecked (``Delivered``) for the engine's boundary t
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Mapping
 
@@ -27,7 +28,9 @@ class GridTransport:
     def addresses(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
 
-    def send(self, action: str, requests: Mapping[int, dict], timeout: float) -> dict[int, Any]:
+    def send(self, action: str, requests: Mapping[int, dict], timeout: float,
+             on_reply: Callable[[int], None] | None = None) -> dict[int, Any]:
+        """``on_reply(node)`` as each reply arrives (the engine's progress line)."""
         nodes = list(requests)
         msgs = [Message(request_to_content(requests[n]), n, message_type(action),
                         group_id=f"{requests[n].get('round', '-')}-{action}") for n in nodes]
@@ -43,6 +46,9 @@ class GridTransport:
                     continue
                 waiting.discard(mid)
                 out[dst[mid]] = self._unpack(rep)
+                if on_reply is not None:
+                    with contextlib.suppress(Exception):        # progress only
+                        on_reply(dst[mid])
             if waiting:
                 time.sleep(self.poll_s)
         for mid in waiting:

@@ -175,3 +175,51 @@ def test_pure_helpers():
     assert texts_differ(b, batch("alice", 1, 2)) == "seq"
     # averaged per receiver: (100/10 + 300/100) / 2
     assert wire_metrics({False: [(100, 10), (300, 100)], True: []}) == {"wire/bytes_per_token": 6.5}
+
+
+# ------------------------------------------------------------------ live progress (issue 12, part 2)
+
+def test_progress_lines_name_who_replied_and_who_is_still_awaited(tmp_path):
+    import threading
+
+    release = threading.Event()
+
+    class Slow(Stub):
+        def handle(self, action, request):
+            if action == "generate" and int(request["round"]) == 1:
+                release.wait(10)
+            return super().handle(action, request)
+
+    stubs = {"alice": Stub("alice"), "bob": Stub("bob"), "carol": Slow("carol")}
+    logs: list[str] = []
+
+    def log(lvl, msg, *a):
+        logs.append(msg % a)
+        if "waiting for carol" in logs[-1]:
+            release.set()                                   # seen the line: let carol go on
+
+    args = dict(num_rounds=1, min_participants=2, wait_for_participants_s=5.0, round_timeout_s=20.0, eval_every=0,
+                run_name=RUN, output_dir=str(tmp_path), max_batch_tokens=4096, progress_every_s=0.05)
+    Engine(FederationConfig(**args), DIRECTORY, tmp_path, InProcessTransport(stubs), sleep=lambda s: None,
+           plots=False, log=log).run()
+    waiting = [line for line in logs if line.startswith("round 1 generate: 2/3 replied")]
+    assert waiting and "waiting for carol" in waiting[0] and "alice" in waiting[0] and "bob" in waiting[0]
+    assert all("\r" not in line for line in logs)
+    done = [line for line in logs if line.startswith("round 1 generate done:")]
+    assert done and "carol" in done[0]
+
+
+def test_phase_summary_and_progress_line():
+    from ftis_fed.engine.core import phase_summary
+    from ftis_fed.engine.progress import PhaseProgress
+
+    assert phase_summary("alice", {"gen/seconds": 2.0, "gen/tokens": 50.0, "train/seconds": 3.0}) == \
+        "alice generate 2.0 s 50 tokens 25.0 tok/s, train 3.0 s"
+    t = [0.0]
+    p = PhaseProgress("round 3 learn", {1: "alice", 2: "bob"}, lambda *a: None, 0, clock=lambda: t[0])
+    t[0] = 4.0
+    p.replied(2)
+    t[0] = 30.0
+    assert p.line() == "round 3 learn: 1/2 replied (bob 4 s); waiting for alice (30 s)"
+    q = PhaseProgress("hello", {1: "n1"}, lambda *a: None, 0, clock=lambda: t[0], tracked=False)
+    assert q.line() == "hello: 0 s, waiting for replies from n1"

@@ -9,8 +9,9 @@ transport raises, escapes from here: anything unexpected becomes ``internal_erro
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .transport import Address, Delivered, Failure, Transport
 from .validation import BadReply, Reply, ReplyLimits, check_reply, requested_variants
@@ -22,13 +23,20 @@ class Boundary:
     def __init__(self, transport: Transport, limits: ReplyLimits = ReplyLimits()):
         self.transport = transport
         self.limits = limits
+        try:
+            self.reports_replies = "on_reply" in inspect.signature(transport.send).parameters
+        except (TypeError, ValueError):
+            self.reports_replies = False
 
-    def send(self, action: str, requests: Mapping[Address, dict],
-             timeout: float) -> tuple[dict[Address, Reply], dict[Address, Failure]]:
+    def send(self, action: str, requests: Mapping[Address, dict], timeout: float,
+             on_reply: Callable[[Address], None] | None = None) -> tuple[dict[Address, Reply], dict[Address, Failure]]:
+        """``on_reply(addr)``: passed to a transport that reports replies as they arrive (progress);
+        ignored by one that does not (``reports_replies``)."""
         if not requests:
             return {}, {}
         try:
-            raw = self.transport.send(action, dict(requests), timeout)
+            extra = {"on_reply": on_reply} if on_reply is not None and self.reports_replies else {}
+            raw = self.transport.send(action, dict(requests), timeout, **extra)
             raw = dict(raw) if isinstance(raw, Mapping) else {}
         except Exception as e:                                      # a transport bug: nobody replied
             log.warning("%s: transport raised %s: %s", action, type(e).__name__, e)

@@ -42,6 +42,7 @@ from ..report import open_sinks, parse_report_to
 from ..signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge, verify_frame
 from ..wire import decode_payload, parse_header
 from .boundary import Boundary
+from .progress import PhaseProgress, phase_summary
 from .relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
                     texts_differ)
 from .schedules import get_schedule
@@ -216,7 +217,10 @@ class Engine:
         addrs = self.wait_for_addresses()
         challenges = {a: secrets.token_bytes(32) for a in addrs}
         requests = {a: {"run": self.fed.run_name, "node": str(a), "challenge": challenges[a]} for a in addrs}
-        replies, dropped = self.io.send("hello", requests, self.fed.wait_for_participants_s)
+        with PhaseProgress("hello (participants loading their models)", {a: str(a) for a in addrs}, self.log,
+                           self.fed.progress_every_s, self.clock, tracked=self.io.reports_replies) as progress:
+            replies, dropped = self.io.send("hello", requests, self.fed.wait_for_participants_s,
+                                            on_reply=progress.replied)
         self._check_supernodes(replies)
         for a, why in dropped.items():
             self._refuse(a, why.reason, why.detail)
@@ -286,7 +290,12 @@ class Engine:
     def ask(self, action: str, requests: Mapping[Address, dict], stats: RoundStats | None,
             timeout: float | None = None) -> tuple[dict[Address, Reply], dict[Address, Failure]]:
         """Send through the boundary; log and count every drop (``fed/dropped/<reason>``)."""
-        replies, dropped = self.io.send(action, requests, self.fed.round_timeout_s if timeout is None else timeout)
+        label = f"round {stats.rnd} {action}" if stats is not None else action
+        names = {a: self.nodes.get(a, {}).get("participant", str(a)) for a in requests}
+        with PhaseProgress(label, names, self.log, self.fed.progress_every_s, self.clock,
+                           tracked=self.io.reports_replies) as progress:
+            replies, dropped = self.io.send(action, requests, self.fed.round_timeout_s if timeout is None else timeout,
+                                            on_reply=progress.replied)
         for addr, why in dropped.items():
             self.log(WARNING, "participant %s dropped from this phase (%s): %s: %s",
                      self.nodes.get(addr, {}).get("participant", addr), action, why.reason, why.detail[-300:])
@@ -302,6 +311,7 @@ class Engine:
         stats.fed["fed/generate_failures"] = float(len(failed))
         for addr, r in replies.items():
             stats.row(self.name(addr)).update(r.metrics)
+        self._log_phase(rnd, "generate", replies)
         return self.verify(replies, rnd, stats)
 
     def relay(self, action: str, frames: list[VerifiedFrame], rnd: int, stats: RoundStats) -> dict[Address, Reply]:
@@ -328,6 +338,7 @@ class Engine:
                           "fed/bytes_relayed": float(sum(len(f) for q in requests.values() for f in q["frames"])),
                           "fed/frames_relayed": float(sum(len(q["frames"]) for q in requests.values()))})
         stats.fed.update(wire_metrics(sent))
+        self._log_phase(rnd, action, replies)
         for addr, r in list(replies.items()):
             name = self.name(addr)
             try:
@@ -340,6 +351,12 @@ class Engine:
             row.update(per_source)
             row["model_id"] = self.nodes[addr]["model_id"]
         return replies
+
+    def _log_phase(self, rnd: int, action: str, replies: Mapping[Address, Reply]) -> None:
+        """One console line when a phase ends: per participant its seconds and tokens/s."""
+        parts = [phase_summary(self.name(a), r.metrics) for a, r in sorted(replies.items(), key=lambda kv: self.name(kv[0]))]
+        if parts:
+            self.log(INFO, "round %d %s done: %s", rnd, action, "; ".join(parts))
 
     def verify(self, replies: Mapping[Address, Reply], rnd: int, stats: RoundStats) -> list[VerifiedFrame]:
         """Each reply's frames as the server sees them: the header must name the participant the

@@ -14,10 +14,11 @@ same deadline.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from .transport import Address, Delivered, Failure
 
@@ -36,14 +37,15 @@ class InProcessTransport:
     def addresses(self) -> list[Address]:
         return list(self.participants)
 
-    def send(self, action: str, requests: Mapping[Address, dict], timeout: float) -> dict[Address, Any]:
+    def send(self, action: str, requests: Mapping[Address, dict], timeout: float,
+             on_reply: Callable[[Address], None] | None = None) -> dict[Address, Any]:
         results: dict[Address, Any] = {}
         threads = []
         for addr, req in requests.items():
             if addr not in self.participants:
                 results[addr] = Failure("unknown_node", f"no participant at {addr!r}")
                 continue
-            t = threading.Thread(target=self._call, args=(addr, action, req, results), daemon=True,
+            t = threading.Thread(target=self._call, args=(addr, action, req, results, on_reply), daemon=True,
                                  name=f"ftis-inprocess-{addr}-{action}")
             t.start()
             threads.append((addr, t))
@@ -56,9 +58,12 @@ class InProcessTransport:
             out[addr] = got if got is not None else Failure("timeout", f"no reply within {timeout:.1f} s")
         return out
 
-    def _call(self, addr: Address, action: str, req: dict, results: dict) -> None:
+    def _call(self, addr: Address, action: str, req: dict, results: dict, on_reply=None) -> None:
         with self._locks[addr]:
             try:
                 results[addr] = Delivered(addr, self.participants[addr].handle(action, dict(req)))
             except Exception as e:                              # noqa: BLE001 - an error reply
                 results[addr] = Failure("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+        if on_reply is not None:
+            with contextlib.suppress(Exception):                # progress only: never fails a reply
+                on_reply(addr)

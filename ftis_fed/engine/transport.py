@@ -61,5 +61,6 @@ class Transport(Protocol):
 
     def send(self, action: str, requests: Mapping[Address, dict], timeout: float) -> dict[Address, Any]:
         """Deliver ``action`` to each address; per address a :class:`Delivered` or :class:`Failure`
-        (addresses missing from the result count as ``no_reply``)."""
+        (addresses missing from the result count as ``no_reply``). A transport may also accept
+        ``on_reply: Callable[[Address], None]``, called as each reply arrives (live progress)."""
         ...
