@@ -63,3 +63,33 @@ def test_a_byzantine_participant_is_bounded_by_server_and_receivers(tmp_path):
     assert by[(2, "_federation")]["fed/dropped/too_many_frames"] == 1
     assert by[(2, "alice")]["offpolicy/received"] == 0          # the flood never reached alice
     assert by[(2, "alice")]["train/own_samples"] == 4           # and alice's round went on
+
+
+@pytest.mark.slow
+def test_texts_go_only_to_the_participant_with_another_tokenizer(tmp_path):
+    """alice and bob share SmolLM2's tokenizer, carol (smollm2-bpe8k) has another: alice and bob
+    sign both variants, carol only the one with texts; each receiver gets what it needs and accepts
+    every peer batch (alice and bob token-level from each other, sequence-level from carol)."""
+    names = ("alice", "bob", "carol")
+    for n in names:
+        generate_keypair(n, tmp_path / "keys")
+    fed = FederationConfig(num_rounds=1, scheme="sync", min_participants=3, group_size=2, max_new_tokens=4,
+                           run_name="variants", output_dir=str(tmp_path), eval_every=0,
+                           task=TaskSpec(families=("add1",), prompts_per_round=2))
+    models = {"alice": "tiny-llama", "bob": "tiny-llama-b", "carol": "smollm2-bpe8k"}
+    parts = {n: Participant(ParticipantSpec(n, PolicyConfig(model=models[n], adapter="full", lr=1e-4), i, 3,
+                                            str(tmp_path / "keys"), str(tmp_path / "participants" / n)), fed)
+             for i, n in enumerate(names)}
+    eng = Engine(fed, load_key_directory(tmp_path / "keys"), tmp_path, InProcessTransport(parts), plots=False)
+    assert eng.run() == 1
+    assert eng.variants == {"alice": (False, True), "bob": (False, True), "carol": (True,)}
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    r1 = {r["participant"]: r for r in rows if r["round"] == 1}
+    fed_row = r1["_federation"]
+    assert fed_row["fed/rejected"] == 0 and fed_row["fed/frames_relayed"] == 6
+    assert 0 < fed_row["wire/bytes_per_token"] < fed_row["wire/bytes_per_token_texts"]
+    for n in ("alice", "bob"):
+        assert r1[n]["offpolicy/accepted"] == 2 and r1[n]["offpolicy/accepted_sequence_level"] == 1
+        assert r1[n]["wire/bytes_per_token"] < r1[n]["wire/bytes_per_token_texts"]
+    assert r1["carol"]["offpolicy/accepted"] == 2 and r1["carol"]["offpolicy/accepted_sequence_level"] == 2
+    assert "wire/bytes_per_token" not in r1["carol"] and r1["carol"]["wire/bytes_per_token_texts"] > 0
