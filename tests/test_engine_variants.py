@@ -40,8 +40,8 @@ class Stub:
     """Signs one frame per requested variant; ``lie`` = fn(batch) -> the batch its texts variant is
     made of (a mismatched pair); records which variant it received from whom."""
 
-    def __init__(self, name: str, lie=None):
-        self.name, self.lie, self.seq = name, lie, 0
+    def __init__(self, name: str, lie=None, texts_key=None):
+        self.name, self.lie, self.seq, self.texts_key = name, lie, 0, texts_key
         self.asked: dict[int, object] = {}
         self.received: dict[int, dict[str, bool]] = {}       # round -> {sender: has texts}
 
@@ -57,7 +57,8 @@ class Stub:
             self.seq = max(self.seq + 1, rnd << 16)
             b = batch(self.name, rnd, self.seq)
             variants = requested_variants(request)
-            frames = [sign_batch(self.lie(b) if (t and self.lie) else b, KEYS[self.name], WireOptions(texts=t))
+            frames = [sign_batch(self.lie(b) if (t and self.lie) else b,
+                                 (self.texts_key if t and self.texts_key else KEYS[self.name]), WireOptions(texts=t))
                       for t in variants]
             return {"frames": frames, "metrics": {"reward/mean": 0.5}}
         if action == "learn":
@@ -124,6 +125,15 @@ def test_a_texts_variant_of_another_batch_is_refused_and_the_plain_one_still_rel
     assert fed[1]["fed/rejected/variant_mismatch"] == 1
     assert stubs["bob"].received[1] == {"alice": False, "carol": True}     # the valid variant still goes
     assert stubs["carol"].received[1] == {"alice": False, "bob": True}     # (carol rejects it: no texts)
+
+
+def test_a_texts_variant_signed_with_another_key_is_refused(tmp_path):
+    stubs = {n: Stub(n) for n in NAMES}
+    stubs["bob"].texts_key = KEYS["alice"]                  # headers agree; the signature does not
+    rows = run(tmp_path, stubs, num_rounds=1)
+    fed = {r["round"]: r for r in rows if r["participant"] == FEDERATION}
+    assert fed[1]["fed/rejected/bad_signature"] == 1
+    assert stubs["carol"].received[1] == {"alice": True, "bob": False}
 
 
 def _pair(**texts_kw) -> list[bytes]:

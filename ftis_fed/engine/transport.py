@@ -24,7 +24,8 @@ from typing import Any, Hashable, Mapping, Protocol
 #: action -> (what the request carries, what the reply must carry)
 ACTIONS: dict[str, tuple[str, str]] = {
     "hello": ("run, node, challenge", "info (participant, key_fp, model_id, tokenizer_fp, proof, ...)"),
-    "generate": ("round, texts", "frames (this round's signed frame), metrics"),
+    "generate": ("round, texts (bool, or [False, True]: both variants)",
+                 "frames (this round's signed frame, one per variant), metrics"),
     "learn": ("round, frames (peers' frames of the round)", "metrics"),
     "exchange": ("round, texts, frames (peers' frames of the previous round)", "frames, metrics"),
     "evaluate": ("round", "metrics"),
