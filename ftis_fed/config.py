@@ -198,7 +198,8 @@ POLICY_KEYS: dict[str, str] = {
     "model": "model", "backend": "backend", "adapter": "adapter", "quant": "quant", "lora-r": "lora_r",
     "lora-alpha": "lora_alpha", "lora-dropout": "lora_dropout", "lr": "lr", "weight-decay": "weight_decay",
     "max-grad-norm": "max_grad_norm", "micro-batch": "micro_batch", "logit-chunk": "logit_chunk",
-    "grad-checkpointing": "grad_checkpointing", "dtype": "dtype", "policy-seed": "seed", "model-id": "name",
+    "grad-checkpointing": "grad_checkpointing", "share-prefix": "share_prefix",
+    "dtype": "dtype", "policy-seed": "seed", "model-id": "name",
 }
 PARTICIPANT_KEYS = ("participant", "fault", "keys-dir", "state-dir", "local-budget", "peer-budget", *POLICY_KEYS)
 MAX_PARTICIPANTS = 16

@@ -29,6 +29,11 @@ class PolicyConfig:
         backward pass instead of keeping them (transformers' gradient checkpointing; TRL's default).
         SmolLM2-135M, 8 x 8 x 64-token step: peak RSS 4.6 -> 3.6 GB; costs up to ~30 % training time
         on short completions (the default federation), so off by default.
+    share_prefix [share-prefix]: score rows that share a prompt with one pass over the prompt (its
+        keys/values reused by every completion; ``policies/prefix.py``): the same log-probs and
+        gradients, the prompt's forward and backward done once per micro-batch instead of once per
+        completion. Applies where exact (the HF backend on a checked architecture with sdpa/eager
+        attention); elsewhere rows are scored one by one.
     dtype [dtype]: ``fp32`` (default: recorded and recomputed log-probs agree to 1e-4), ``bf16``
         (autocast; weights and optimizer stay fp32; ~0.03 nats/token generation-vs-training
         mismatch that the importance weights then absorb) or ``auto`` (bf16 on CUDA or a CPU with
@@ -50,6 +55,7 @@ class PolicyConfig:
     micro_batch: int = 8
     logit_chunk: int = 32
     grad_checkpointing: bool = False
+    share_prefix: bool = True
     dtype: str = "fp32"
     seed: int = 0
     name: str = ""

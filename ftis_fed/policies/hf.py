@@ -200,7 +200,8 @@ class HFPolicy(Policy):
     def score_padded(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool) -> torch.Tensor:
         """(b,T) log-probs for one micro-batch (see scoring.token_logprobs)."""
         return token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
-                              grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast).cpu()
+                              grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast,
+                              share_prefix=self.cfg.share_prefix).cpu()
 
     def retokenize(self, prompt_text: str, completion_text: str) -> tuple[list[int], list[int]]:
         """A peer's text in this model's tokenizer and chat template (EOS appended)."""
@@ -211,7 +212,8 @@ class HFPolicy(Policy):
         """One F-TIS optimizer step on ``samples``; ``sampling`` defines pi_theta's distribution."""
         self.model.train()
         metrics = ftis_step(lambda p, c, g: self.score_padded(p, c, sampling, g), self.trainable, self.optimizer,
-                            samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm)
+                            samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm,
+                            group_prompts=self.cfg.share_prefix)
         self.steps += 1
         self.model.eval()
         return metrics
