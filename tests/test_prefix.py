@@ -49,9 +49,9 @@ def ftis_loss_of(logp: torch.Tensor, C, seed: int = 3) -> torch.Tensor:
     return ftis_loss(x, cfg, count_denominators(mask, torch.ones(len(C), dtype=torch.bool))).loss
 
 
-def loss_and_grads(model, params, fn, P, C, pad_id, **kw):
+def loss_and_grads(model, params, fn, P, C, pad_id, sampling=SP, **kw):
     model.zero_grad(set_to_none=True)
-    lp = fn(model, P, C, SP, pad_id, grad=True, chunk=3, **kw)
+    lp = fn(model, P, C, sampling, pad_id, grad=True, chunk=3, **kw)
     loss = ftis_loss_of(lp, C)
     loss.backward()
     return lp.detach(), loss.detach(), [p.grad.clone() for p in params]
@@ -191,7 +191,8 @@ def test_unsupported_setups_fall_back():
 
 
 def test_smollm2_shared_prefix_equals_unshared():
-    """The real model (SmolLM2-135M, fp32, chat-template prompts of different lengths), full fine-tuning."""
+    """The real model (SmolLM2-135M, fp32, chat-template prompts of different lengths), full fine-tuning;
+    no top-p (random tokens would all fall outside a trained model's nucleus: -inf, no gradient)."""
     pol = build_policy(PolicyConfig(model="smollm2", dtype="fp32"))
     pol.model.train()
     prompts = [pol.format_prompt("What is 3 + 4?"), pol.format_prompt("Compute 12 * 11 and reply with the number.")]
@@ -203,5 +204,6 @@ def test_smollm2_shared_prefix_equals_unshared():
             P.append(p)
             C.append(torch.randint(0, 49152, (n,), generator=g).tolist())
     pad = pol.tokenizer.pad_token_id
-    ref = loss_and_grads(pol.model, pol.trainable, token_logprobs, P, C, pad)
-    assert_same(ref, loss_and_grads(pol.model, pol.trainable, shared_token_logprobs, P, C, pad))
+    sp = SamplingParams(temperature=0.7, max_new_tokens=16)
+    ref = loss_and_grads(pol.model, pol.trainable, token_logprobs, P, C, pad, sampling=sp)
+    assert_same(ref, loss_and_grads(pol.model, pol.trainable, shared_token_logprobs, P, C, pad, sampling=sp))
