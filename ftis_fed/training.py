@@ -181,16 +181,36 @@ def _pad(arrays: Sequence[np.ndarray], T: int) -> torch.Tensor:
     return out
 
 
+def row_order(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+              group_prompts: bool) -> list[int]:
+    """The order rows are cut into micro-batches: longest first (least padding); with ``group_prompts``,
+    the rows of one prompt stay contiguous (groups longest first, then longest completion first)."""
+    n = len(prompt_ids)
+    if not group_prompts:
+        return sorted(range(n), key=lambda i: -len(prompt_ids[i]) - len(completion_ids[i]))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        groups.setdefault(tuple(p), []).append(i)
+    longest = {k: max(len(prompt_ids[i]) + len(completion_ids[i]) for i in rows) for k, rows in groups.items()}
+    order: list[int] = []
+    for k in sorted(groups, key=lambda k: -longest[k]):
+        order += sorted(groups[k], key=lambda i: -len(completion_ids[i]))
+    return order
+
+
 ScoreFn = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]], bool], torch.Tensor]
 
 
 def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
               samples: Sequence[TrainSample], cfg: ObjectiveConfig, micro_batch: int,
-              max_grad_norm: float, logp_old: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
+              max_grad_norm: float, logp_old: Sequence[torch.Tensor] | None = None,
+              group_prompts: bool = False) -> dict[str, float]:
     """One optimizer step of the F-TIS objective over ``samples``.
 
     score(prompt_ids, completion_ids, grad) -> (b,T) padded log-probs under the current weights.
     logp_old: per-sample (T_i,) log-probs before this update (multi-epoch PPO); None = first epoch.
+    group_prompts: micro-batches keep the rows of one prompt together (see ``row_order``), so a
+        shared-prefix ``score`` computes each prompt once.
     Returns finalised metrics: loss, grad norm, per-source off-policy diagnostics.
     """
     if MODES[cfg.mode].local_only:
@@ -204,7 +224,7 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     lengths = torch.tensor([len(s.completion_ids) for s in samples])
     all_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     denominators = count_denominators(all_mask, torch.ones(len(samples), dtype=torch.bool))
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].prompt_ids) - len(samples[i].completion_ids))
+    order = row_order([s.prompt_ids for s in samples], [s.completion_ids for s in samples], group_prompts)
     stats: dict[str, float] = {}
     loss_total = 0.0
     for start in range(0, len(order), micro_batch):
@@ -265,7 +285,8 @@ class Trainer:
         pol.train_mode(True)
         try:
             metrics = ftis_step(lambda p, c, g: pol.score_padded(p, c, sampling, g), self.params, self.optimizer,
-                                samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm)
+                                samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm,
+                                group_prompts=self.cfg.share_prefix)   # a prompt's rows in one micro-batch
         finally:
             pol.train_mode(False)
         self.steps += 1

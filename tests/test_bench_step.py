@@ -11,7 +11,7 @@ from ftis_fed.bench import step
 
 TINY = dict(model="tiny-llama", prompts=2, group_size=2, max_new_tokens=4, temperature=0.7, dtype="auto",
             micro_batch=2, logit_chunk=2, mode="F-TIS", lr=1e-5, warmup=0, steps=1, threads=0, seed=0,
-            grad_checkpointing=True, trl_gradient_checkpointing=False)
+            grad_checkpointing=True, trl_gradient_checkpointing=False, share_prefix=True)
 
 
 def test_ours_worker_generates_exactly_max_new_tokens():

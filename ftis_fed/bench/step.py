@@ -43,7 +43,7 @@ import time
 #: Written into the JSON so a reader knows what was compared without reading this file.
 NOTES = [
     "ours: HFPolicy(PolicyConfig(model, dtype, micro_batch, logit_chunk, grad_checkpointing=True unless "
-    "--no-grad-checkpointing)).generate -> Verifier rewards -> "
+    "--no-grad-checkpointing, share_prefix=True unless --no-share-prefix)).generate -> Verifier rewards -> "
     "CompletionBatch -> samples_from_batches(mode F-TIS, vertical groups) -> Trainer.step (one AdamW step)",
     "trl: GRPOTrainer, one optimizer step timed on_step_begin -> on_step_end (generate + rewards + "
     "forward/backward over gradient_accumulation_steps micro-batches + clip + AdamW)",
@@ -113,7 +113,7 @@ def ours_worker(c: dict) -> dict:
     t0 = time.perf_counter()
     pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
                                 logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
-                                seed=c["seed"]))
+                                share_prefix=c.get("share_prefix", True), seed=c["seed"]))
     pol.model.generation_config.min_new_tokens = c["max_new_tokens"]      # exactly max_new_tokens tokens
     load_s = time.perf_counter() - t0
     rss_loaded = _peak_rss_mb()
@@ -244,7 +244,7 @@ def memory_worker(c: dict) -> dict:
 
     pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
                                 logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
-                                seed=c["seed"]))
+                                share_prefix=c.get("share_prefix", True), seed=c["seed"]))
     rss_loaded = _peak_rss_mb()
     sampling = SamplingParams(temperature=c["temperature"], max_new_tokens=c["max_new_tokens"])
     g = torch.Generator().manual_seed(c["seed"])
@@ -297,14 +297,14 @@ def run_bench_step(model: str = "smollm2", prompts: int = 8, group_size: int = 8
                    temperature: float = 0.7, dtype: str = "auto", micro_batch: int = 8, logit_chunk: int = 32,
                    mode: str = "F-TIS", lr: float = 1e-5, repeats: int = 2, warmup: int = 1, steps: int = 1,
                    threads: int = 0, seed: int = 0, grad_checkpointing: bool = True,
-                   trl_gradient_checkpointing: bool = False,
+                   trl_gradient_checkpointing: bool = False, share_prefix: bool = True,
                    memory_sweep: bool = False, sides: tuple[str, ...] = ("ours", "trl"),
                    log=None) -> dict:
     """Alternate fresh-subprocess runs of each side ``repeats`` times -> one result dict."""
     c = dict(model=model, prompts=prompts, group_size=group_size, max_new_tokens=max_new_tokens,
              temperature=temperature, dtype=dtype, micro_batch=micro_batch, logit_chunk=logit_chunk, mode=mode,
              lr=lr, warmup=warmup, steps=steps, threads=threads, seed=seed, grad_checkpointing=grad_checkpointing,
-             trl_gradient_checkpointing=trl_gradient_checkpointing)
+             trl_gradient_checkpointing=trl_gradient_checkpointing, share_prefix=share_prefix)
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     for r in range(repeats):
         for side in (sides if r % 2 == 0 else sides[::-1]):
@@ -322,7 +322,7 @@ def run_bench_step(model: str = "smollm2", prompts: int = 8, group_size: int = 8
         "max_new_tokens": max_new_tokens, "temperature": temperature, "dtype": dtype, "micro_batch": micro_batch,
         "logit_chunk": logit_chunk, "mode": mode, "repeats": repeats, "warmup_steps": warmup,
         "timed_steps_per_run": steps, "threads": runs[sides[0]][0]["threads"],
-        "grad_checkpointing": grad_checkpointing,
+        "grad_checkpointing": grad_checkpointing, "share_prefix": share_prefix,
         "trl_gradient_checkpointing": trl_gradient_checkpointing,
     }
     for s in sides:
@@ -381,6 +381,8 @@ def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false",
                     help="ours without decoder gradient checkpointing (faster on short rows, ~1 GB more)")
+    ap.add_argument("--no-share-prefix", dest="share_prefix", action="store_false",
+                    help="ours scoring every row as prompt+completion (no shared prompt pass; policy key share-prefix)")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="TRL with gradient checkpointing (its own default; slower, less memory)")
     ap.add_argument("--memory-sweep", action="store_true",
@@ -396,6 +398,7 @@ def run_cli(a: argparse.Namespace) -> int:
         temperature=a.temperature, dtype=a.dtype, micro_batch=a.micro_batch, logit_chunk=a.logit_chunk,
         mode=a.mode, lr=a.lr, repeats=a.repeats, warmup=a.warmup, steps=a.steps, threads=a.threads, seed=a.seed,
         grad_checkpointing=a.grad_checkpointing, trl_gradient_checkpointing=a.trl_gradient_checkpointing,
+        share_prefix=a.share_prefix,
         memory_sweep=a.memory_sweep,
         sides=tuple(s for s in a.sides.split(",") if s), log=log)), flush=True)
     return 0

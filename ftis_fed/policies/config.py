@@ -44,6 +44,12 @@ class PolicyConfig:
         (transformers' gradient checkpointing; TRL's default). SmolLM2-135M, 8 x 8 x 64-token step:
         peak RSS 4.6 -> 3.6 GB; costs up to ~30 % training time on short completions (the default
         federation), so off by default.""")
+    share_prefix: bool = knob("share-prefix", True, """
+        score rows that share a prompt with one pass over the prompt (its keys/values reused by every
+        completion; ``policies/prefix.py``): the same log-probs and gradients, the prompt's forward
+        and backward done once per micro-batch instead of once per completion. Applies where exact
+        (the HF backend on a checked architecture with sdpa/eager attention); elsewhere rows are
+        scored one by one.""")
     dtype: str = knob("dtype", "fp32", """
         ``fp32`` (default: recorded and recomputed log-probs agree to 1e-4), ``bf16`` (autocast;
         weights and optimizer stay fp32; ~0.03 nats/token generation-vs-training mismatch that the

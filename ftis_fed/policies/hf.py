@@ -196,7 +196,8 @@ class HFPolicy(Policy):
     def score_padded(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool) -> torch.Tensor:
         """(b,T) log-probs for one micro-batch (see scoring.token_logprobs)."""
         return token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
-                              grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast).cpu()
+                              grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast,
+                              share_prefix=self.cfg.share_prefix).cpu()
 
     def retokenize(self, prompt_text: str, completion_text: str, ended: bool) -> tuple[list[int], list[int]]:
         """A peer's text in this model's tokenizer and chat template; EOS appended only when the

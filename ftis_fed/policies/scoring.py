@@ -59,11 +59,20 @@ def _chunk_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tenso
 
 def token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                    completion_ids: Sequence[Sequence[int]], sampling: SamplingParams, pad_id: int,
-                   grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None,
+                   share_prefix: bool = False) -> torch.Tensor:
     """Padded (B,T) log-probs of each completion token under ``model`` and ``sampling``.
 
     Positions past a completion's end hold 0. Runs as one micro-batch: callers split rows.
+    share_prefix: rows with the same prompt compute it once (``prefix.shared_token_logprobs``: same
+        values and gradients) when some prompt repeats and the model supports it.
     """
+    if share_prefix:
+        from .prefix import shared_token_logprobs, supports_shared_prefix, worth_sharing
+
+        if worth_sharing(prompt_ids) and supports_shared_prefix(model):
+            return shared_token_logprobs(model, prompt_ids, completion_ids, sampling, pad_id, grad, chunk,
+                                         autocast_dtype)
     lm = unwrap_causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
     input_ids, attn, target_pos, tmask = pad_rows(prompt_ids, completion_ids, pad_id)

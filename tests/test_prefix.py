@@ -1,0 +1,234 @@
+"""Shared-prompt scoring (policies/prefix.py) equals the row-by-row computation: log-probs, the F-TIS
+loss and every gradient, with variable prompt and completion lengths (incl. 1-token and empty
+completions, a 1-token prompt), full fine-tuning and LoRA, gradient checkpointing on and off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ftis_fed.batch import SamplingParams
+from ftis_fed.objective import LossInputs, ObjectiveConfig, count_denominators, ftis_loss
+from ftis_fed.policies import PolicyConfig, build_policy, prefix
+from ftis_fed.policies.prefix import prompt_index, shared_token_logprobs, supports_shared_prefix, worth_sharing
+from ftis_fed.policies.scoring import token_logprobs
+from ftis_fed.training import Trainer, TrainSample, row_order
+
+SP = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16)
+#: fp32: the two computations differ only in summation order (measured ~1e-6 relative on the whole
+#: gradient; up to 1.1e-5 on SmolLM2's smallest-gradient tensor).
+RTOL = 1e-5
+
+
+def rows(vocab: int, seed: int = 1, prompt_lens=(5, 9, 1), completion_lens=((3, 0, 7, 1), (4, 4, 2), (2, 6, 1))):
+    """G completions per prompt (G varies), rows of different prompts interleaved."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in prompt_lens]
+    P, C = [], []
+    for j in range(max(len(c) for c in completion_lens)):
+        for p, lens in zip(prompts, completion_lens):
+            if j < len(lens):
+                P.append(p)
+                C.append(torch.randint(0, vocab, (lens[j],), generator=g).tolist())
+    return P, C
+
+
+def ftis_loss_of(logp: torch.Tensor, C, seed: int = 3) -> torch.Tensor:
+    """The F-TIS loss of one micro-batch (random generator log-probs and advantages, fixed seed)."""
+    rng = np.random.default_rng(seed)
+    lengths = torch.tensor([len(c) for c in C])
+    T = logp.shape[1]
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    gen = torch.tensor(-rng.exponential(1.0, (len(C), T)), dtype=torch.float32) * mask
+    x = LossInputs(logp=logp, logp_gen=gen, mask=mask,
+                   advantages=torch.tensor(rng.standard_normal(len(C)), dtype=torch.float32),
+                   source=torch.zeros(len(C), dtype=torch.long), local=torch.ones(len(C), dtype=torch.bool),
+                   source_names=("me",), logp_old=None, seq_level=torch.zeros(len(C), dtype=torch.bool),
+                   seq_logp_gen=gen.sum(1))
+    cfg = ObjectiveConfig(mode="F-TIS", norm_constant=16)
+    return ftis_loss(x, cfg, count_denominators(mask, torch.ones(len(C), dtype=torch.bool))).loss
+
+
+def loss_and_grads(model, params, fn, P, C, pad_id, sampling=SP, **kw):
+    model.zero_grad(set_to_none=True)
+    lp = fn(model, P, C, sampling, pad_id, grad=True, chunk=3, **kw)
+    loss = ftis_loss_of(lp, C)
+    loss.backward()
+    return lp.detach(), loss.detach(), [p.grad.clone() for p in params]
+
+
+def assert_same(a, b):
+    (lp_a, loss_a, g_a), (lp_b, loss_b, g_b) = a, b
+    assert lp_a.shape == lp_b.shape
+    fin = torch.isfinite(lp_a)
+    assert torch.equal(fin, torch.isfinite(lp_b))                  # top-p: the same tokens fall outside
+    torch.testing.assert_close(lp_a[fin], lp_b[fin], rtol=RTOL, atol=1e-5)
+    torch.testing.assert_close(loss_a, loss_b, rtol=RTOL, atol=1e-7)
+    assert all(g.abs().sum() > 0 for g in g_a)                       # every trainable tensor gets a gradient
+    diff = torch.cat([(x - y).flatten() for x, y in zip(g_a, g_b)])
+    assert float(diff.norm() / torch.cat([x.flatten() for x in g_a]).norm()) < RTOL    # the whole gradient
+    for x, y in zip(g_a, g_b):              # each tensor (tiny ones, e.g. a norm's 3e-7, carry more fp32 noise)
+        assert float((x - y).norm() / x.norm()) < 10 * RTOL
+
+
+def tiny(adapter: str, gc: bool):
+    pol = build_policy(PolicyConfig(model="tiny-llama", adapter=adapter, lora_r=4, grad_checkpointing=gc))
+    if adapter == "lora":                   # B starts at zero: a nonzero adapter so that A gets gradients
+        with torch.no_grad():
+            for p in pol.trainable:
+                p.copy_(torch.randn_like(p) * 0.1)
+    pol.model.train()
+    return pol
+
+
+@pytest.mark.parametrize("gc", [False, True])
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_shared_prefix_equals_unshared(adapter, gc):
+    pol = tiny(adapter, gc)
+    assert supports_shared_prefix(pol.model)
+    assert all(m.gradient_checkpointing == gc for m in pol.model.modules() if hasattr(m, "gradient_checkpointing")
+               and m is not pol.model)
+    P, C = rows(pol.vocab_size)
+    pad = pol.tokenizer.pad_token_id
+    ref = loss_and_grads(pol.model, pol.trainable, token_logprobs, P, C, pad)
+    assert_same(ref, loss_and_grads(pol.model, pol.trainable, shared_token_logprobs, P, C, pad))
+    # the hook in token_logprobs takes the shared path and gives the same
+    assert_same(ref, loss_and_grads(pol.model, pol.trainable, token_logprobs, P, C, pad, share_prefix=True))
+    # the decoder layers' flags are restored afterwards
+    assert not any("_can_checkpoint_with_cache" in m.__dict__ for m in pol.model.modules())
+
+
+def test_hook_dispatches_only_when_a_prompt_repeats(monkeypatch):
+    pol = tiny("full", False)
+    calls = []
+    real = prefix.shared_token_logprobs
+    monkeypatch.setattr(prefix, "shared_token_logprobs", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    P, C = rows(pol.vocab_size)
+    pad = pol.tokenizer.pad_token_id
+    token_logprobs(pol.model, P, C, SP, pad, grad=False, share_prefix=True)
+    token_logprobs(pol.model, P[:3], C[:3], SP, pad, grad=False, share_prefix=True)  # three distinct prompts
+    token_logprobs(pol.model, P, C, SP, pad, grad=False, share_prefix=False)
+    assert calls == [len(P)]
+
+
+def test_edge_cases_one_prompt_all_empty_and_length_one():
+    pol = tiny("full", False)
+    pad = pol.tokenizer.pad_token_id
+    p = [5, 6, 7]
+    assert shared_token_logprobs(pol.model, [p, p], [[], []], SP, pad, grad=False).shape == (2, 0)
+    for C in ([[11], [12], []], [[11, 12, 13], [14, 15, 16]]):          # T = 1: no completion pass
+        P = [p] * len(C)
+        a = token_logprobs(pol.model, P, C, SP, pad, grad=False)
+        b = shared_token_logprobs(pol.model, P, C, SP, pad, grad=False)
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-6)
+    with pytest.raises(ValueError, match="at least one token"):
+        shared_token_logprobs(pol.model, [[], []], [[1], [2]], SP, pad, grad=False)
+
+
+def test_prompt_index_and_row_order():
+    P = [[1, 2], [3], [1, 2], [4, 5, 6], [3], [1, 2]]
+    C = [[9] * n for n in (2, 5, 4, 1, 1, 3)]
+    unique, idx = prompt_index(P)
+    assert unique == [[1, 2], [3], [4, 5, 6]] and idx == [0, 1, 0, 2, 1, 0]
+    assert worth_sharing(P) and not worth_sharing(unique)
+    order = row_order(P, C, group_prompts=True)
+    assert sorted(order) == list(range(len(P)))
+    seen = [tuple(P[i]) for i in order]
+    assert [k for j, k in enumerate(seen) if j == 0 or seen[j - 1] != k] == [(1, 2), (3,), (4, 5, 6)]  # contiguous
+    assert order == [2, 5, 0, 1, 4, 3]      # longest group first (ties: first seen), longest completion first
+    assert row_order(P, C, group_prompts=False) == sorted(range(6), key=lambda i: -len(P[i]) - len(C[i]))
+
+
+def test_update_with_and_without_sharing_is_the_same_step():
+    """Trainer.step (ftis_step micro-batches grouped by prompt) with share-prefix on/off: the same
+    loss, gradient norm and weights after one AdamW step; each micro-batch scores whole prompt groups."""
+    P, C = rows(1000, seed=7, prompt_lens=(6, 3), completion_lens=((4, 2, 5, 1), (3, 3, 0, 6)))
+    rng = np.random.default_rng(0)
+    samples = [TrainSample(p, c, -rng.exponential(1.0, len(c)).astype(np.float32), 0.0, float(rng.standard_normal()),
+                           "me", True) for p, c in zip(P, C)]
+    out = []
+    for share in (False, True):
+        pol = build_policy(PolicyConfig(model="tiny-llama", micro_batch=4, share_prefix=share, lr=1e-3))
+        seen = []
+        score = pol.score_padded
+        pol.score_padded = lambda p, c, s, g, _f=score: seen.append(len({tuple(x) for x in p})) or _f(p, c, s, g)
+        m = Trainer(pol, ObjectiveConfig()).step(samples, SP)
+        out.append((m, pol.trainable_state(), seen))
+    (m0, w0, s0), (m1, w1, s1) = out
+    assert s1 == [1, 1] and s0 == [2, 2]                       # grouped: one prompt per micro-batch of 4
+    for k in ("train/loss", "train/grad_norm"):
+        assert m1[k] == pytest.approx(m0[k], rel=RTOL)
+    for n in w0:                                               # AdamW's first step ~ lr * sign(g)
+        torch.testing.assert_close(w0[n], w1[n], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "llama-eager"])
+def test_other_checked_architectures(arch):
+    """Every architecture in prefix.MODEL_TYPES, and eager attention (additive 4D mask), random tiny weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind = arch.split("-")[0]
+    cfg = AutoConfig.for_model(kind, vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                               pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if arch.endswith("eager") else "sdpa",
+                                             dtype=torch.float32)
+    model.train()
+    assert supports_shared_prefix(model)
+    P, C = rows(500)
+    params = [p for p in model.parameters()]
+    ref = loss_and_grads(model, params, token_logprobs, P, C, 0)
+    assert_same(ref, loss_and_grads(model, params, shared_token_logprobs, P, C, 0))
+
+
+def test_unsupported_setups_fall_back():
+    pol = tiny("full", False)
+    pol.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert not supports_shared_prefix(pol.model)          # reentrant: no graph through the recorded keys
+    pol.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert supports_shared_prefix(pol.model)
+    pol.model.config._attn_implementation = "flex_attention"
+    assert not supports_shared_prefix(pol.model)
+
+
+def test_smollm2_shared_prefix_equals_unshared():
+    """The real model (SmolLM2-135M, fp32, chat-template prompts of different lengths), full fine-tuning;
+    no top-p (random tokens would all fall outside a trained model's nucleus: -inf, no gradient)."""
+    pol = build_policy(PolicyConfig(model="smollm2", dtype="fp32"))
+    pol.model.train()
+    prompts = [pol.format_prompt("What is 3 + 4?"), pol.format_prompt("Compute 12 * 11 and reply with the number.")]
+    assert len(prompts[0]) != len(prompts[1])
+    g = torch.Generator().manual_seed(0)
+    P, C = [], []
+    for p, lens in zip(prompts, ((5, 1, 3), (4, 0, 6))):
+        for n in lens:
+            P.append(p)
+            C.append(torch.randint(0, 49152, (n,), generator=g).tolist())
+    pad = pol.tokenizer.pad_token_id
+    sp = SamplingParams(temperature=0.7, max_new_tokens=16)
+    ref = loss_and_grads(pol.model, pol.trainable, token_logprobs, P, C, pad, sampling=sp)
+    assert_same(ref, loss_and_grads(pol.model, pol.trainable, shared_token_logprobs, P, C, pad, sampling=sp))
+
+
+@pytest.mark.slow
+def test_4bit_lora_shared_prefix_equals_unshared():
+    """QLoRA (bitsandbytes NF4 SmolLM2 + LoRA, the path of tests/test_quant.py), after generating."""
+    pytest.importorskip("bitsandbytes")
+    from ftis_fed.policies import Prompt
+
+    pol = build_policy(PolicyConfig(model="smollm2", adapter="lora", quant="4bit", dtype="fp32", lora_r=4))
+    with torch.no_grad():
+        for p in pol.trainable:
+            p.copy_(torch.randn_like(p) * 0.02)
+    sp = SamplingParams(temperature=0.7, max_new_tokens=6)
+    rolls = pol.generate([Prompt("a/0", "What is 3 + 4?", "7"), Prompt("a/1", "What is 10 - 2? Just the number.", "8")],
+                         3, sp, seed=0)
+    P = [r.prompt_ids.tolist() for r in rolls for _ in r.completion_ids]
+    C = [c.tolist() for r in rolls for c in r.completion_ids]
+    pol.model.train()
+    assert supports_shared_prefix(pol.model)
+    pad = pol.tokenizer.pad_token_id
+    ref = loss_and_grads(pol.model, pol.trainable, token_logprobs, P, C, pad, sampling=sp)
+    assert_same(ref, loss_and_grads(pol.model, pol.trainable, shared_token_logprobs, P, C, pad, sampling=sp))
