@@ -20,6 +20,7 @@ from .batch import SamplingParams
 from .objective import ObjectiveConfig
 from .policies.config import PolicyConfig
 from .reverify import ReverifyConfig
+from .source_weights import SourceAdaptConfig
 from .tasks.suite import TaskSpec
 
 
@@ -93,6 +94,7 @@ class FederationConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     task: TaskSpec = field(default_factory=TaskSpec)
     reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
+    source_adapt: SourceAdaptConfig = field(default_factory=SourceAdaptConfig)
 
     def __post_init__(self) -> None:
         def need(ok: bool, f: str, limit: str) -> None:
@@ -179,7 +181,7 @@ class ParticipantSpec:
 #: run-config key -> (section, field). section '' = FederationConfig itself.
 KEYS: dict[str, tuple[str, str]] = {
     **{f.name.replace("_", "-"): ("", f.name) for f in dataclasses.fields(FederationConfig)
-       if f.name not in ("objective", "task", "reverify")},
+       if f.name not in ("objective", "task", "reverify", "source_adapt")},
     "loss-mode": ("objective", "mode"), "ratio-level": ("objective", "ratio_level"),
     "trunc-c": ("objective", "trunc_c"), "clip-eps": ("objective", "clip_eps"),
     "filter-g": ("objective", "filter_g"), "kl-estimator": ("objective", "kl_estimator"),
@@ -191,6 +193,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "reverify-max-disagreement": ("reverify", "max_disagreement"),
     "reverify-disagree-weight": ("reverify", "disagree_weight"),
     "reverify-on-unverifiable": ("reverify", "on_unverifiable"),
+    "source-adapt": ("source_adapt", "mode"), "source-adapt-tau": ("source_adapt", "tau"),
+    "source-adapt-decay": ("source_adapt", "decay"),
 }
 
 #: participant key -> PolicyConfig field (plus the ParticipantSpec keys handled apart).
@@ -242,9 +246,9 @@ def _coerce(value: Any, like: Any, key: str) -> Any:
 def federation_from_run_config(run_config: Mapping[str, Any]) -> FederationConfig:
     """FederationConfig from a Flower run config; unknown keys are ignored here (participant keys,
     Flower's own), bad values raise ValueError naming the key and the limit."""
-    sections: dict[str, dict[str, Any]] = {"": {}, "objective": {}, "task": {}, "reverify": {}}
+    sections: dict[str, dict[str, Any]] = {"": {}, "objective": {}, "task": {}, "reverify": {}, "source_adapt": {}}
     defaults = {"": FederationConfig(), "objective": ObjectiveConfig(), "task": TaskSpec(),
-                "reverify": ReverifyConfig()}
+                "reverify": ReverifyConfig(), "source_adapt": SourceAdaptConfig()}
     for key, value in run_config.items():
         if key in KEYS:
             sec, f = KEYS[key]
@@ -258,9 +262,11 @@ def federation_from_run_config(run_config: Mapping[str, Any]) -> FederationConfi
         objective = ObjectiveConfig(**sections["objective"])
         task = TaskSpec(**sections["task"])
         reverify = ReverifyConfig(**sections["reverify"])
+        source_adapt = SourceAdaptConfig(**sections["source_adapt"])
     except ValueError as e:
         raise ValueError(_rename_fields(str(e))) from None
-    return FederationConfig(**sections[""], objective=objective, task=task, reverify=reverify)
+    return FederationConfig(**sections[""], objective=objective, task=task, reverify=reverify,
+                            source_adapt=source_adapt)
 
 
 def _rename_fields(msg: str) -> str:
@@ -380,7 +386,8 @@ def config_reference(run_config: Mapping[str, Any]) -> str:
     """Markdown table of every run-config key: default (from ``run_config``, i.e. pyproject) and
     meaning (from the dataclass docstrings). ``python -m ftis_fed.config`` prints it."""
     docs: dict[str, str] = {}
-    for cls in (FederationConfig, ObjectiveConfig, TaskSpec, ReverifyConfig, PolicyConfig, ParticipantSpec):
+    for cls in (FederationConfig, ObjectiveConfig, TaskSpec, ReverifyConfig, SourceAdaptConfig, PolicyConfig,
+                ParticipantSpec):
         for k, v in _docstring_entries(cls).items():
             docs.setdefault(k, v)
     docs["model-id"] = docs.get("model-id", "label recorded in batches as the generator's model id")

@@ -26,6 +26,7 @@ from .inbox import Inbox, InboxConfig
 from .policies import build_policy
 from .rewards import Verifier
 from .reverify import reverify
+from .source_weights import SourceAdapter
 from .signing import ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch
 from .training import samples_from_batches
 from .wire import WireOptions
@@ -54,6 +55,7 @@ class Participant:
         self.seq = 0
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
         self.completed_round = 0
+        self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self.inbox = Inbox(self.keys, InboxConfig(run_id=fed.run_name, max_tokens=fed.max_batch_tokens,
@@ -160,10 +162,13 @@ class Participant:
         metrics["reward/peer_disagreements"] = disagreements
         samples = samples_from_batches(batches, self.name, self.policy.tokenizer_fp, self.fed.objective,
                                        retokenize=self.policy.retokenize, sample_weights=weights)
+        samples = self.adapt.apply(samples)                 # source-adapt: peers' negative advantages x w_s
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
         if samples:
             metrics.update(self.policy.update(samples, self.fed.sampling))
+            self.adapt.observe(metrics)
+            metrics.update(self.adapt.metrics())
         metrics["train/seconds"] = time.perf_counter() - t0
         metrics["worker/pid"] = float(os.getpid())
         metrics["worker/model_loads"] = float(self.model_loads)
@@ -209,7 +214,7 @@ class Participant:
         if hasattr(self.policy, "save"):
             self.policy.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
-                 "model_id": self.policy.model_id}
+                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id}
         tmp = self.state_dir / "participant.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_dir / "participant.json")
@@ -224,3 +229,4 @@ class Participant:
         self.seq = int(state["seq"])
         self.completed_round = int(state["completed_round"])
         self.guard = ReplayGuard.from_json(state["guard"])
+        self.adapt = SourceAdapter.from_json(self.fed.source_adapt, self.name, state.get("adapt"))
