@@ -65,12 +65,12 @@ def test_grown_model_starts_as_the_same_function_and_has_more_layers(tmp_path):
 
 
 def test_sized_models_are_registered():
-    assert OFFLINE_MODELS["smollm2-l14"] is sized.build_shallow
+    assert OFFLINE_MODELS["smollm2-l20"] is sized.build_shallow
     assert OFFLINE_MODELS["smollm2-d36"] is sized.build_grown
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,layers", [("smollm2-l14", 14), ("smollm2-d36", 36)])
+@pytest.mark.parametrize("name,layers", [("smollm2-l20", 20), ("smollm2-d36", 36)])
 def test_registered_sized_models_build_and_load(name, layers):
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name))
     assert model.config.num_hidden_layers == layers
