@@ -458,7 +458,8 @@ def add_cli(sub) -> None:
     p.add_argument("--run-config", action="append", default=[], help="extra key=value items for every cell")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
                    help="define variant NAME (extra run-config items) for MODE+NAME in --modes; built in: "
-                        + ", ".join(f"{k} ({', '.join(f'{a}={b}' for a, b in v.items())})" for k, v in VARIANTS.items()))
+                        + ", ".join(f"{k} ({', '.join(f'{a}={b}' for a, b in v.items())})"
+                                    for k, v in VARIANTS.items()))
     p.add_argument("--out", default=None, help="output folder (default outputs/grid-<preset>)")
     p.add_argument("--app", default=".", help="the Flower app folder (default: .)")
     p.add_argument("--summary-only", action="store_true", help="only (re)write the summary of finished cells")

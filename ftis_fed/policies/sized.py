@@ -15,7 +15,7 @@ reply tokens (makes it answer tersely and correctly). 99 M parameters instead of
 in place (``GROW_AFTER``), each copy **identity-initialised** (its attention output and MLP down
 projections zeroed, so it adds nothing to the residual stream and the grown model computes exactly
 SmolLM2's function), then briefly fine-tuned (12 steps x 8 problems) with the same reply loss so the new layers move off
-identity. 156 M parameters.
+identity. 155.8 M parameters.
 
 Both are seeded end to end (problems, order, initialisation) and built once under the file lock of
 ``resolve_model`` into ``~/.cache/ftis-fed/models/<name>``. Measured sizes and held-out accuracy:
@@ -173,7 +173,7 @@ def build_grown(out: Path, base: str = "smollm2", after: Sequence[int] = GROW_AF
     tok.save_pretrained(out)
 
 
-#: Size heterogeneity: a shallower, distilled SmolLM2 (20 of 30 layers, 99 M parameters).
+#: Size heterogeneity: a shallower, distilled SmolLM2 (20 of 30 layers, 99.1 M parameters).
 OFFLINE_MODELS["smollm2-l20"] = build_shallow
 #: Size heterogeneity: a deeper SmolLM2 (36 layers, 156 M), grown with identity-initialised copies.
 OFFLINE_MODELS["smollm2-d36"] = build_grown
