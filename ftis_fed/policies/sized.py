@@ -9,7 +9,7 @@ embeddings, final norm and tied head unchanged, then briefly **distilled** from 
 ``sub30``), chat-formatted question followed by the bare reference answer and EOS; the loss is the
 KL divergence from the teacher's (SmolLM2's) next-token distribution to the student's at every
 position (keeps the pruned model a language model close to its teacher) plus cross-entropy on the
-reply tokens (makes it answer tersely and correctly). 99 M parameters instead of 134.5 M.
+reply tokens (makes it answer tersely and correctly). 99.1 M parameters instead of 134.5 M.
 
 ``smollm2-d36`` — a *deeper* SmolLM2 grown from it (``build_grown``): six of its layers duplicated
 in place (``GROW_AFTER``), each copy **identity-initialised** (its attention output and MLP down
