@@ -30,6 +30,7 @@ from .knobs import Knob, knob, knobs
 from .objective import ObjectiveConfig
 from .policies.config import PolicyConfig
 from .reverify import ReverifyConfig
+from .source_weights import SourceAdaptConfig
 from .tasks.suite import TaskSpec
 
 
@@ -102,6 +103,7 @@ class FederationConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     task: TaskSpec = field(default_factory=TaskSpec)
     reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
+    source_adapt: SourceAdaptConfig = field(default_factory=SourceAdaptConfig)
 
     def __post_init__(self) -> None:
         def need(ok: bool, f: str, limit: str) -> None:
@@ -311,9 +313,9 @@ def _coerce(value: Any, like: Any, key: str) -> Any:
 def federation_from_run_config(run_config: Mapping[str, Any]) -> FederationConfig:
     """FederationConfig from a Flower run config; unknown keys are ignored here (participant keys,
     Flower's own), bad values raise ValueError naming the key and the limit."""
-    sections: dict[str, dict[str, Any]] = {"": {}, "objective": {}, "task": {}, "reverify": {}}
+    sections: dict[str, dict[str, Any]] = {"": {}, "objective": {}, "task": {}, "reverify": {}, "source_adapt": {}}
     defaults = {"": FederationConfig(), "objective": ObjectiveConfig(), "task": TaskSpec(),
-                "reverify": ReverifyConfig()}
+                "reverify": ReverifyConfig(), "source_adapt": SourceAdaptConfig()}
     for key, value in run_config.items():
         if key in KEYS:
             sec, f = KEYS[key]
@@ -327,9 +329,11 @@ def federation_from_run_config(run_config: Mapping[str, Any]) -> FederationConfi
         objective = ObjectiveConfig(**sections["objective"])
         task = TaskSpec(**sections["task"])
         reverify = ReverifyConfig(**sections["reverify"])
+        source_adapt = SourceAdaptConfig(**sections["source_adapt"])
     except ValueError as e:
         raise ValueError(_rename_fields(str(e))) from None
-    return FederationConfig(**sections[""], objective=objective, task=task, reverify=reverify)
+    return FederationConfig(**sections[""], objective=objective, task=task, reverify=reverify,
+                            source_adapt=source_adapt)
 
 
 def _rename_fields(msg: str) -> str:

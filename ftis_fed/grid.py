@@ -9,6 +9,10 @@ command is run again; an interrupted one is moved aside and rerun from scratch.
 
     ftis-fed grid --preset grid-small --modes alone,noIS,VIS,TIS,F-noIS,F-VIS,F-TIS --seeds 3
 
+A *variant* is a method plus extra run-config items, written ``MODE+VARIANT`` in ``--modes``:
+``F-TIS+adapt`` is F-TIS with ``source-adapt = "kl"`` (``VARIANTS``; ``--variant NAME:key=value,...``
+defines more). Variants are compared with their base method's reference like any other method.
+
 Outputs in ``<out>`` (default ``outputs/grid-<preset>``):
 
 - ``cells.csv``: one row per cell × participant: final held-out ID / OOD pass@1 and their sizes;
@@ -43,40 +47,78 @@ from typing import Callable, Iterable, Sequence
 MODES = ("alone", "noIS", "VIS", "TIS", "F-noIS", "F-VIS", "F-TIS")
 REFERENCE = "F-TIS"
 METRICS = ("eval/id/accuracy", "eval/ood/accuracy")
+#: variant name -> extra run-config items of its cells (``MODE+NAME`` in ``--modes``).
+VARIANTS: dict[str, dict] = {"adapt": {"source-adapt": "kl"}}
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One run of the grid: a method (``loss-mode``), an advantage grouping and a seed."""
+    """One run of the grid: a method (``loss-mode``, optionally a named variant carrying extra
+    run-config items), an advantage grouping and a seed."""
 
     mode: str
     groups: str
     seed: int
+    variant: str = ""
+    extra: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """``mode`` or ``mode+variant``."""
+        return f"{self.mode}+{self.variant}" if self.variant else self.mode
 
     @property
     def name(self) -> str:
-        return f"{self.mode}__{self.groups}__s{self.seed}"
+        return f"{self.label}__{self.groups}__s{self.seed}"
 
     @property
     def method(self) -> str:
-        """The method as tables show it: the mode, suffixed ``/h`` for horizontal groups."""
-        return self.mode if self.groups == "vertical" else f"{self.mode}/h"
+        """The method as tables show it: the label, suffixed ``/h`` for horizontal groups."""
+        return self.label if self.groups == "vertical" else f"{self.label}/h"
 
     def run_config(self, out_dir: Path) -> dict:
-        return {"loss-mode": self.mode, "advantage-groups": self.groups, "seed": self.seed,
+        return {**dict(self.extra), "loss-mode": self.mode, "advantage-groups": self.groups, "seed": self.seed,
                 "output-dir": str(out_dir)}
 
 
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """``NAME:key=value,key=value`` (values as TOML scalars: 1.5, true, or bare strings) -> (NAME, items)."""
+    import tomllib
+
+    name, sep, body = spec.partition(":")
+    if not sep or not name.strip() or "+" in name or "__" in name:
+        raise ValueError(f"--variant {spec!r}: must be NAME:key=value[,key=value] (NAME without '+' or '__')")
+    items = {}
+    for item in filter(None, (x.strip() for x in body.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise ValueError(f"--variant {spec!r}: {item!r} is not key=value")
+        try:
+            items[k.strip()] = tomllib.loads(f"v = {v.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            items[k.strip()] = v.strip()
+    if not items:
+        raise ValueError(f"--variant {spec!r}: no key=value items")
+    return name.strip(), items
+
+
 def plan(modes: Sequence[str], seeds: int, groups: Sequence[str] = ("vertical",),
-         horizontal_modes: Sequence[str] | None = None) -> list[Cell]:
+         horizontal_modes: Sequence[str] | None = None, variants: dict[str, dict] | None = None) -> list[Cell]:
     """The cells in run order: seed-major, so an interrupted grid has whole seeds to compare.
 
+    modes: loss modes, or ``MODE+VARIANT`` for a mode with a variant's extra run-config items.
     horizontal_modes: the modes also run with ``advantage-groups=horizontal`` when ``groups``
     includes it (default: all of ``modes``).
+    variants: name -> extra items (default ``VARIANTS``).
     """
-    bad = [m for m in modes if m not in MODES]
+    variants = VARIANTS if variants is None else variants
+    bad = [m for m in modes if m.partition("+")[0] not in MODES]
     if bad:
         raise ValueError(f"--modes: {bad[0]!r} is not a loss mode (one of {', '.join(MODES)})")
+    unknown = [m for m in modes if m.partition("+")[2] and m.partition("+")[2] not in variants]
+    if unknown:
+        raise ValueError(f"--modes: {unknown[0]!r}: no variant {unknown[0].partition('+')[2]!r} "
+                         f"(known: {', '.join(variants) or 'none'}; define one with --variant NAME:key=value)")
     if seeds < 1:
         raise ValueError(f"--seeds={seeds}: must be >= 1")
     for g in groups:
@@ -89,7 +131,8 @@ def plan(modes: Sequence[str], seeds: int, groups: Sequence[str] = ("vertical",)
             for m in modes:
                 if g == "horizontal" and m not in hmodes:
                     continue
-                cells.append(Cell(m, g, s))
+                mode, _, var = m.partition("+")
+                cells.append(Cell(mode, g, s, var, tuple(sorted(variants.get(var, {}).items())) if var else ()))
     return cells
 
 
@@ -287,7 +330,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
 
 
 def _method_order(method: str) -> tuple[int, str]:
-    base = method.removesuffix("/h")
+    base = method.removesuffix("/h").partition("+")[0]
     return (MODES.index(base) if base in MODES else len(MODES), method)
 
 
@@ -381,11 +424,16 @@ def main(a: argparse.Namespace) -> int:
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     groups = [g.strip() for g in a.groups.split(",") if g.strip()]
     hmodes = [m.strip() for m in a.horizontal_modes.split(",") if m.strip()] if a.horizontal_modes else None
-    cells = plan(modes, a.seeds, groups, hmodes)
+    variants = dict(VARIANTS)
+    for spec in a.variant:
+        name, items = parse_variant(spec)
+        variants[name] = items
+    cells = plan(modes, a.seeds, groups, hmodes, variants)
     out = Path(a.out or f"outputs/grid-{Path(a.preset).stem}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "grid.json").write_text(json.dumps({"preset": a.preset, "modes": modes, "groups": groups,
                                                "seeds": a.seeds, "run_config": a.run_config,
+                                               "variants": {k: variants[k] for k in sorted(variants)},
                                                "cells": [c.name for c in cells]}, indent=1))
     print(f"[grid] {len(cells)} cells ({len(modes)} modes × {len(groups)} groupings × {a.seeds} seeds) "
           f"of preset {a.preset} -> {out}", flush=True)
@@ -408,6 +456,10 @@ def add_cli(sub) -> None:
     p.add_argument("--groups", default="vertical", help="advantage groupings: vertical, horizontal or both")
     p.add_argument("--horizontal-modes", default="", help="modes also run horizontally (default: all)")
     p.add_argument("--run-config", action="append", default=[], help="extra key=value items for every cell")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
+                   help="define variant NAME (extra run-config items) for MODE+NAME in --modes; built in: "
+                        + ", ".join(f"{k} ({', '.join(f'{a}={b}' for a, b in v.items())})"
+                                    for k, v in VARIANTS.items()))
     p.add_argument("--out", default=None, help="output folder (default outputs/grid-<preset>)")
     p.add_argument("--app", default=".", help="the Flower app folder (default: .)")
     p.add_argument("--summary-only", action="store_true", help="only (re)write the summary of finished cells")

@@ -34,6 +34,7 @@ from .policies import build_policy
 from .rewards import Verifier
 from .attacks import hostile_frames, parse_kinds
 from .receive import ReceiverContext, receive
+from .source_weights import SourceAdapter
 from .signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
                       sign_challenge)
 from .training import Trainer, samples_from_batches
@@ -74,6 +75,7 @@ class Participant:
         self.seq = 0
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
         self.completed_round = 0
+        self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self.inbox = Inbox(self.keys, InboxConfig(run_id=fed.run_name, max_tokens=fed.max_batch_tokens,
@@ -193,10 +195,13 @@ class Participant:
         batches += recv.batches
         samples = samples_from_batches(batches, self.name, self.policy.tokenizer_fp, self.fed.objective,
                                        retokenize=self.policy.retokenize, sample_weights=weights)
+        samples = self.adapt.apply(samples)                 # source-adapt: peers' negative advantages x w_s
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
         if samples:
             metrics.update(self.trainer.step(samples, self.fed.sampling))
+            self.adapt.observe(metrics)
+            metrics.update(self.adapt.metrics())
         metrics["train/seconds"] = time.perf_counter() - t0
         metrics["worker/pid"] = float(os.getpid())
         metrics["worker/model_loads"] = float(self.model_loads)
@@ -253,7 +258,7 @@ class Participant:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.trainer.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
-                 "model_id": self.policy.model_id}
+                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id}
         tmp = self.state_dir / "participant.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_dir / "participant.json")
@@ -268,3 +273,4 @@ class Participant:
         self.seq = int(state["seq"])
         self.completed_round = int(state["completed_round"])
         self.guard = ReplayGuard.from_json(state["guard"])
+        self.adapt = SourceAdapter.from_json(self.fed.source_adapt, self.name, state.get("adapt"))

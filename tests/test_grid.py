@@ -114,3 +114,45 @@ def test_min_eval_size():
     assert n == 800
     se = math.sqrt(2 * 0.25 / n)
     assert 0.05 / se == pytest.approx(2.0, rel=0.01)
+
+
+def test_a_variant_cell_carries_its_extra_run_config_and_is_compared_with_its_reference(tmp_path):
+    cells = plan(["F-TIS", "F-TIS+adapt"], 2)
+    assert [c.name for c in cells] == ["F-TIS__vertical__s0", "F-TIS+adapt__vertical__s0",
+                                       "F-TIS__vertical__s1", "F-TIS+adapt__vertical__s1"]
+    rc = cells[1].run_config(tmp_path / "run")
+    assert rc["source-adapt"] == "kl" and rc["loss-mode"] == "F-TIS" and rc["seed"] == 0
+    assert "source-adapt" not in cells[0].run_config(tmp_path / "run")
+    with pytest.raises(ValueError, match="no variant 'nope'"):
+        plan(["F-TIS+nope"], 1)
+    name, items = grid.parse_variant("soft:source-adapt=kl,source-adapt-tau=2.5")
+    assert name == "soft" and items == {"source-adapt": "kl", "source-adapt-tau": 2.5}
+    with pytest.raises(ValueError, match="NAME:key=value"):
+        grid.parse_variant("soft")
+    custom = plan(["TIS+soft"], 1, variants={"soft": items})
+    assert custom[0].run_config(tmp_path)["source-adapt-tau"] == 2.5 and custom[0].method == "TIS+soft"
+    # the variant's rows land under their own method, paired against F-TIS on the same seeds
+    runs: list = []
+
+    def runner(cell, cell_dir, log_path):
+        runs.append(cell.run_config(cell_dir / "run"))
+        base = fake_runner([])
+        plain = Cell("F-TIS", cell.groups, cell.seed)
+        status = base(plain, cell_dir, log_path)
+        if cell.variant:                                        # the variant measured 0.05 higher OOD
+            p = cell_dir / "run" / "metrics.jsonl"
+            rows = [json.loads(x) for x in p.read_text().splitlines()]
+            for r in rows:
+                if r.get("phase") == "eval" and r["round"] == 2:
+                    r["eval/ood/accuracy"] += 0.05
+            p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return status
+
+    assert run_grid(cells, tmp_path, runner, echo=lambda s: None) == []
+    assert [r.get("source-adapt") for r in runs] == [None, "kl", None, "kl"]
+    out = write_summary(cells, tmp_path, "t")
+    pair = [r for r in out["paired"] if r["method"] == "F-TIS+adapt" and r["participant"] == "a"][0]
+    assert pair["reference"] == "F-TIS" and pair["seeds"] == 2
+    assert pair["eval/ood/accuracy:diff_mean"] == pytest.approx(-0.05)
+    assert pair["eval/id/accuracy:diff_mean"] == pytest.approx(0.0)
+    assert "F-TIS+adapt" in (tmp_path / "summary.md").read_text()

@@ -128,3 +128,5 @@ def _register_derived() -> None:
     """Import the derived-model builders (they add themselves to OFFLINE_MODELS)."""
     with contextlib.suppress(ImportError):
         from . import derived  # noqa: F401
+    with contextlib.suppress(ImportError):
+        from . import sized  # noqa: F401
