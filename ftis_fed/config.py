@@ -424,10 +424,7 @@ def offline_model_names() -> list[str]:
     """The registered offline models (``policies.models.OFFLINE_MODELS``, derived ones included)."""
     from .policies import models
 
-    try:
-        from .policies import derived  # noqa: F401  (registers the derived models)
-    except ImportError:
-        pass
+    models._register_derived()                      # the derived and sized builders register themselves
     return sorted(models.OFFLINE_MODELS)
 
 
@@ -563,7 +560,8 @@ def _cell(text: str) -> str:
 _SECTIONS = {"": "Schedule, generation, budgets, evaluation (`FederationConfig`, ftis_fed/config.py)",
              "objective": "Objective (`ObjectiveConfig`, ftis_fed/objective.py)",
              "task": "Tasks (`TaskSpec`, ftis_fed/tasks/suite.py)",
-             "reverify": "Re-verification of claimed rewards (`ReverifyConfig`, ftis_fed/reverify.py)"}
+             "reverify": "Re-verification of claimed rewards (`ReverifyConfig`, ftis_fed/reverify.py)",
+             "source_adapt": "Per-source adaptation, beyond the paper (`SourceAdaptConfig`, ftis_fed/source_weights.py)"}
 
 
 def config_reference(run_config: Mapping[str, Any] | None = None) -> str:

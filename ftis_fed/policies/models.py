@@ -130,3 +130,5 @@ def _register_derived() -> None:
         from . import derived  # noqa: F401
     with contextlib.suppress(ImportError):
         from . import sized  # noqa: F401
+    with contextlib.suppress(ImportError):
+        from . import sized  # noqa: F401
