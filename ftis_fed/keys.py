@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from .atomic import atomic_write
 from .signing import (
     KeyPaths,
     check_participant,
@@ -75,12 +76,7 @@ def generate_supernode_keypair(participant: str, out_dir: str | os.PathLike,
     key = ec.generate_private_key(SUPERNODE_CURVE)
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                 serialization.NoEncryption())
-    tmp = paths.private.with_suffix(".key.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(private)
-    os.replace(tmp, paths.private)
+    atomic_write(paths.private, private, mode=0o600)
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     paths.public.write_bytes(public + f" ftis-fed-supernode-{participant}\n".encode())
     return paths

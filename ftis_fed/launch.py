@@ -41,6 +41,7 @@ from pathlib import Path
 from urllib.error import URLError
 from urllib.request import urlopen
 
+from .atomic import atomic_write
 
 
 def _flwr_bin(name: str) -> str:
@@ -87,9 +88,7 @@ def merge_flower_config(app: Path, home: Path, connection: str | None = None,
     if new_text != old_text:
         if old_text and not (home / "config.toml.bak").exists():
             shutil.copyfile(dst, home / "config.toml.bak")
-        tmp = dst.with_name(dst.name + ".tmp")
-        tmp.write_text(new_text)
-        os.replace(tmp, dst)
+        atomic_write(dst, new_text)
     return dst
 
 

@@ -16,6 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .atomic import atomic_path
+
 FEDERATION = "_federation"
 
 #: plot file -> (title, [(metric key, y label)]); one line per participant.
@@ -105,13 +107,11 @@ class MetricsWriter:
     def _write_csv(self, rows: list[dict[str, Any]]) -> None:
         head = ["round", "participant", "phase"]
         cols = head + sorted({k for r in rows for k in r} - set(head))
-        tmp = self.csv.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as f:
+        with atomic_path(self.csv) as tmp, tmp.open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=cols)
             w.writeheader()
             for r in rows:
                 w.writerow({k: r.get(k, "") for k in cols})
-        tmp.replace(self.csv)
 
     def plot(self) -> list[Path]:
         """One PNG per entry of ``PLOTS`` (skipping metrics nobody reported) + fed.png; returns paths."""

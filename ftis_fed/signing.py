@@ -43,6 +43,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from .atomic import atomic_write
 from .batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
 from .wire import WireHeader, WireLimits, WireOptions, encode_body, parse_header
 
@@ -87,12 +88,7 @@ def generate_keypair(participant: str, out_dir: str | os.PathLike, overwrite: bo
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    tmp = paths.private.with_suffix(".key.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
-    os.replace(tmp, paths.private)
+    atomic_write(paths.private, pem, mode=0o600)
     pub = key.public_key().public_bytes(serialization.Encoding.PEM,
                                         serialization.PublicFormat.SubjectPublicKeyInfo)
     paths.public.write_bytes(pub)
@@ -433,11 +429,7 @@ class ReplayGuard:
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic write (tmp file + rename)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, p)
+        atomic_write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ReplayGuard":

@@ -34,6 +34,7 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..atomic import atomic_write
 from ..batch import BatchValidationError
 from ..config import FederationConfig, to_jsonable
 from ..inbox import Inbox, InboxConfig
@@ -449,9 +450,7 @@ class Engine:
                          "frame": base64.b64encode(f.frame).decode(),
                          "frame_texts": base64.b64encode(f.frame_texts).decode() if f.frame_texts else None}
                         for f in self.pending]}
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        tmp.replace(self.state_path)
+        atomic_write(self.state_path, json.dumps(state))
 
     def _load_state(self) -> None:
         if not self.state_path.exists():
