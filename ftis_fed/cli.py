@@ -46,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _bench(sub)
     _eval(sub)
-    from . import grid, launch, signing
+    from . import grid, hub, launch, signing
 
     signing.add_cli(sub)
+    hub.add_cli(sub)
     launch.add_cli(sub)
     grid.add_cli(sub)
     return parser

@@ -84,6 +84,18 @@ class FederationConfig:
         relative paths are resolved against the SuperLink's working directory (``ftis-fed sim``
         makes them absolute against the directory it is run from).""")
     resume: bool = knob("resume", False, "continue from output-dir's saved state instead of starting fresh.")
+    checkpoint_every: int = knob("checkpoint-every", 1, """
+        participants write their resume state (trainable weights, optimizer, counters; atomically)
+        after every k-th round's update and after the last round, >= 0; 0 = after the last round
+        only. 1 (default) makes every round resumable; for large full fine-tunes (a 1.5B model's
+        state is ~18 GB in fp32) a larger k trades rounds redone after a stop for disk traffic. A
+        resume continues from the last written state: rounds after it are redone.""")
+    export_final: bool = knob("export-final", True, """
+        after the last round's update every participant exports its trained model with
+        ``save_pretrained`` into ``<state-dir>/export/``: the peft adapter folder for LoRA (4-bit
+        QLoRA included: the adapter, base model not merged) or the full model folder, with its
+        tokenizer and the model's own generation_config.json; transformers (+ peft) and vLLM load
+        it.""")
     keys_dir: str = knob("keys-dir", "", """
         folder with ``public/<participant>.pub`` (and, on each node, its own
         ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
@@ -134,6 +146,7 @@ class FederationConfig:
         from .report import parse_report_to
 
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
+        need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
         if self.eval_every > 0:                                 # the held-out sets must exist: fail now, not mid-run
             try:
@@ -451,7 +464,7 @@ def check_model(value: str, key: str = "model", participant: str = "") -> None:
         offline_mode = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
         why = "HF_HUB_OFFLINE is set" if offline_mode else "this run checks models before it starts, offline"
         raise ValueError(f"{who}: a hub id that is not in the local Hugging Face cache ({why}): "
-                         f"download it first (huggingface-cli download {value}) or give a local folder; {offline}")
+                         f"download it first (ftis-fed models fetch {value}) or give a local folder; {offline}")
     if "/" in value or value.startswith(("~", ".")):
         raise ValueError(f"{who}: no such model folder; {offline}")
     raise ValueError(f"{who}: unknown model (not an offline model, a local folder or a hub id); {offline}")

@@ -49,6 +49,12 @@ def text_variants(texts) -> tuple[bool, ...]:
     return v
 
 
+def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
+    """Write the resume state after ``round``'s update? Every ``every``-th round (``checkpoint-every``)
+    and after the last round; ``every`` = 0: after the last round only."""
+    return round >= num_rounds or (every > 0 and round % every == 0)
+
+
 class InjectedFault(RuntimeError):
     """Raised by a participant configured with ``fault=raise:<phase>:<round>`` (tests)."""
 
@@ -206,7 +212,12 @@ class Participant:
         metrics["worker/pid"] = float(os.getpid())
         metrics["worker/model_loads"] = float(self.model_loads)
         self.completed_round = round
-        self.save()
+        if checkpoint_due(round, self.fed.num_rounds, self.fed.checkpoint_every):
+            self.save()
+        if round >= self.fed.num_rounds and self.fed.export_final:
+            t1 = time.perf_counter()
+            self.policy.export(self.state_dir / "export")
+            metrics["export/seconds"] = time.perf_counter() - t1
         return metrics
 
     def _local_budget(self, batch: CompletionBatch) -> CompletionBatch:

@@ -7,8 +7,9 @@ group), and samples from a different tokenizer re-tokenized from their text and 
 sequence-level ratio. In a local-only mode (``alone``) peers' batches are dropped *before* the
 advantages are computed, so nothing of a peer reaches the update.
 
-``Trainer`` owns the optimisation of one model backend (``policies.base.Policy``): AdamW over the
-backend's trainable parameters, ``step(samples, sampling)`` (one F-TIS step, then the backend is told
+``Trainer`` owns the optimisation of one model backend (``policies.base.Policy``): the optimizer
+(``make_optimizer``: AdamW, or bitsandbytes 8-bit / paged 8-bit AdamW) over the backend's trainable
+parameters, ``step(samples, sampling)`` (one F-TIS step, then the backend is told
 its weights changed), and the checkpoint (trainable weights + optimizer + step count).
 
 ``ftis_step`` runs the objective over micro-batches with the whole update's denominators (so the
@@ -261,13 +262,32 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     return metrics
 
 
+def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: PolicyConfig) -> torch.optim.Optimizer:
+    """The ``optimizer`` key's optimizer over ``params`` with the config's learning rate and weight
+    decay: ``adamw`` = torch AdamW; ``adamw-8bit`` / ``paged-adamw-8bit`` = bitsandbytes AdamW8bit /
+    PagedAdamW8bit (moments in blockwise 8-bit; tensors under 4096 elements keep 32-bit state, as
+    bitsandbytes decides). A clear error names the key when bitsandbytes is missing."""
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ImportError(f"optimizer={cfg.optimizer!r} needs bitsandbytes: pip install 'ftis-fed[quant]' "
+                          f"(or set optimizer='adamw'): {e}") from e
+    cls = {"adamw-8bit": bnb.optim.AdamW8bit, "paged-adamw-8bit": bnb.optim.PagedAdamW8bit}.get(cfg.optimizer)
+    if cls is None:
+        raise ValueError(f"optimizer={cfg.optimizer!r}: must be 'adamw', 'adamw-8bit' or 'paged-adamw-8bit'")
+    return cls(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay)
+
+
 class Trainer:
-    """The optimisation of one model backend: AdamW over ``policy.trainable_parameters()``.
+    """The optimisation of one model backend: ``make_optimizer`` (the ``optimizer`` key) over
+    ``policy.trainable_parameters()``.
 
     policy: a ``policies.base.Policy`` (it scores with gradient and exposes its parameters; it
         owns no optimizer). objective: the F-TIS objective of every step.
-    cfg: learning rate, weight decay, micro-batch and gradient clipping (``PolicyConfig``: those
-        keys are per participant); default ``policy.cfg``.
+    cfg: optimizer, learning rate, weight decay, micro-batch and gradient clipping
+        (``PolicyConfig``); default ``policy.cfg``.
     """
 
     def __init__(self, policy: "Policy", objective: ObjectiveConfig, cfg: PolicyConfig | None = None):
@@ -275,7 +295,7 @@ class Trainer:
         self.objective = objective
         self.cfg = cfg if cfg is not None else policy.cfg
         self.params = list(policy.trainable_parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.effective_lr, weight_decay=self.cfg.weight_decay)
+        self.optimizer = make_optimizer(self.params, self.cfg)
         self.steps = 0
 
     def step(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> dict[str, float]:

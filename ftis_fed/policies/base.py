@@ -25,6 +25,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -173,3 +174,8 @@ class Policy(ABC):
     def load_trainable_state(self, state: dict[str, torch.Tensor], source: str = "state") -> None:
         """Copy ``trainable_state()`` output back in; a name the model lacks is a ValueError naming
         ``source`` and the parameter."""
+
+    @abstractmethod
+    def export(self, path: str | Path) -> Path:
+        """The trained model as a folder others load (``save_pretrained``: a peft adapter folder for
+        LoRA, a full model folder otherwise, with the tokenizer); written atomically; returns it."""

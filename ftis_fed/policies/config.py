@@ -9,6 +9,12 @@ from dataclasses import dataclass
 from ..knobs import knob
 
 
+#: ``weights-dtype`` values -> the torch dtype name the model is loaded in
+WEIGHT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: ``optimizer`` values (built by ``ftis_fed.training.make_optimizer``)
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """What model a participant runs and how it trains. Each field is a run-config key (``knob``):
@@ -50,11 +56,30 @@ class PolicyConfig:
         and backward done once per micro-batch instead of once per completion. Applies where exact
         (the HF backend on a checked architecture with sdpa/eager attention); elsewhere rows are
         scored one by one.""")
+    grad_checkpointing_tokens: int = knob("grad-checkpointing-tokens", 0, """
+        gradient checkpointing by sequence length, >= 0: when > 0, a training micro-batch whose
+        padded prompt + completion tokens (rows x longest row) exceed this value is run with
+        gradient checkpointing, a smaller one without (grad-checkpointing = true checkpoints every
+        micro-batch; 0 = only that key decides). Activation memory grows with these tokens, so
+        e.g. 4096 keeps short default-federation steps fast and long reasoning completions
+        within memory.""")
     dtype: str = knob("dtype", "fp32", """
         ``fp32`` (default: recorded and recomputed log-probs agree to 1e-4), ``bf16`` (autocast;
         weights and optimizer stay fp32; ~0.03 nats/token generation-vs-training mismatch that the
         importance weights then absorb) or ``auto`` (bf16 on CUDA or a CPU with AVX512-BF16/AMX, else
         fp32).""", per_participant=True)
+    weights_dtype: str = knob("weights-dtype", "fp32", """
+        the dtype the model's weights are LOADED in: ``fp32`` (default), ``bf16`` or ``fp16``.
+        Separate from ``dtype`` (autocast). bf16/fp16 weights halve weight memory and, for full
+        fine-tuning, gradients and AdamW moments too (torch keeps them in the parameter's dtype);
+        LoRA adapters stay fp32 (peft upcasts them). fp16 full fine-tuning is fragile (no loss
+        scaling; AdamW's eps underflows): prefer bf16. Quantized models (quant) keep their
+        bitsandbytes storage; this sets their non-quantized layers.""", per_participant=True)
+    optimizer: str = knob("optimizer", "adamw", """
+        ``adamw`` (torch AdamW), ``adamw-8bit`` (bitsandbytes AdamW8bit: 2 bytes of state per
+        parameter instead of 8, blockwise-quantized moments) or ``paged-adamw-8bit`` (bitsandbytes
+        PagedAdamW8bit: the same, its state paged to CPU memory under GPU memory pressure; on a CPU
+        it runs unpaged). The 8-bit options need the ``quant`` extra (bitsandbytes).""")
     device: str = knob("device", "auto", """
         ``auto`` (the first CUDA device the launcher saw, else the CPU), ``cuda:N`` or ``cpu``. In
         simulation the launcher passes the GPUs it sees through to the participant processes (Ray
@@ -88,6 +113,9 @@ class PolicyConfig:
         need(self.micro_batch >= 1, "micro_batch", "must be >= 1")
         need(self.logit_chunk >= 1, "logit_chunk", "must be >= 1")
         need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "must be 'auto', 'fp32' or 'bf16'")
+        need(self.weights_dtype in WEIGHT_DTYPES, "weights_dtype", "must be 'fp32', 'bf16' or 'fp16'")
+        need(self.optimizer in OPTIMIZERS, "optimizer", "must be 'adamw', 'adamw-8bit' or 'paged-adamw-8bit'")
+        need(self.grad_checkpointing_tokens >= 0, "grad_checkpointing_tokens", "must be >= 0 (0 = off)")
         from ..devices import DeviceError, parse_device
 
         try:

@@ -6,6 +6,14 @@ records the log-prob of each token the generator then samples from exactly that 
 the recorded log-probs are those of the actual sampling distribution by construction, and ``score``
 recomputes them with the same function (tests check the two agree).
 
+Nothing of the model's own ``generation_config.json`` reaches sampling: transformers fills every
+generation setting a call leaves unset (``None``) from it (``repetition_penalty``, ``min_p``,
+``typical_p``, ``no_repeat_ngram_size``, ``suppress_tokens``, ``bad_words_ids``, extra EOS ids,
+...), which would add logits processors the recorded log-probs do not describe. The loaded model's
+``generation_config`` is therefore replaced by a neutral ``GenerationConfig()`` (the original is
+kept as ``hub_generation_config`` and written back by ``export``), and each generate call sets
+sampling explicitly (``sampling_generation_config``).
+
 The backend does not optimise: ``ftis_fed.training.Trainer`` steps ``trainable_parameters()``.
 """
 
@@ -22,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from ..batch import SamplingParams
 from . import quant as quantization
 from .base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
-from .config import PolicyConfig
+from .config import WEIGHT_DTYPES, PolicyConfig
 from .models import resolve_model
 from .scoring import token_logprobs, unwrap_causal_lm
 
@@ -33,6 +41,20 @@ def cpu_has_bf16() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return False
+
+
+def sampling_generation_config(max_new_tokens: int, tokenizer, do_sample: bool = True) -> GenerationConfig:
+    """The whole generation configuration, explicitly: plain multinomial sampling at T=1 with no
+    filter (RecordingSampler applies temperature / top-k / top-p) or greedy decoding, stopping only
+    at the tokenizer's EOS or the budget. Every setting that could add a logits processor is set to
+    its neutral value (the model's generation_config is neutral too: see the module docstring)."""
+    neutral = dict(temperature=1.0, top_k=0 if do_sample else None, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
+                   eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+                   no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, length_penalty=1.0,
+                   diversity_penalty=0.0, min_length=0, min_new_tokens=None, num_beams=1, num_beam_groups=1,
+                   renormalize_logits=False, remove_invalid_values=False)
+    return GenerationConfig(do_sample=do_sample, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, **neutral)
 
 
 class RecordingSampler(LogitsProcessor):
@@ -61,6 +83,19 @@ class RecordingSampler(LogitsProcessor):
         return torch.stack(self.recorded, dim=1) if self.recorded else torch.zeros((sequences.shape[0], 0))
 
 
+def use_checkpointing(cfg: PolicyConfig, prompt_ids: Sequence[Sequence[int]],
+                      completion_ids: Sequence[Sequence[int]]) -> bool:
+    """Gradient checkpointing for one training micro-batch: ``grad-checkpointing`` = true always;
+    otherwise when ``grad-checkpointing-tokens`` > 0 and the micro-batch's padded tokens (rows x the
+    longest prompt + completion) exceed it."""
+    if cfg.grad_checkpointing:
+        return True
+    if cfg.grad_checkpointing_tokens <= 0 or not prompt_ids:
+        return False
+    longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+    return len(prompt_ids) * longest > cfg.grad_checkpointing_tokens
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token rows for generation: (input_ids, attention_mask), both (N, max_len) long."""
     P = max(len(r) for r in rows)
@@ -83,9 +118,9 @@ class HFPolicy(Policy):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = self._load_model(path)
+        self.checkpointing = False
         if cfg.grad_checkpointing:                      # active in train() mode only: generation keeps its cache
-            unwrap_causal_lm(self.model).gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._set_checkpointing(True)
         self.model_id = cfg.label
         self.tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
         self.vocab_size = int(max(len(self.tokenizer), self.model.get_input_embeddings().weight.shape[0]))
@@ -94,13 +129,15 @@ class HFPolicy(Policy):
 
     # ------------------------------------------------------------------ loading
     def _load_model(self, path: str) -> torch.nn.Module:
-        kwargs: dict = {"dtype": torch.float32}
+        kwargs: dict = {"dtype": getattr(torch, WEIGHT_DTYPES[self.cfg.weights_dtype])}
         if self.cfg.quant != "none":
             kwargs["quantization_config"] = quantization.bnb_config(self.cfg.quant)
             kwargs["device_map"] = {"": "cuda:0" if torch.cuda.is_available() else "cpu"}
         elif torch.cuda.is_available():
             kwargs["device_map"] = {"": "cuda:0"}
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        self.hub_generation_config = model.generation_config      # written back by export only
+        model.generation_config = GenerationConfig()              # nothing of it leaks into sampling
         if self.cfg.quant != "none":
             quantization.disable_cpu_bf16_repacking(model)
         if self.cfg.adapter == "lora":
@@ -142,9 +179,7 @@ class HFPolicy(Policy):
         input_ids, attn = left_pad(rows, tok.pad_token_id)                       # (N,P)
         P = input_ids.shape[1]
         sampler = RecordingSampler(sampling, prompt_len=P)
-        gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                   max_new_tokens=sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+        gen_cfg = sampling_generation_config(sampling.max_new_tokens, tok)
         torch.manual_seed(seed)
         self.model.eval()
         with self._autocast():
@@ -171,8 +206,7 @@ class HFPolicy(Policy):
         tok = self.tokenizer
         self.model.eval()
         texts: list[str] = []
-        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+        gen_cfg = sampling_generation_config(max_new_tokens, tok, do_sample=False)
         for s in range(0, len(prompts), batch_size):
             rows = [self.format_prompt(p.text) for p in prompts[s:s + batch_size]]
             input_ids, attn = left_pad(rows, tok.pad_token_id)                   # (n,P)
@@ -194,7 +228,11 @@ class HFPolicy(Policy):
         return out
 
     def score_padded(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool) -> torch.Tensor:
-        """(b,T) log-probs for one micro-batch (see scoring.token_logprobs)."""
+        """(b,T) log-probs for one micro-batch (see scoring.token_logprobs). With gradient and
+        ``grad-checkpointing-tokens`` > 0, checkpointing is switched on for this micro-batch when its
+        padded tokens exceed the threshold (``use_checkpointing``)."""
+        if grad and self.cfg.grad_checkpointing_tokens > 0:
+            self._set_checkpointing(use_checkpointing(self.cfg, prompt_ids, completion_ids))
         return token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
                               grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast,
                               share_prefix=self.cfg.share_prefix).cpu()
@@ -205,6 +243,44 @@ class HFPolicy(Policy):
         appended EOS would add a log pi(EOS) term the sender's summed log-prob lacks)."""
         ids = list(self.tokenizer(completion_text, add_special_tokens=False)["input_ids"])
         return self.format_prompt(prompt_text), (ids + [self.tokenizer.eos_token_id] if ended else ids)
+
+    def _set_checkpointing(self, on: bool) -> None:
+        if on == self.checkpointing:
+            return
+        lm = unwrap_causal_lm(self.model)
+        if on:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_disable()
+        self.checkpointing = on
+
+    # ------------------------------------------------------------------ export
+    def export(self, path: str | Path) -> Path:
+        """The trained model as ``save_pretrained`` writes it, into ``path`` (replaced atomically:
+        written next to it, then renamed): for LoRA (and 4-bit/8-bit QLoRA) the peft adapter folder
+        (``adapter_config.json`` names the base model folder), otherwise the full model folder in its
+        weights dtype; both with the tokenizer and the model's own generation_config.json."""
+        import shutil
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        lm = unwrap_causal_lm(self.model)
+        neutral, lm.generation_config = lm.generation_config, self.hub_generation_config
+        try:
+            self.model.save_pretrained(tmp)
+            if self.cfg.adapter == "lora":
+                self.hub_generation_config.save_pretrained(tmp)
+        finally:
+            lm.generation_config = neutral
+        self.tokenizer.save_pretrained(tmp)
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.replace(old)
+        tmp.replace(path)
+        shutil.rmtree(old, ignore_errors=True)
+        return path
 
     # ------------------------------------------------------------------ training hooks / state
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -179,7 +179,11 @@ def _lora_rank_limit(r: int) -> int:
     raise ValueError(f"LoRA rank {r} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
-def _vllm_dtype(cfg_dtype: str) -> str:
+def _vllm_dtype(cfg_dtype: str, weights_dtype: str = "fp32") -> str:
+    """The engine's dtype: the trainer's weights dtype when it is bf16/fp16 (the engine then holds
+    exactly the trainer's weights), else the autocast ``dtype``."""
+    if weights_dtype in ("bf16", "fp16"):
+        return {"bf16": "bfloat16", "fp16": "float16"}[weights_dtype]
     return {"fp32": "float32", "bf16": "bfloat16"}.get(cfg_dtype, "auto")
 
 
@@ -243,7 +247,8 @@ class VLLMPolicy(Policy):
         self._own_work = work_dir is None
 
         kw: dict[str, Any] = dict(tokenizer=self.model_path, seed=int(getattr(self.cfg, "seed", 0) or 0),
-                                  dtype=_vllm_dtype(getattr(self.cfg, "dtype", "auto")))
+                                  dtype=_vllm_dtype(getattr(self.cfg, "dtype", "auto"),
+                                                    getattr(self.cfg, "weights_dtype", "fp32")))
         if torch.cuda.is_available():
             kw["gpu_memory_utilization"] = 0.35
         if self.refresh_mode == "lora":
@@ -260,6 +265,10 @@ class VLLMPolicy(Policy):
             self.refresh()
 
     # ------------------------------------------------------------------ delegation
+    def export(self, path):
+        """The trainer's model (the weights vLLM serves) as a ``save_pretrained`` folder."""
+        return self.trainer.export(path)
+
     def __getattr__(self, name: str):
         # Only called for attributes not found normally: forward to the trainer (retokenize, steps,
         # optimizer, trainable_state, ...). Guard against recursion before __init__ set trainer.
