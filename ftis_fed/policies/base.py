@@ -32,22 +32,10 @@ import numpy as np
 import torch
 
 from ..batch import SamplingParams
+from ..prompt import Prompt  # noqa: F401  (re-exported: part of the policy interface)
 
 if TYPE_CHECKING:
     from .config import PolicyConfig
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One task instance as a policy sees it.
-
-    task_id: stable id of the instance; text: the user message (no chat template);
-    reference: the reference answer (used by rewards, carried in batches).
-    """
-
-    task_id: str
-    text: str
-    reference: str
 
 
 @dataclass

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..policies.base import Prompt
-from ..rewards import extract_boxed, gsm8k_reference
+from ..prompt import Prompt
+from ..answers import extract_boxed, gsm8k_reference
 
 GSM8K_INSTRUCTION = "Solve the problem step by step. End your reply with the final answer as '#### <number>'."
 MATH500_INSTRUCTION = "Solve the problem. Put your final answer within \\boxed{}."

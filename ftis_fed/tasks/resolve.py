@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..policies.base import Prompt
+from ..prompt import Prompt
 from .families import FAMILIES
 from .suite import task_at
 

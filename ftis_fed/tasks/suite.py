@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..knobs import knob
-from ..policies.base import Prompt
+from ..prompt import Prompt
 from .families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
 
 SPLITS = ("train", "eval")
