@@ -13,7 +13,7 @@ The batch is immutable and validated on construction: every violation raises
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -122,7 +122,6 @@ class CompletionBatch:
     vocab_size: int
     sampling: SamplingParams
     groups: tuple[PromptGroup, ...]
-    meta: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_completions(self) -> int:

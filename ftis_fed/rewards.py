@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -300,12 +300,6 @@ class Verifier:
     def reward(self, task_id: str, completion, reference: str, prompt: str = "") -> float:
         """The reward of one completion of task ``task_id`` against ``reference``."""
         return self.check(task_id, completion, reference, prompt)[1]
-
-    def rewards(self, task_ids: Sequence[str], completions: Sequence, references: Sequence[str]) -> list[float]:
-        if not len(task_ids) == len(completions) == len(references):
-            raise ValueError(f"lengths differ: {len(task_ids)} task_ids, {len(completions)} completions, "
-                             f"{len(references)} references")
-        return [self.reward(t, c, r) for t, c, r in zip(task_ids, completions, references)]
 
     def as_trl_reward(self) -> RewardFn:
         """This verifier as a TRL reward function; needs ``task_id`` and ``reference`` (or ``answer``) columns."""

@@ -427,16 +427,6 @@ class ReplayGuard:
             g._last[(str(e["run_id"]), str(e["sender"]))] = (int(e["round"]), int(e["seq"]))
         return g
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Atomic write (tmp file + rename)."""
-        atomic_write(path, self.to_json())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "ReplayGuard":
-        """The saved state, or an empty guard when the file does not exist yet."""
-        p = Path(path)
-        return cls.from_json(p.read_text()) if p.exists() else cls()
-
 
 # ------------------------------------------------------------------------------------------- CLI
 

@@ -30,7 +30,7 @@ Payload (``raw_len`` bytes; zstd-compressed to ``payload_len`` bytes when ``FLAG
     texts        FLAG_TEXTS only: per group: str prompt_text, u32 n_texts, n_texts x str
 
 The fixed-point code has step 2**-bits nats, so the log-prob error is <= 2**-(bits+1): 1.95e-3 at
-the default (and minimum accepted) 8 bits. ``CompletionBatch.meta`` is local and never encoded.
+the default (and minimum accepted) 8 bits.
 """
 
 from __future__ import annotations

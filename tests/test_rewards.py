@@ -167,14 +167,11 @@ def test_verifier_by_family_prefix():
     assert v.reward("gsm8k/test/3", "#### 540\nActually 541", "540") == 1.0       # the marker wins
     assert v.reward("math500/test/algebra/2584.json", r"so $\boxed{\dfrac{14}{3}}$", r"\frac{14}{3}") == 1.0
     assert v.reward("math500/test/algebra/2584.json", r"so $\boxed{\frac{14}{5}}$", r"\frac{14}{3}") == 0.0
-    assert v.rewards(["add30/eval/0/1", "sub30/eval/0/2"], ["7", "8"], ["7", "7"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match=r"no reward rule for family 'chess'; known families are \[.*'gsm8k'"):
         v.reward("chess/train/0/1", "e4", "e4")
     assert not v.knows("chess/1")
     lenient = Verifier(fallback=RewardRule())
     assert lenient.knows("chess/1") and lenient.reward("chess/1", "12", "12") == 1.0
-    with pytest.raises(ValueError, match="lengths differ: 1 task_ids, 2 completions"):
-        v.rewards(["add30/x"], ["1", "2"], ["1", "2"])
 
 
 # ----------------------------------------------------------------------------- TRL signature

@@ -198,12 +198,9 @@ def test_replay_guard_state_survives_a_restart(tmp_path):
     g = ReplayGuard()
     g.commit("r", "alice", 3, 30)
     g.commit("r", "bob", 3, 7)
-    path = tmp_path / "state" / "replay.json"
-    g.save(path)
-    g2 = ReplayGuard.load(path)
+    g2 = ReplayGuard.from_json(g.to_json())          # what the server and participants persist
     assert g2.last("r", "alice") == (3, 30) and g2.last("r", "bob") == (3, 7)
     assert _reject(g2, "r", "alice", 3, 30) == "replay"
-    assert ReplayGuard.load(tmp_path / "missing.json").last("r", "alice") is None
     with pytest.raises(ValueError):
         ReplayGuard.from_json('{"format": "other"}')
 
