@@ -105,8 +105,8 @@ def test_replays_are_rejected_and_state_resumes(tmp_path):
     assert reason(ib, frame, expected_round=1) == "replay"                              # same batch twice
     assert reason(ib, sign_batch(batch(round=1, seq=4), KEYS["alice"])) == "replay"     # older seq
     assert reason(ib, frame, expected_round=2) == "replay"                              # an old round's batch
-    ib.guard.save(tmp_path / "guard.json")
-    resumed = Inbox(DIRECTORY, InboxConfig(run_id="run-1"), ReplayGuard.load(tmp_path / "guard.json"))
+    (tmp_path / "guard.json").write_text(ib.guard.to_json())          # as participant.json / server_state.json
+    resumed = Inbox(DIRECTORY, InboxConfig(run_id="run-1"), ReplayGuard.from_json((tmp_path / "guard.json").read_text()))
     assert reason(resumed, frame) == "replay"
     assert resumed.accept(sign_batch(batch(round=2, seq=6), KEYS["alice"]), expected_round=2)
 
