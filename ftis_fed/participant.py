@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import CompletionBatch, make_group
+from .batch import CompletionBatch
 from .config import FederationConfig, ParticipantSpec
 from .evaluation import evaluate as evaluate_policy
 from .inbox import Inbox, InboxConfig
@@ -34,6 +34,7 @@ from .policies import build_policy
 from .rewards import Verifier
 from .attacks import hostile_frames, parse_kinds
 from .receive import ReceiverContext, receive
+from .rollouts import scored_groups
 from .source_weights import SourceAdapter
 from .signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
                       sign_challenge)
@@ -155,14 +156,9 @@ class Participant:
         prompts = fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions, round)
         seed = fed.seed * 1_000_003 + round * 1009 + self.spec.partition_id
         rolls = self.policy.generate(prompts, fed.group_size, fed.sampling, seed=seed)
-        groups, rewards, lengths = [], [], []
-        for r in rolls:
-            rw = [self.verifier.reward(r.prompt.task_id, t, r.prompt.reference, r.prompt.text)
-                  for t in r.completion_texts]
-            rewards += rw
-            lengths += [len(c) for c in r.completion_ids]
-            groups.append(make_group(r.prompt_ids, r.completion_ids, r.logprobs, rw, r.prompt.task_id,
-                                     r.prompt.reference, r.prompt.text, r.completion_texts))
+        groups = scored_groups(rolls, self.verifier)
+        rewards = [float(x) for g in groups for x in g.rewards]
+        lengths = [len(c) for g in groups for c in g.completion_ids]
         # Strictly increasing per sender, also across a restart without checkpoint (the round
         # moves on): receivers' replay guards reject any seq they have seen.
         self.seq = max(self.seq + 1, round << 16)

@@ -103,11 +103,12 @@ def ours_worker(c: dict) -> dict:
     import numpy as np
     import torch
 
-    from ..batch import CompletionBatch, SamplingParams, make_group
+    from ..batch import CompletionBatch, SamplingParams
     from ..objective import ObjectiveConfig
     from ..policies import PolicyConfig
     from ..policies.hf import HFPolicy
     from ..rewards import Verifier
+    from ..rollouts import scored_groups
     from ..training import Trainer, samples_from_batches
 
     t0 = time.perf_counter()
@@ -127,11 +128,7 @@ def ours_worker(c: dict) -> dict:
         t0 = time.perf_counter()
         rolls = pol.generate(prompts, c["group_size"], sampling, seed=c["seed"] + k)
         t1 = time.perf_counter()
-        groups = []
-        for r in rolls:
-            rw = [verifier.reward(r.prompt.task_id, t, r.prompt.reference) for t in r.completion_texts]
-            groups.append(make_group(r.prompt_ids, r.completion_ids, r.logprobs, rw, r.prompt.task_id,
-                                     r.prompt.reference, r.prompt.text, r.completion_texts))
+        groups = scored_groups(rolls, verifier)
         batch = CompletionBatch("bench", "bench-step", k, k, pol.model_id, pol.tokenizer_fp, pol.vocab_size,
                                 sampling, tuple(groups)).validate()
         samples = samples_from_batches([batch], "bench", pol.tokenizer_fp, objective)

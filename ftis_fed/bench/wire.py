@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,7 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..batch import CompletionBatch, SamplingParams, make_group
+from ..batch import CompletionBatch, SamplingParams
+from ..rewards import RewardRule, Verifier
+from ..rollouts import scored_groups
 from ..signing import KeyDirectory, sign_batch, sign_body, verify_frame
 from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header
 
@@ -139,19 +140,11 @@ def synthetic_rollouts(prompts, group_size: int, sampling: SamplingParams, seed:
 SOURCES = {"policy": policy_rollouts, "transformers": transformers_rollouts, "synthetic": synthetic_rollouts}
 
 
-def _reward(text: str, reference: str) -> float:
-    """1.0 when the last integer in the text is the reference, else 0.0."""
-    nums = re.findall(r"-?\d+", text)
-    return float(bool(nums) and nums[-1] == reference)
-
-
 def rollouts_to_batch(rs: RolloutSet, sender: str = "bench", run_id: str = "bench-run", round: int = 0,
                       seq: int = 0) -> CompletionBatch:
     """One CompletionBatch (texts included) from a RolloutSet."""
-    groups = tuple(make_group(r.prompt_ids, r.completion_ids, r.logprobs,
-                              [_reward(t, r.prompt.reference) for t in r.completion_texts],
-                              r.prompt.task_id, r.prompt.reference, r.prompt.text, r.completion_texts)
-                   for r in rs.rollouts)
+    # the project's verifier; synthetic task ids fall back to the last-number rule
+    groups = tuple(scored_groups(rs.rollouts, Verifier(fallback=RewardRule())))
     return CompletionBatch(sender, run_id, round, seq, rs.model_id, rs.tokenizer_fp, rs.vocab_size,
                            rs.sampling, groups).validate()
 
