@@ -17,7 +17,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from .policies.base import Prompt
+from .batch import SamplingParams
+from .prompt import Prompt
 from .rewards import Verifier
 from .tasks.families import ID_FAMILIES, OOD_FAMILIES
 from .tasks.suite import eval_sets
@@ -90,57 +91,37 @@ def heldout_sets(split: str, n: int, seed: int = 0, gsm8k: str | None = None,
     return sets
 
 
-# ----------------------------------------------------------------------------- a plain HF generator
+# ----------------------------------------------------------------------------- plain text in, text out
 
 class TextGenerator:
-    """A real causal LM + tokenizer that turns user messages into replies (chat template applied).
+    """User messages in, replies out, for scripts that want text (task calibration, model checks):
+    the project's HF policy underneath (one generator in the project: chat template, left padding
+    and a neutral generation config — nothing from the model's ``generation_config.json`` leaks in).
 
     model: a name ``resolve_model`` knows (``smollm2``, ``tiny-llama``), a local directory, or a
-    hub id (needs a reachable hub). Generation is batched with left padding.
+    hub id in the local cache.
     """
 
     def __init__(self, model: str, batch_size: int = 32):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from .policies import PolicyConfig, build_policy
 
-        from .policies.models import resolve_model
-
-        path = resolve_model(model)
         self.model_id = model
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.policy = build_policy(PolicyConfig(model=model, micro_batch=batch_size))
         self.batch_size = batch_size
-
-    def _format(self, text: str) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
-        return text
 
     def generate_texts(self, texts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
                        seed: int = 0) -> list[str]:
         """One reply per user message; ``temperature`` 0 is greedy, > 0 samples (seeded)."""
-        import torch
-
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature={temperature!r}: must be finite and >= 0 (0 = greedy)")
+        prompts = [Prompt(f"text/{i}", t, "") for i, t in enumerate(texts)]
+        if temperature == 0:
+            return self.policy.generate_greedy(prompts, max_new_tokens, batch_size=self.batch_size)
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
         out: list[str] = []
-        for i in range(0, len(texts), self.batch_size):
-            chunk = [self._format(t) for t in texts[i:i + self.batch_size]]
-            enc = self.tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
-            kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": self.tokenizer.pad_token_id}
-            if temperature > 0:
-                torch.manual_seed(seed + i)
-                kwargs.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
-            else:
-                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-            with torch.no_grad():
-                gen = self.model.generate(**enc, **kwargs)                        # (B, P + T)
-            new = gen[:, enc["input_ids"].shape[1]:]                              # (B, T)
-            out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
+        for i in range(0, len(prompts), self.batch_size):
+            rolls = self.policy.generate(prompts[i:i + self.batch_size], 1, sampling, seed=seed + i)
+            out += [r.completion_texts[0] for r in rolls]
         return out
 
     def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]:

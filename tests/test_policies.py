@@ -233,7 +233,7 @@ def test_backend_interface_is_declared_and_backends_do_not_optimise():
     from ftis_fed.policies.vllm_policy import VLLMPolicy
 
     assert Policy.__abstractmethods__ == {"generate", "score", "score_padded", "retokenize", "trainable_parameters",
-                                          "trainable_state", "load_trainable_state"}
+                                          "trainable_state", "load_trainable_state", "export"}
     for name in ("generate_greedy", "format_prompt", "train_mode", "weights_changed"):
         assert callable(getattr(Policy, name))
     for backend in (HFPolicy, VLLMPolicy):
