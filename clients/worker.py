@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -161,8 +162,15 @@ class Worker:
         from ftis_fed.devices import CUDA_ENV, VISIBLE_ENV, worker_device
 
         parent_cvd = os.environ.get(CUDA_ENV, "<unset>")
-        pinned, local, chosen = worker_device(pspec.policy.device, os.environ, key=f"{pspec.name}: device")
+        seen = dict(os.environ)
+        pinned, local, chosen = worker_device(pspec.policy.device, seen, key=f"{pspec.name}: device")
         os.environ.update(pinned)                                # before anything initialises CUDA
+        if (pspec.policy.backend == "vllm" and chosen.startswith("cuda") and not pspec.policy.gpu_memory_share
+                and "partition-id" in self.node_config):        # simulation: share the card with its peers
+            from ftis_fed.devices import count_visible, run_memory_share
+
+            share = run_memory_share(self.run_config, pspec.name, count_visible(seen))
+            pspec = dataclasses.replace(pspec, policy=dataclasses.replace(pspec.policy, gpu_memory_share=share))
         print(f"[worker {pspec.name}] device {chosen} (in-process {local}); CUDA_VISIBLE_DEVICES at start "
               f"{parent_cvd!r}, launcher's {os.environ.get(VISIBLE_ENV, '<none>')!r}", flush=True)
         threads = fed.threads or max(1, (os.cpu_count() or 1) // max(1, int(spec.get("concurrent", 1))))

@@ -157,3 +157,23 @@ def test_oversubscribed_cards_are_clear_errors():
     # the same explicit shares on two different cards are fine
     s = memory_shares({"a": "cuda:0", "b": "cuda:1"}, explicit={"a": 0.6, "b": 0.6})
     assert s["a"].share == s["b"].share == 0.6
+
+
+def test_run_memory_share_splits_a_card_between_the_run_s_participants():
+    """Three participants on one card, one with an explicit share: the others share what is left;
+    a CPU participant gets none; explicit shares that oversubscribe the card are an error."""
+    import tomllib
+    from pathlib import Path
+
+    from ftis_fed.devices import DeviceError, run_memory_share
+
+    cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    rc = dict(cfg["tool"]["flwr"]["app"]["config"])
+    rc.update({"p0-device": "cuda:0", "p1-device": "cuda:0", "p2-device": "cuda:0", "p3-device": "cpu",
+               "p0-gpu-memory-share": 0.3})
+    assert run_memory_share(rc, "smol-full", 1) == 0.3
+    assert abs(run_memory_share(rc, "smol-lora", 1) - 0.3) < 1e-9          # (0.9 - 0.3) / 2
+    assert run_memory_share(rc, "smol-bpe8k", 1) == 0.0
+    rc.update({"p1-gpu-memory-share": 0.5, "p2-gpu-memory-share": 0.2})
+    with pytest.raises(DeviceError, match="oversubscribes cuda:0"):
+        run_memory_share(rc, "smol-full", 1)

@@ -62,6 +62,7 @@ import numpy as np
 import torch
 
 from ..batch import SamplingParams
+from ..devices import ENGINE_FRACTION
 from .base import Policy, Prompt, Rollout, tokenizer_fingerprint
 
 #: The message every missing-vLLM path raises (tests match on it).
@@ -250,7 +251,10 @@ class VLLMPolicy(Policy):
                                   dtype=_vllm_dtype(getattr(self.cfg, "dtype", "auto"),
                                                     getattr(self.cfg, "weights_dtype", "fp32")))
         if torch.cuda.is_available():
-            kw["gpu_memory_utilization"] = 0.35
+            # this participant's engine share of its card (devices.memory_shares), set by the worker
+            # from the run's participants (gpu-memory-share); 0.35 when nothing set it
+            share = float(getattr(self.cfg, "gpu_memory_share", 0.0) or 0.0)
+            kw["gpu_memory_utilization"] = share * ENGINE_FRACTION if share > 0 else 0.35
         if self.refresh_mode == "lora":
             r = int(getattr(self.cfg, "lora_r", 0) or _peft_rank(model))
             kw.update(enable_lora=True, max_lora_rank=_lora_rank_limit(r), max_loras=1)
