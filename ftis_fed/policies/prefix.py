@@ -35,11 +35,10 @@ import contextlib
 from typing import Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..batch import SamplingParams
-from .scoring import _chunk_logprobs, unwrap_causal_lm
+from .scoring import chunked_logprobs, unwrap_causal_lm
 
 #: attention implementations whose mask argument we build (4D: boolean for sdpa, additive for eager).
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -198,12 +197,5 @@ def shared_token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[
     with torch.set_grad_enabled(grad), _layers_keep_cache(decoder), torch.autocast(
             device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         h = shared_prefix_hidden(decoder, prompt_ids, completion_ids, pad_id, impl, device)  # (B,T,H)
-        outs = []
-        for s in range(0, T, chunk):
-            hc, tc = h[:, s:s + chunk], targets[:, s:s + chunk]
-            if grad:
-                outs.append(checkpoint(_chunk_logprobs, head, hc, tc, sampling, use_reentrant=False))
-            else:
-                outs.append(_chunk_logprobs(head, hc, tc, sampling))
-        lp = torch.cat(outs, dim=1).float()                                      # (B,T)
+        lp = chunked_logprobs(head, h, targets, sampling, chunk, grad)           # (B,T)
     return torch.where(tmask, lp, torch.zeros_like(lp))

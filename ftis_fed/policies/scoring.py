@@ -57,6 +57,20 @@ def _chunk_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tenso
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                      # (b,c)
 
 
+def chunked_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams,
+                     chunk: int, grad: bool) -> torch.Tensor:
+    """(B,T,H) hidden states, (B,T) targets -> (B,T) float log-probs, the LM head run over ``chunk``
+    positions at a time; with gradient each chunk is checkpointed (its logits recomputed in backward)."""
+    outs = []
+    for s in range(0, h.shape[1], chunk):
+        hc, tc = h[:, s:s + chunk], targets[:, s:s + chunk]
+        if grad:
+            outs.append(checkpoint(_chunk_logprobs, head, hc, tc, sampling, use_reentrant=False))
+        else:
+            outs.append(_chunk_logprobs(head, hc, tc, sampling))
+    return torch.cat(outs, dim=1).float()
+
+
 def token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                    completion_ids: Sequence[Sequence[int]], sampling: SamplingParams, pad_id: int,
                    grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None,
@@ -89,12 +103,5 @@ def token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
             device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         hidden = decoder(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B,L,H)
         h = hidden.gather(1, target_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B,T,H)
-        outs = []
-        for s in range(0, T, chunk):
-            hc, tc = h[:, s:s + chunk], targets[:, s:s + chunk]
-            if grad:
-                outs.append(checkpoint(_chunk_logprobs, head, hc, tc, sampling, use_reentrant=False))
-            else:
-                outs.append(_chunk_logprobs(head, hc, tc, sampling))
-        lp = torch.cat(outs, dim=1).float()                                      # (B,T)
+        lp = chunked_logprobs(head, h, targets, sampling, chunk, grad)           # (B,T)
     return torch.where(tmask.to(device), lp, torch.zeros_like(lp))
