@@ -15,14 +15,20 @@ from ftis_fed.signing import generate_keypair, load_key_directory
 from ftis_fed.tasks.suite import TaskSpec
 
 
+def tiny_federation(tmp_path, names, num_rounds: int, run_name: str) -> FederationConfig:
+    """Keys for ``names`` in tmp_path/keys and a small sync federation of them (G = 2, 2 add1
+    prompts per round, 4 new tokens, no evaluation)."""
+    for n in names:
+        generate_keypair(n, tmp_path / "keys")
+    return FederationConfig(num_rounds=num_rounds, scheme="sync", min_participants=len(names), group_size=2,
+                            max_new_tokens=4, run_name=run_name, output_dir=str(tmp_path), eval_every=0,
+                            task=TaskSpec(families=("add1",), prompts_per_round=2))
+
+
 @pytest.mark.slow
 def test_real_participants_learn_from_each_other_in_one_process(tmp_path):
     names = ("alice", "bob")
-    for n in names:
-        generate_keypair(n, tmp_path / "keys")
-    fed = FederationConfig(num_rounds=1, scheme="sync", min_participants=2, group_size=2, max_new_tokens=4,
-                           run_name="inproc", output_dir=str(tmp_path), eval_every=0,
-                           task=TaskSpec(families=("add1",), prompts_per_round=2))
+    fed = tiny_federation(tmp_path, names, num_rounds=1, run_name="inproc")
     parts = {n: Participant(ParticipantSpec(n, PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3), i, 2,
                                             str(tmp_path / "keys"), str(tmp_path / "participants" / n)), fed)
              for i, n in enumerate(names)}
@@ -42,11 +48,7 @@ def test_a_byzantine_participant_is_bounded_by_server_and_receivers(tmp_path):
     round 1 and floods in round 2: the server refuses the flood whole, the honest receiver corrects
     the rewards from its own reference and records it against mallory; the run completes."""
     names = ("alice", "mallory")
-    for n in names:
-        generate_keypair(n, tmp_path / "keys")
-    fed = FederationConfig(num_rounds=2, scheme="sync", min_participants=2, group_size=2, max_new_tokens=4,
-                           run_name="byz", output_dir=str(tmp_path), eval_every=0,
-                           task=TaskSpec(families=("add1",), prompts_per_round=2))
+    fed = tiny_federation(tmp_path, names, num_rounds=2, run_name="byz")
     specs = [ParticipantSpec("alice", PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3), 0, 2,
                              str(tmp_path / "keys"), str(tmp_path / "participants" / "alice")),
              ParticipantSpec("mallory", PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3), 1, 2,
@@ -71,11 +73,7 @@ def test_texts_go_only_to_the_participant_with_another_tokenizer(tmp_path):
     sign both variants, carol only the one with texts; each receiver gets what it needs and accepts
     every peer batch (alice and bob token-level from each other, sequence-level from carol)."""
     names = ("alice", "bob", "carol")
-    for n in names:
-        generate_keypair(n, tmp_path / "keys")
-    fed = FederationConfig(num_rounds=1, scheme="sync", min_participants=3, group_size=2, max_new_tokens=4,
-                           run_name="variants", output_dir=str(tmp_path), eval_every=0,
-                           task=TaskSpec(families=("add1",), prompts_per_round=2))
+    fed = tiny_federation(tmp_path, names, num_rounds=1, run_name="variants")
     models = {"alice": "tiny-llama", "bob": "tiny-llama-b", "carol": "smollm2-bpe8k"}
     parts = {n: Participant(ParticipantSpec(n, PolicyConfig(model=models[n], adapter="full", lr=1e-4), i, 3,
                                             str(tmp_path / "keys"), str(tmp_path / "participants" / n)), fed)
