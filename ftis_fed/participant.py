@@ -29,6 +29,7 @@ import numpy as np
 from .batch import CompletionBatch
 from .config import FederationConfig, ParticipantSpec
 from .evaluation import evaluate as evaluate_policy
+from .engine.validation import requested_variants
 from .inbox import Inbox, InboxConfig
 from .policies import build_policy
 from .rewards import Verifier
@@ -40,14 +41,6 @@ from .signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, l
                       sign_challenge)
 from .training import Trainer, samples_from_batches
 from .wire import WireOptions
-
-
-def text_variants(texts) -> tuple[bool, ...]:
-    """A request's ``texts`` (a bool, or a list of bools: one frame per entry) -> a tuple of 1-2 bools."""
-    v = tuple(bool(t) for t in texts) if isinstance(texts, (list, tuple)) else (bool(texts),)
-    if not 1 <= len(v) <= 2:
-        raise ValueError(f"texts={texts!r}: a bool or a list of one or two bools")
-    return v
 
 
 def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
@@ -107,12 +100,12 @@ class Participant:
         if action == "hello":
             return {"info": self.hello(str(r["run"]), str(r["node"]), bytes(r["challenge"]))}
         if action == "generate":
-            frames, metrics = self.generate(int(r["round"]), text_variants(r["texts"]))
+            frames, metrics = self.generate(int(r["round"]), r["texts"])
             return {"frames": frames, "metrics": metrics}
         if action == "learn":
             return {"metrics": self.learn(int(r["round"]), list(r["frames"]))}
         if action == "exchange":
-            frames, metrics = self.exchange(int(r["round"]), list(r["frames"]), text_variants(r["texts"]))
+            frames, metrics = self.exchange(int(r["round"]), list(r["frames"]), r["texts"])
             return {"frames": frames, "metrics": metrics}
         if action == "evaluate":
             return {"metrics": self.evaluate(int(r["round"]))}
@@ -149,7 +142,9 @@ class Participant:
         """Sample this round's prompts, reward them, sign the batch: one frame per entry of ``texts``
         (a bool = one frame; ``(False, True)`` = without and with the completion texts, same seq).
         Returns (frames, metrics); an attacker (``byzantine``) returns what ``_attack`` makes of it."""
-        variants = text_variants(texts)
+        variants = requested_variants({"texts": texts})        # the engine's reading of the same field
+        if not 1 <= len(variants) <= 2:
+            raise ValueError(f"texts={texts!r}: a bool or a list of one or two bools")
         self._fault("generate", round)
         t0 = time.perf_counter()
         fed = self.fed
