@@ -27,7 +27,7 @@ from typing import Any, Collection, Mapping
 
 from .batch import SamplingParams
 from .knobs import Knob, knob, knobs
-from .objective import ObjectiveConfig
+from .objective import MODES, ObjectiveConfig
 from .policies.config import PolicyConfig
 from .reverify import ReverifyConfig
 from .source_weights import SourceAdaptConfig
@@ -148,12 +148,48 @@ class FederationConfig:
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
+        self._resolve_horizontal()
         if self.eval_every > 0:                                 # the held-out sets must exist: fail now, not mid-run
             try:
                 self.eval_sets()
             except ValueError as e:
                 raise ValueError(f"eval-size={self.eval_size} / eval-ood-size={self.eval_ood_size} with "
                                  f"task-families={','.join(self.task.families)}: {e}") from None
+
+    def _resolve_horizontal(self) -> None:
+        """``task-scheme = auto`` -> ``shared`` with horizontal groups, else ``iid``; horizontal groups
+        with another explicit scheme, or with the pipelined schedule, are a config error."""
+        horizontal = self.objective.advantage_groups == "horizontal"
+        if self.task.scheme == "auto":
+            object.__setattr__(self, "task", dataclasses.replace(self.task, scheme="shared" if horizontal else "iid"))
+        if not horizontal:
+            return
+        if self.task.scheme != "shared":
+            raise ValueError(f"task-scheme={self.task.scheme!r} with advantage-groups='horizontal': horizontal "
+                             "groups mix every participant's completions of the same prompt, so participants must "
+                             "get the same prompts: set task-scheme=shared (or auto, the default)")
+        if self.scheme != "sync":
+            raise ValueError(f"scheme={self.scheme!r} with advantage-groups='horizontal': horizontal groups need the "
+                             "sync schedule (pipelined trains on peers' batches of the previous round next to its "
+                             "own of this round, so no prompt's group would mix): set scheme=sync")
+
+    def completions_per_prompt(self, num_participants: int) -> int:
+        """Completions each participant generates per prompt: ``group-size`` G (vertical), or its share
+        ceil(G / N) of the mixed group with N participants (horizontal; the mixed group then has
+        N * ceil(G / N) >= G completions, G itself when N divides it). ValueError when horizontal
+        ``alone`` would train on groups of one completion (no group-relative signal)."""
+        if isinstance(num_participants, bool) or int(num_participants) != num_participants or num_participants < 1:
+            raise ValueError(f"num_participants={num_participants!r}: must be an integer >= 1")
+        if self.objective.advantage_groups != "horizontal":
+            return self.group_size
+        share = -(-self.group_size // int(num_participants))
+        if share < 2 and MODES[self.objective.mode].local_only:
+            raise ValueError(f"group-size={self.group_size} with advantage-groups='horizontal' and "
+                             f"loss-mode={self.objective.mode!r} "
+                             f"over {num_participants} participants: each generates ceil(G/N)={share} completion per "
+                             f"prompt and trains on its own only, so no group has a signal: set group-size >= "
+                             f"{int(num_participants) + 1}")
+        return share
 
     def eval_sets(self) -> dict:
         """The held-out sets every participant evaluates on: ID = the families trained on."""
@@ -531,6 +567,8 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
             raise ValueError(f"{head} (participant {name}){sep}{tail}") from None
         if check_models if check_models is not None else simulation:
             check_model(spec.policy.model, f"p{i}-model", name)
+    if simulation:
+        fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
     return fed
 
 

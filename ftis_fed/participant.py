@@ -7,7 +7,9 @@ One entry point, one name per action end to end (engine -> transport -> here)::
 
     handle(action, request) -> reply
       hello    {run, node, challenge}  -> {info: who I am + proof: my signature of the challenge}
-      generate {round, texts}          -> {frames: [my signed batch of the round], metrics}   (phase 1);
+      generate {round, texts}          -> {frames: [my signed batch of the round], metrics}   (phase 1:
+                                          G completions per prompt, or my share ceil(G/N) of each
+                                          shared prompt's group with horizontal advantage groups);
                                           texts: bool, or [False, True] = the batch twice: without
                                           and with its texts (one per kind of receiver), same seq
       learn    {round, frames}         -> {metrics}: verify + re-check peers' batches, train (phase 2)
@@ -61,6 +63,7 @@ class Participant:
         self.policy = policy if policy is not None else build_policy(spec.policy)
         self.load_seconds = time.perf_counter() - t0        # reported in hello (the engine logs it)
         self.trainer = Trainer(self.policy, fed.objective)
+        self.share = fed.completions_per_prompt(spec.num_partitions)   # G, or ceil(G/N) horizontal
         self.state_dir = Path(spec.state_dir)
         self.run_key = run_key
         self.model_loads = self._count_load()
@@ -150,7 +153,7 @@ class Participant:
         fed = self.fed
         prompts = fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions, round)
         seed = fed.seed * 1_000_003 + round * 1009 + self.spec.partition_id
-        rolls = self.policy.generate(prompts, fed.group_size, fed.sampling, seed=seed)
+        rolls = self.policy.generate(prompts, self.share, fed.sampling, seed=seed)
         groups = scored_groups(rolls, self.verifier)
         rewards = [float(x) for g in groups for x in g.rewards]
         lengths = [len(c) for g in groups for c in g.completion_ids]
@@ -185,8 +188,7 @@ class Participant:
         own = self.own.pop(round, None)
         peer_round = round if peer_round is None else peer_round
         batches = [self._local_budget(own)] if own is not None else []
-        recv = receive(peer_frames, peer_round, self.inbox,
-                       ReceiverContext.from_run(self.fed, self.policy, self.verifier, self.name))
+        recv = receive(peer_frames, peer_round, self.inbox, self._receiver_context(peer_round))
         metrics: dict[str, float] = dict(recv.metrics)
         weights = recv.sample_weights(offset=len(batches))
         batches += recv.batches
@@ -210,6 +212,17 @@ class Participant:
             self.policy.export(self.state_dir / "export")
             metrics["export/seconds"] = time.perf_counter() - t1
         return metrics
+
+    def _receiver_context(self, peer_round: int) -> ReceiverContext:
+        """How this participant checks peers' batches of ``peer_round``. Horizontal groups: a peer's
+        group must be one of the round's shared prompts (this participant's own prompts of that
+        round, recomputed here) and hold at most the share ceil(G/N) of the mixed group."""
+        if self.fed.objective.advantage_groups != "horizontal":
+            return ReceiverContext.from_run(self.fed, self.policy, self.verifier, self.name)
+        shared = [p.task_id for p in self.fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions,
+                                                                     peer_round)]
+        return ReceiverContext.from_run(self.fed, self.policy, self.verifier, self.name, shared_tasks=shared,
+                                        max_group_size=self.share)
 
     def _local_budget(self, batch: CompletionBatch) -> CompletionBatch:
         """Keep whole groups of my own batch up to ``local_budget`` completions (0 = all)."""

@@ -8,7 +8,10 @@ round. For each frame, on its own (``receive``):
    (max-new-tokens, text lengths, group size), the run's sampling, the tokenizer, ids below the
    receiver's vocabulary. The frame's sequence number is spent once its signature holds.
 2. Not the receiver's own batch relayed back (``own_batch_relayed``).
-3. Task truth (``receiver_copy``), per group: the task id must name a train item of this run
+3. Task truth (``receiver_copy``), per group: with horizontal groups the task id must be one of the
+   round's shared prompts, the receiver's own prompts of that round (``unshared_task``: the sender's
+   word is never taken for it, and a mixed group must not take in another prompt's completions); the
+   task id must name a train item of this run
    (``TaskResolver``: ``eval_task`` / ``unknown_task``), once per batch (``duplicate_task``); the
    prompt must be the receiver's own rendering of that task: same tokenizer, the prompt ids equal
    ``render(task.text)``; another tokenizer, the prompt text equals ``task.text``
@@ -64,6 +67,9 @@ class ReceiverContext:
     render(task_text) -> prompt ids: its chat template applied to a task's text.
     decode(ids) -> text: its tokenizer's decoding (special tokens skipped), as the sender's verifier saw it.
     tokenizer_fp: its tokenizer fingerprint.
+    shared_tasks: horizontal groups: the task ids of the round's shared prompts (its own prompts of
+        the round); a group for any other task is refused (``unshared_task``). None: not checked
+        (vertical groups, where each participant has its own prompts).
     """
 
     name: str
@@ -74,18 +80,22 @@ class ReceiverContext:
     render: Callable[[str], Sequence[int]]
     decode: Callable[[Sequence[int]], str]
     tokenizer_fp: str
+    shared_tasks: frozenset[str] | None = None
 
     @classmethod
-    def from_run(cls, fed, policy, verifier: Verifier, name: str, known_tasks=None, **bounds) -> "ReceiverContext":
+    def from_run(cls, fed, policy, verifier: Verifier, name: str, known_tasks=None, shared_tasks=None,
+                 **bounds) -> "ReceiverContext":
         """A participant's context: run ``fed`` (FederationConfig), its ``policy`` (tokenizer, template,
         vocabulary), its ``verifier``. known_tasks: benchmark train items it loaded (TaskResolver.known);
+        shared_tasks: the round's shared task ids (horizontal groups) or None;
         ``bounds``: overrides of ``ReceiveBounds.from_run``."""
         tok = policy.tokenizer
         return cls(name=name, bounds=ReceiveBounds.from_run(fed, policy.vocab_size, **bounds),
                    tasks=TaskResolver(tuple(fed.task.families), int(fed.task.seed), dict(known_tasks or {})),
                    verifier=verifier, reverify=fed.reverify, render=policy.format_prompt,
                    decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
-                   tokenizer_fp=policy.tokenizer_fp)
+                   tokenizer_fp=policy.tokenizer_fp,
+                   shared_tasks=frozenset(shared_tasks) if shared_tasks is not None else None)
 
 
 @dataclass
@@ -129,6 +139,9 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
         if g.task_id in seen:
             raise BatchValidationError("duplicate_task", f"{where}.task_id={g.task_id!r}: appears twice in one batch")
         seen.add(g.task_id)
+        if ctx.shared_tasks is not None and g.task_id not in ctx.shared_tasks:
+            raise BatchValidationError("unshared_task", f"{where}.task_id={str(g.task_id)[:64]!r}: not one of this "
+                                                        "round's shared prompts (advantage-groups=horizontal)")
         try:
             task = ctx.tasks.resolve(g.task_id)
         except TaskRefused as e:

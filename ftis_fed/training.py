@@ -113,8 +113,9 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
         (down-weighting after reward disagreement), applied after normalisation.
 
     Advantage groups: ``vertical``, each (batch, group); ``horizontal``, every completion of the
-    same task id, across senders (the mixed group of the paper's horizontal mode; the schedule must
-    give participants the same prompts for groups to mix: ``advantage_group_metrics`` counts them).
+    same task id, across senders (the mixed group of the paper's horizontal mode: participants take
+    the round's shared prompts, each its share of G, and receivers refuse peers' groups of other
+    tasks; ``advantage_group_metrics`` counts mixed and unshared groups).
     """
     rows: list[dict] = []
     local_only = MODES[cfg.mode].local_only

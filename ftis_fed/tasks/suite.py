@@ -15,8 +15,11 @@ Partitions decide which *mixture* of in-distribution sub-families each participa
   its prompts come from that sub-family, the rest uniformly from the others (``skew=1``: only its own).
 - ``dirichlet``: mixture weights ~ Dirichlet(alpha), seeded per participant (the usual non-IID
   federated benchmark; small alpha = more skewed).
-- ``shared``: every participant gets the *same* prompts each round (for "horizontal" advantage groups,
-  where all participants complete the same task).
+- ``shared``: every participant gets the *same* prompts each round (the paper's "horizontal" mode,
+  where each participant generates its share of every prompt's group).
+- ``auto`` (the run-config default): ``shared`` when the run's ``advantage-groups`` is
+  ``horizontal``, else ``iid``; ``FederationConfig`` resolves it, so a run never sees ``auto``
+  (a bare ``TaskSpec("auto")`` draws like ``iid``).
 
 Within a round, participants never share an instance (except under ``shared``), and no instance
 repeats across rounds: the train index of prompt j of participant p in round r is
@@ -37,7 +40,7 @@ from ..prompt import Prompt
 from .families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
 
 SPLITS = ("train", "eval")
-SCHEMES = ("iid", "expertise", "dirichlet", "shared")
+SCHEMES = ("auto", "iid", "expertise", "dirichlet", "shared")
 
 #: Rejection-sampling budget per instance (the eval split accepts ~1 draw in 5).
 _MAX_DRAWS = 10_000
@@ -121,8 +124,11 @@ def make_tasks(family: str, split: str, n: int, seed: int = 0, distinct: bool = 
 class TaskSpec:
     """What a participant trains on; each field is a Flower run-config key (``knob``)."""
 
-    scheme: str = knob("task-scheme", "iid", "how the ID sub-families are split among participants, one of "
-                       "``SCHEMES``: iid, expertise, dirichlet, shared.")
+    scheme: str = knob("task-scheme", "auto", """
+        how the ID sub-families are split among participants, one of ``SCHEMES``: iid, expertise,
+        dirichlet, shared (every participant gets the same prompts each round), or auto (shared with
+        ``advantage-groups = horizontal``, else iid). Horizontal groups require shared prompts: any
+        other explicit scheme with them is a config error.""")
     families: tuple[str, ...] = knob("task-families", ID_FAMILIES,
                                      'comma-separated in-distribution sub-families to mix ("" = all: ``ID_FAMILIES``).')
     skew: float = knob("task-skew", 1.0, """
@@ -154,7 +160,7 @@ class TaskSpec:
         """Participant ``partition_id``'s sampling weights over ``families`` (they sum to 1)."""
         _check_partition(partition_id, num_partitions)
         fams, F = self.families, len(self.families)
-        if self.scheme in ("iid", "shared") or F == 1:
+        if self.scheme in ("auto", "iid", "shared") or F == 1:
             w = np.full(F, 1.0 / F)
         elif self.scheme == "expertise":
             own = partition_id % F
