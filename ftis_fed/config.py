@@ -149,12 +149,23 @@ class FederationConfig:
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
         self._resolve_horizontal()
+        if self.task.source != "procedural":                    # the train file must load now, not mid-run
+            self.task.train_pool()
+        if self.task.source == "math500" or self.task.math500_data:
+            from .symbolic import require_math_verify
+
+            try:
+                require_math_verify()
+            except ImportError as e:
+                raise ValueError(f"math500-data={self.task.math500_data!r}: {e}") from None
         if self.eval_every > 0:                                 # the held-out sets must exist: fail now, not mid-run
             try:
                 self.eval_sets()
             except ValueError as e:
+                trained = (f"task-families={','.join(self.task.families)}" if self.task.source == "procedural"
+                           else f"task-source={self.task.source}")
                 raise ValueError(f"eval-size={self.eval_size} / eval-ood-size={self.eval_ood_size} with "
-                                 f"task-families={','.join(self.task.families)}: {e}") from None
+                                 f"{trained}: {e}") from None
 
     def _resolve_horizontal(self) -> None:
         """``task-scheme = auto`` -> ``shared`` with horizontal groups, else ``iid``; horizontal groups
@@ -192,11 +203,31 @@ class FederationConfig:
         return share
 
     def eval_sets(self) -> dict:
-        """The held-out sets every participant evaluates on: ID = the families trained on."""
+        """The held-out sets every participant evaluates on. ``id``: the held-out part of what is
+        trained on (the families' eval split, GSM8K test, or MATH-500's eval split; ``eval-size``
+        items, an error if there are fewer). OOD: the procedural OOD families (``eval-ood-size``
+        each) when training on procedural tasks or when no other benchmark file is given; a
+        benchmark not trained on whose file is given (``gsm8k``: its test file; ``math500``: all of
+        it), at most ``eval-ood-size`` (0: ``eval-size``) items."""
+        from .tasks.benchmarks import eval_pool
         from .tasks.suite import eval_sets
 
-        return eval_sets(self.eval_size, seed=self.task.seed, id_families=self.task.families,
-                         n_ood=self.eval_ood_size or None)
+        t, n_ood = self.task, self.eval_ood_size or self.eval_size
+        others = {b: path for b, path in (("gsm8k", t.gsm8k_data), ("math500", t.math500_data))
+                  if path and b != t.source}
+        if t.source == "procedural":
+            sets = eval_sets(self.eval_size, seed=t.seed, id_families=t.families, n_ood=self.eval_ood_size or None)
+        else:
+            held = eval_pool(t.source, t.benchmark_path, int(t.math500_eval_percent), True)
+            if len(held) < self.eval_size:
+                raise ValueError(f"the {t.source} held-out set has {len(held)} items, fewer than {self.eval_size}")
+            sets = {"id": list(held[:self.eval_size])}
+            if not others:
+                sets.update({k: v for k, v in eval_sets(1, t.seed, id_families=t.families,
+                                                        n_ood=self.eval_ood_size or None).items() if k != "id"})
+        for b, path in others.items():
+            sets[b] = list(eval_pool(b, path, int(t.math500_eval_percent), False)[:n_ood])
+        return sets
 
     @property
     def sampling(self) -> SamplingParams:
@@ -578,7 +609,8 @@ def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]
     rc, nc = dict(run_config), dict(node_config)
     for cfg in (rc, nc):
         for k in list(cfg):
-            if (k in ("output-dir", "keys-dir", "state-dir") or k.endswith(("-keys-dir", "-state-dir"))) and cfg[k]:
+            if (k in ("output-dir", "keys-dir", "state-dir", "gsm8k-data", "math500-data")
+                    or k.endswith(("-keys-dir", "-state-dir"))) and cfg[k]:
                 cfg[k] = str(Path(str(cfg[k])).resolve())
     return rc, nc
 

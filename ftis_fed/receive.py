@@ -86,12 +86,15 @@ class ReceiverContext:
     def from_run(cls, fed, policy, verifier: Verifier, name: str, known_tasks=None, shared_tasks=None,
                  **bounds) -> "ReceiverContext":
         """A participant's context: run ``fed`` (FederationConfig), its ``policy`` (tokenizer, template,
-        vocabulary), its ``verifier``. known_tasks: benchmark train items it loaded (TaskResolver.known);
+        vocabulary), its ``verifier``. known_tasks: benchmark train items it loaded (TaskResolver.known;
+        None: ``fed.task.known_tasks()``, its own copy of the run's benchmark file);
         shared_tasks: the round's shared task ids (horizontal groups) or None;
         ``bounds``: overrides of ``ReceiveBounds.from_run``."""
         tok = policy.tokenizer
         return cls(name=name, bounds=ReceiveBounds.from_run(fed, policy.vocab_size, **bounds),
-                   tasks=TaskResolver(tuple(fed.task.families), int(fed.task.seed), dict(known_tasks or {})),
+                   tasks=TaskResolver(tuple(fed.task.families), int(fed.task.seed),
+                                      dict(fed.task.known_tasks() if known_tasks is None else known_tasks),
+                                      fed.task.source),
                    verifier=verifier, reverify=fed.reverify, render=policy.format_prompt,
                    decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
                    tokenizer_fp=policy.tokenizer_fp,

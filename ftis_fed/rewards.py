@@ -10,7 +10,9 @@ Pieces, bottom up:
   last ``####``), ``extract_last_number``; ``extract_answer`` tries several in order.
 - equivalence: ``parse_number`` (``1,234``, ``-3``, ``0.50``, ``3/4``, ``\\frac{3}{4}``, ``$18``,
   ``42.``, ``18 dollars`` ...) to an exact ``Fraction``; ``answers_match`` compares numerically when
-  both sides parse, otherwise as normalised LaTeX strings (element-wise for tuples).
+  both sides parse, otherwise as normalised LaTeX strings (element-wise for tuples). MATH-500's
+  rule adds math-verify (``ftis_fed.symbolic``, bounded per answer) for non-integer references
+  the exact path calls different.
 - rules: a :class:`RewardRule` per task family (which extractors, which format check, whether the
   format is required); :class:`Verifier` maps a task id's family prefix (``add30/train/0/17`` ->
   ``add30``) to its rule.
@@ -178,6 +180,12 @@ def _same_leaf_or_split(pred: str, ref: str, depth: int, rel_tol: float, work: l
     return False
 
 
+def is_integer_answer(ref: str | None) -> bool:
+    """The reference is one integer (``42``, ``-3``, ``1,234``, ``\boxed{7}``): the exact path decides."""
+    v = parse_number(ref)
+    return v is not None and v.denominator == 1
+
+
 # ----------------------------------------------------------------------------- format checks
 
 def is_bare_number(text: str) -> bool:
@@ -211,6 +219,9 @@ class RewardRule:
     conversational: with ``fn``, pass prompt and completion as chat messages
         (``[{"role": "assistant", "content": text}]``), as TRL's own reward functions expect (True);
         False passes plain strings.
+    symbolic: when the exact comparison (``answers_match``) says "different" and the reference is
+        not an integer, ask math-verify (``ftis_fed.symbolic.symbolic_equal``: a helper process,
+        bounded time per answer). Integer references always take the exact path alone.
     """
 
     extract: tuple[str, ...] = ("boxed", "gsm8k", "last_number")
@@ -219,6 +230,7 @@ class RewardRule:
     format_bonus: float = 0.0
     fn: RewardFn | None = None
     conversational: bool = True
+    symbolic: bool = False
 
     def __post_init__(self) -> None:
         for name in self.extract:
@@ -245,7 +257,12 @@ class RewardRule:
             value = value if math.isfinite(value) else 0.0
             return value > 0, value
         fmt_ok = FORMATS[self.format](completion)
-        correct = answers_match(extract_answer(completion, self.extract), reference)
+        pred = extract_answer(completion, self.extract)
+        correct = answers_match(pred, reference)
+        if not correct and self.symbolic and pred is not None and not is_integer_answer(reference):
+            from .symbolic import symbolic_equal                # math-verify, only when needed
+
+            correct = symbolic_equal(pred.strip(), reference.strip())
         solved = correct and (fmt_ok or not self.require_format)
         return solved, (1.0 if solved else 0.0) + (self.format_bonus if fmt_ok else 0.0)
 
@@ -261,7 +278,7 @@ def default_rules() -> dict[str, RewardRule]:
     procedural = RewardRule(extract=("last_number",), format="bare_number")
     rules = {name: procedural for name in FAMILIES}
     rules["gsm8k"] = RewardRule(extract=("gsm8k", "boxed", "last_number"), format="gsm8k")
-    rules["math500"] = RewardRule(extract=("boxed", "last_number"), format="boxed")
+    rules["math500"] = RewardRule(extract=("boxed", "last_number"), format="boxed", symbolic=True)
     return rules
 
 

@@ -13,12 +13,23 @@ Accepted sources, in the order they are tried:
 GSM8K rows have ``question`` and ``answer`` (a worked solution ending ``#### 42``); the reference is
 the text after ``####`` without commas. MATH-500 rows have ``problem``, ``solution``, ``answer``,
 ``subject``, ``level``, ``unique_id``; the reference is ``answer`` (else the last ``\\boxed{}`` of the
-solution). Task ids: ``gsm8k/{split}/{row}`` and ``math500/{unique_id}``.
+solution). Task ids: ``gsm8k/{split}/{row}`` and ``math500/{unique_id}`` (the whole set, evaluation
+only), or ``math500/{train|eval}/{unique_id}`` when MATH-500 is split for training
+(``load_math500(..., split=...)``).
+
+Training on a benchmark (``task-source = gsm8k | math500``, ``train_pool``): GSM8K trains on its
+``train`` file and evaluates on ``test`` (disjoint by construction); MATH-500 has one file, split
+by content: a problem is held out (``eval``) when a hash of its text falls below
+``math500-eval-percent`` (``math500_split_of``), so the two splits never share a problem whatever
+the file order. A receiver rebuilds every train item from its own copy of the file
+(``known_tasks``); nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from functools import lru_cache
 from pathlib import Path
 
 from ..prompt import Prompt
@@ -120,10 +131,31 @@ def load_gsm8k(source: str | Path, split: str = "test", limit: int | None = None
     return out
 
 
+def math500_split_of(problem: str, eval_percent: int) -> str:
+    """``eval`` or ``train``: the MATH-500 split of a problem, from a hash of its text (stable
+    everywhere, independent of the file's order)."""
+    h = int.from_bytes(hashlib.sha256(("math500-split\0" + problem.strip()).encode()).digest()[:8], "big")
+    return "eval" if h % 100 < eval_percent else "train"
+
+
 def load_math500(source: str | Path, limit: int | None = None,
-                 instruction: str = MATH500_INSTRUCTION) -> list[Prompt]:
-    """MATH-500 from ``source`` (file, directory or hub id ``HuggingFaceH4/MATH-500``)."""
-    rows = _limit(_rows(source, ["test.jsonl", "test-*.parquet", "data/test-*.parquet"], None, "test"), limit)
+                 instruction: str = MATH500_INSTRUCTION, split: str | None = None,
+                 eval_percent: int = 20) -> list[Prompt]:
+    """MATH-500 from ``source`` (file, directory or hub id ``HuggingFaceH4/MATH-500``).
+
+    split: None (every problem, ids ``math500/{unique_id}``) or ``train`` / ``eval`` (the problems of
+    that split, ``math500_split_of`` with ``eval_percent``; ids ``math500/{split}/{unique_id}``);
+    ``limit`` applies after the split."""
+    if split not in (None, "train", "eval"):
+        raise ValueError(f"split={split!r}: MATH-500 splits are None (all), 'train' and 'eval'")
+    if not 1 <= int(eval_percent) <= 99:
+        raise ValueError(f"eval_percent={eval_percent!r}: must be in [1, 99]")
+    rows = _rows(source, ["test.jsonl", "test-*.parquet", "data/test-*.parquet"], None, "test")
+    if split is not None:
+        rows = [r for i, r in enumerate(rows)
+                if math500_split_of(_need(r, i, "problem", "math500"), int(eval_percent)) == split]
+    rows = _limit(rows, limit)
+    prefix = "math500/" if split is None else f"math500/{split}/"
     out = []
     for i, row in enumerate(rows):
         problem = _need(row, i, "problem", "math500")
@@ -134,5 +166,49 @@ def load_math500(source: str | Path, limit: int | None = None,
                 raise ValueError(f"math500 row {i}: no 'answer' field and no \\boxed{{}} in 'solution'")
         uid = row.get("unique_id") or str(i)
         text = f"{problem.strip()}\n{instruction}" if instruction else problem.strip()
-        out.append(Prompt(f"math500/{uid}", text, answer.strip()))
+        out.append(Prompt(f"{prefix}{uid}", text, answer.strip()))
     return out
+
+
+#: ``task-source`` values that train on a benchmark file (``procedural`` is the built-in families).
+BENCHMARKS = ("gsm8k", "math500")
+
+
+def local_source(path: str, key: str) -> Path:
+    """``path`` as an existing local file or folder, else a ValueError naming the run-config ``key``
+    (training never downloads: a hub id is not accepted here)."""
+    if not str(path).strip():
+        raise ValueError(f"{key}='': needs the dataset's local file or folder")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"{key}={str(path)!r}: no such file or folder (training reads local files only; "
+                         "nothing is downloaded)")
+    return p
+
+
+@lru_cache(maxsize=16)
+def train_pool(source: str, path: str, eval_percent: int = 20) -> tuple[Prompt, ...]:
+    """The train items of benchmark ``source`` (``gsm8k``: its train file; ``math500``: its train split)
+    at local ``path``, in file order; cached per process. ValueError when the path is missing or
+    the split is empty."""
+    if source == "gsm8k":
+        pool = load_gsm8k(local_source(path, "gsm8k-data"), split="train")
+    elif source == "math500":
+        pool = load_math500(local_source(path, "math500-data"), split="train", eval_percent=eval_percent)
+    else:
+        raise ValueError(f"task-source={source!r}: a benchmark is one of {BENCHMARKS}")
+    if not pool:
+        raise ValueError(f"{source}-data={path!r}: no train items")
+    return tuple(pool)
+
+
+@lru_cache(maxsize=16)
+def eval_pool(source: str, path: str, eval_percent: int = 20, heldout_only: bool = True) -> tuple[Prompt, ...]:
+    """Held-out items of benchmark ``source`` at ``path``: GSM8K ``test``; MATH-500 its ``eval`` split
+    (``heldout_only``: a run that trains on it) or all of it (a run that does not). Cached."""
+    if source == "gsm8k":
+        return tuple(load_gsm8k(local_source(path, "gsm8k-data"), split="test"))
+    if source == "math500":
+        split = "eval" if heldout_only else None
+        return tuple(load_math500(local_source(path, "math500-data"), split=split, eval_percent=eval_percent))
+    raise ValueError(f"task-source={source!r}: a benchmark is one of {BENCHMARKS}")

@@ -6,16 +6,20 @@ completions against that. ``TaskResolver.resolve`` raises :class:`TaskRefused` w
 ``reason``:
 
 - ``eval_task``: the id names held-out material: the ``eval`` split of a procedural family, an
-  out-of-distribution family (evaluation only, any split), GSM8K ``test`` or MATH-500. Training on
-  it would leak held-out items into training.
+  out-of-distribution family (evaluation only, any split), GSM8K ``test``, MATH-500's ``eval``
+  split or unsplit MATH-500 ids (``math500/{unique_id}``, evaluation sets). Training on it would
+  leak held-out items into training.
 - ``unknown_task``: the id does not parse, names no known family, a family or task seed this run
-  does not train on, or a benchmark item this receiver has not loaded itself.
+  does not train on, a procedural task in a run that trains on a benchmark (``source``), or a
+  benchmark item this receiver has not loaded itself.
 
 Procedural ids are ``{family}/{split}/{seed}/{index}`` (canonical decimal, no sign or leading
 zero, at most 18 digits): everything the task is made of follows from the id, so nothing is
-trusted. GSM8K train items (``gsm8k/train/{row}``) can only be rebuilt from a file the receiver
-loaded itself (``known``); it then trusts its own file, and that a row number means the same row
-for the sender (the prompt-text / prompt-ids check catches a different file).
+trusted. GSM8K train items (``gsm8k/train/{row}``) and MATH-500 train items
+(``math500/train/{unique_id}``) can only be rebuilt from a file the receiver loaded itself
+(``known``: ``TaskSpec.known_tasks()``, from its own ``gsm8k-data`` / ``math500-data``); it then
+trusts its own file (text and reference), and that a row number means the same row for the sender
+(the prompt-text / prompt-ids check catches a different file).
 """
 
 from __future__ import annotations
@@ -50,11 +54,13 @@ class TaskResolver:
     seed: the run's task seed (``task-seed``); honest senders draw every instance with it.
     known: task id -> Prompt for train items of file-based benchmarks this receiver loaded itself
         (e.g. ``{p.task_id: p for p in load_gsm8k(path, "train")}``); empty by default.
+    source: the run's ``task-source``; a run that trains on a benchmark refuses procedural ids.
     """
 
     families: tuple[str, ...]
     seed: int
     known: Mapping[str, Prompt] = field(default_factory=dict)
+    source: str = "procedural"
 
     def resolve(self, task_id: str) -> Prompt:
         """The receiver's own Prompt for ``task_id``; TaskRefused (``eval_task`` / ``unknown_task``) otherwise."""
@@ -64,7 +70,13 @@ class TaskResolver:
         parts = task_id.split("/")
         family = parts[0]
         if family == "math500":
-            raise TaskRefused("eval_task", f"task_id={task_id!r}: MATH-500 is an evaluation set")
+            if len(parts) < 3 or parts[1] != "train":
+                raise TaskRefused("eval_task", f"task_id={task_id!r}: MATH-500 outside its train split is an "
+                                               "evaluation set")
+            if task_id in self.known:
+                return self.known[task_id]
+            raise TaskRefused("unknown_task", f"task_id={task_id!r}: this receiver has not loaded that "
+                                              "benchmark item, so it cannot check it")
         if family == "gsm8k":
             if len(parts) == 3 and parts[1] == "test":
                 raise TaskRefused("eval_task", f"task_id={task_id!r}: GSM8K test is an evaluation set")
@@ -74,6 +86,9 @@ class TaskResolver:
                                               "benchmark item, so it cannot check it")
         if family not in FAMILIES:
             raise TaskRefused("unknown_task", f"task_id={task_id!r}: family {family[:32]!r} is unknown")
+        if self.source != "procedural":
+            raise TaskRefused("unknown_task", f"task_id={task_id!r}: this run trains on {self.source}, not on "
+                                              "procedural tasks")
         if len(parts) != 4 or not all(_DECIMAL.fullmatch(x) for x in parts[2:]):
             raise TaskRefused("unknown_task", f"task_id={task_id!r}: must be <family>/<split>/<seed>/<index> "
                                               "with decimal seed and index")

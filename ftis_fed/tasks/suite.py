@@ -24,6 +24,10 @@ Partitions decide which *mixture* of in-distribution sub-families each participa
 Within a round, participants never share an instance (except under ``shared``), and no instance
 repeats across rounds: the train index of prompt j of participant p in round r is
 ``(r * num_partitions + p) * k + j``.
+
+``task-source = gsm8k | math500`` trains on a local benchmark file instead (``benchmarks.train_pool``):
+the pool in a fixed ``task-seed`` order, slot ``r * P + p`` (``iid``) or ``r`` (``shared``), k items per
+slot, wrapping around when the pool is used up; only ``iid`` and ``shared`` apply.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from ..knobs import knob
 from ..prompt import Prompt
+from .benchmarks import BENCHMARKS, train_pool
 from .families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
 
 SPLITS = ("train", "eval")
@@ -137,6 +143,23 @@ class TaskSpec:
     alpha: float = knob("task-alpha", 0.5, "``dirichlet`` only: concentration, > 0 (smaller = more skewed).")
     seed: int = knob("task-seed", 0, "seeds instances and mixtures, >= 0.")
     prompts_per_round: int = knob("prompts-per-round", 4, "k, prompts a participant generates per round, >= 1.")
+    source: str = knob("task-source", "procedural", """
+        what participants train on: ``procedural`` (the task families above), ``gsm8k`` (the train
+        file at ``gsm8k-data``; held-out ID set: its test file) or ``math500`` (the train split of
+        the file at ``math500-data``; held-out ID set: its eval split). Benchmarks take the iid or
+        shared scheme; receivers rebuild every item from their own copy of the file.""")
+    gsm8k_data: str = knob("gsm8k-data", "", """
+        local GSM8K file or folder (``train.jsonl`` / ``test.jsonl``, rows with ``question`` and
+        ``answer`` ending ``#### N``; or the hub repo's parquet layout); '' = none. Needed by
+        ``task-source = gsm8k``; with another source it adds GSM8K test as an OOD set.""")
+    math500_data: str = knob("math500-data", "", """
+        local MATH-500 file or folder (``test.jsonl``, rows with ``problem`` and ``answer``); '' =
+        none. Needed by ``task-source = math500``; with another source all of MATH-500 is an OOD
+        set. Answers are compared with math-verify (``pip install 'ftis-fed[math]'``) except integer
+        ones, which take the exact path.""")
+    math500_eval_percent: int = knob("math500-eval-percent", 20, """
+        ``task-source = math500``: share (percent, 1-99) of MATH-500 held out for evaluation, chosen
+        by a hash of each problem's text (disjoint from the train split).""")
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -155,6 +178,28 @@ class TaskSpec:
         if isinstance(self.prompts_per_round, bool) or int(self.prompts_per_round) != self.prompts_per_round \
                 or self.prompts_per_round < 1:
             raise ValueError(f"task.prompts_per_round={self.prompts_per_round!r}: must be an integer >= 1")
+        if self.source not in ("procedural", *BENCHMARKS):
+            raise ValueError(f"task.source={self.source!r}: must be procedural, {' or '.join(BENCHMARKS)}")
+        if not 1 <= self.math500_eval_percent <= 99:
+            raise ValueError(f"task.math500_eval_percent={self.math500_eval_percent!r}: must be in [1, 99]")
+        if self.source != "procedural" and self.scheme in ("expertise", "dirichlet"):
+            raise ValueError(f"task.scheme={self.scheme!r}: mixes procedural sub-families; with task-source="
+                             f"{self.source} use iid or shared")
+
+    @property
+    def benchmark_path(self) -> str:
+        """The data path of the benchmark trained on ('' for procedural)."""
+        return {"gsm8k": self.gsm8k_data, "math500": self.math500_data}.get(self.source, "")
+
+    def train_pool(self) -> tuple[Prompt, ...]:
+        """The benchmark's train items (``benchmarks.train_pool``, cached); () for procedural tasks."""
+        if self.source == "procedural":
+            return ()
+        return train_pool(self.source, self.benchmark_path, int(self.math500_eval_percent))
+
+    def known_tasks(self) -> dict[str, Prompt]:
+        """task id -> Prompt of every benchmark train item this node loaded (``TaskResolver.known``)."""
+        return {p.task_id: p for p in self.train_pool()}
 
     def mixture(self, partition_id: int, num_partitions: int) -> dict[str, float]:
         """Participant ``partition_id``'s sampling weights over ``families`` (they sum to 1)."""
@@ -176,6 +221,8 @@ class TaskSpec:
         _check_partition(partition_id, num_partitions)
         _check_nonneg("round", round)
         k = int(self.prompts_per_round)
+        if self.source != "procedural":
+            return self._benchmark_prompts(partition_id, num_partitions, round)
         weights = self.mixture(partition_id, num_partitions)
         fams, cdf = list(weights), np.cumsum(list(weights.values()))
         slot = round if self.scheme == "shared" else round * num_partitions + partition_id
@@ -186,6 +233,19 @@ class TaskSpec:
             fam = fams[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(fams) - 1)]
             out.append(task_at(fam, "train", self.seed, slot * k + j))
         return out
+
+    def _benchmark_prompts(self, partition_id: int, num_partitions: int, round: int) -> list[Prompt]:
+        """k items of the benchmark's train pool, in a fixed ``task-seed`` order; slot as for families
+        (shared: the round; else round * P + p), wrapping around the pool when it is used up."""
+        pool = _seeded_order(self.train_pool(), int(self.seed))
+        k = int(self.prompts_per_round)
+        slot = round if self.scheme == "shared" else round * num_partitions + partition_id
+        return [pool[(slot * k + j) % len(pool)] for j in range(min(k, len(pool)))]
+
+
+@lru_cache(maxsize=16)
+def _seeded_order(pool: tuple[Prompt, ...], seed: int) -> tuple[Prompt, ...]:
+    return tuple(sorted(pool, key=lambda p: _stable_int("order", seed, p.task_id)))
 
 
 def _check_partition(partition_id: int, num_partitions: int) -> None:
