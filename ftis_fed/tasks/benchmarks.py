@@ -150,14 +150,14 @@ def load_math500(source: str | Path, limit: int | None = None,
         raise ValueError(f"split={split!r}: MATH-500 splits are None (all), 'train' and 'eval'")
     if not 1 <= int(eval_percent) <= 99:
         raise ValueError(f"eval_percent={eval_percent!r}: must be in [1, 99]")
-    rows = _rows(source, ["test.jsonl", "test-*.parquet", "data/test-*.parquet"], None, "test")
-    if split is not None:
-        rows = [r for i, r in enumerate(rows)
+    rows = list(enumerate(_rows(source, ["test.jsonl", "test-*.parquet", "data/test-*.parquet"], None, "test")))
+    if split is not None:                           # row numbers stay those of the file (ids, errors)
+        rows = [(i, r) for i, r in rows
                 if math500_split_of(_need(r, i, "problem", "math500"), int(eval_percent)) == split]
     rows = _limit(rows, limit)
     prefix = "math500/" if split is None else f"math500/{split}/"
     out = []
-    for i, row in enumerate(rows):
+    for i, row in rows:
         problem = _need(row, i, "problem", "math500")
         answer = row.get("answer")
         if not isinstance(answer, str) or not answer.strip():
