@@ -31,7 +31,7 @@ from ftis_fed.signing import (
     sign_body,
     verify_frame,
 )
-from ftis_fed.wire import HEADER_FIELDS, decode_payload, encode_body, header_offset, parse_header
+from ftis_fed.wire import HEADER_FIELDS, WireOptions, decode_payload, encode_body, header_offset, parse_header
 
 
 def batch(sender: str = "alice", round: int = 1, seq: int = 1) -> CompletionBatch:
@@ -133,7 +133,7 @@ def test_every_flipped_byte_is_rejected(keydir):
                                                                    "tokenizer_fp", "payload", "signature"])
 def test_each_field_tampered_is_rejected(keydir, field):
     keys = load_key_directory(keydir)
-    frame = sign_batch(batch(), load_private_key(keydir / "private" / "alice.key"))
+    frame = sign_batch(batch(), load_private_key(keydir / "private" / "alice.key"), WireOptions(version=1))
     h = parse_header(frame)
     fixed = header_offset("len_tokenizer_fp")[0] + 2                      # strings follow: alice, run-1, smollm2, ...
     strings = {"sender": fixed, "run_id": fixed + 5, "model_id": fixed + 10, "tokenizer_fp": fixed + 17}

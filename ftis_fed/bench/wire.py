@@ -139,6 +139,43 @@ def synthetic_rollouts(prompts, group_size: int, sampling: SamplingParams, seed:
 
 SOURCES = {"policy": policy_rollouts, "transformers": transformers_rollouts, "synthetic": synthetic_rollouts}
 
+ROLLOUTS_FORMAT = "ftis-fed/bench-wire-rollouts/v1"
+
+
+def save_rollouts(rs: RolloutSet, path) -> None:
+    """Write a RolloutSet as JSON (ids as lists, log-probs as exact float32 values) to reuse it."""
+    from pathlib import Path
+
+    s = rs.sampling
+    data = {"format": ROLLOUTS_FORMAT, "model_id": rs.model_id, "tokenizer_fp": rs.tokenizer_fp,
+            "vocab_size": rs.vocab_size,
+            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                         "max_new_tokens": s.max_new_tokens},
+            "rollouts": [{"task_id": r.prompt.task_id, "text": r.prompt.text, "reference": r.prompt.reference,
+                          "prompt_ids": [int(x) for x in r.prompt_ids],
+                          "completion_ids": [[int(x) for x in c] for c in r.completion_ids],
+                          "logprobs": [[float(x) for x in lp] for lp in r.logprobs],
+                          "completion_texts": list(r.completion_texts)} for r in rs.rollouts]}
+    Path(path).write_text(json.dumps(data))
+
+
+def load_rollouts(path) -> RolloutSet:
+    """Read a RolloutSet written by :func:`save_rollouts` (float32 log-probs come back bit-exact)."""
+    from pathlib import Path
+
+    from ..policies.base import Rollout
+    from ..prompt import Prompt
+
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != ROLLOUTS_FORMAT:
+        raise ValueError(f"{path}: format must be {ROLLOUTS_FORMAT!r}")
+    rolls = [Rollout(Prompt(r["task_id"], r["text"], r["reference"]), np.asarray(r["prompt_ids"], dtype=np.int64),
+                     [np.asarray(c, dtype=np.int64) for c in r["completion_ids"]],
+                     [np.asarray(lp, dtype=np.float32) for lp in r["logprobs"]], list(r["completion_texts"]))
+             for r in data["rollouts"]]
+    return RolloutSet(rolls, SamplingParams(**data["sampling"]), data["model_id"], data["tokenizer_fp"],
+                      int(data["vocab_size"]))
+
 
 def rollouts_to_batch(rs: RolloutSet, sender: str = "bench", run_id: str = "bench-run", round: int = 0,
                       seq: int = 0) -> CompletionBatch:
@@ -205,18 +242,29 @@ def time_round_trip(batch: CompletionBatch, options: WireOptions, repeats: int) 
 
 def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int = 8,
                    max_new_tokens: int = 64, temperature: float = 0.7, seed: int = 0,
-                   repeats: int = 20, model: str = "smollm2", prompt_set: str = "arithmetic") -> dict:
+                   repeats: int = 20, model: str = "smollm2", prompt_set: str = "arithmetic",
+                   rollouts_file: str | None = None) -> dict:
     """Generate rollouts from ``source`` and measure the wire format on them -> one result dict.
 
     ``bytes_per_token`` is the frame WITHOUT texts (what a receiver with the sender's tokenizer is
     relayed), ``bytes_per_token_with_texts`` the frame WITH texts (a receiver with another
-    tokenizer); ``fixed_bytes`` = header + signature, the part that does not grow with tokens."""
+    tokenizer); ``fixed_bytes`` = header + signature, the part that does not grow with tokens.
+    ``rollouts_file``: reuse the rollouts saved there (``generate_s`` is then 0), or generate and
+    save them there when the file does not exist yet."""
+    from pathlib import Path
+
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     prompts = PROMPT_SETS[prompt_set](n_prompts, seed)
     kwargs = {} if source == "synthetic" else {"model": model}
     t0 = time.perf_counter()
-    rs = SOURCES[source](prompts, group_size, sampling, seed, **kwargs)
-    gen_s = time.perf_counter() - t0
+    if rollouts_file and Path(rollouts_file).exists():
+        rs = load_rollouts(rollouts_file)
+        gen_s = 0.0
+    else:
+        rs = SOURCES[source](prompts, group_size, sampling, seed, **kwargs)
+        gen_s = time.perf_counter() - t0
+        if rollouts_file:
+            save_rollouts(rs, rollouts_file)
     batch = rollouts_to_batch(rs)
     N = batch.num_completion_tokens
     key = Ed25519PrivateKey.generate()
@@ -261,12 +309,14 @@ def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=20, help="timed encode/sign/verify/decode round trips")
+    ap.add_argument("--rollouts-file", default=None,
+                    help="JSON file of rollouts: reused when it exists, else written after generating")
 
 
 def run_cli(a: argparse.Namespace) -> int:
     """Handler: print the bench's one JSON line."""
     print(json.dumps(run_bench_wire(a.source, a.prompts, a.group_size, a.max_new_tokens, a.temperature,
-                                    a.seed, a.repeats, a.model, a.prompt_set)))
+                                    a.seed, a.repeats, a.model, a.prompt_set, a.rollouts_file)))
     return 0
 
 

@@ -1,0 +1,84 @@
+"""The packaged zstd dictionary of wire format v2: small frames without paying for zstd's tables.
+
+A default-run frame holds ~235 completion tokens; zstd alone spends a good part of such a payload
+on describing its entropy tables (Huffman literals, FSE sequences) and has no earlier data to
+match. A dictionary carries both, trained once on SmolLM2 rollouts of the task suite (never the
+bench's own prompts: rounds 2..19, see ``train``). Frames name it by ``dict_id`` in the header;
+the encoder keeps the dictionary-compressed payload only when it is smaller (it is for small
+frames; large ones hardly differ). Every participant must hold the same bytes: the file ships
+with the package and is checked against its SHA-256 when first loaded, so a changed file fails
+loudly instead of decoding peers' frames into garbage.
+
+    python -m ftis_fed.wiredict train OUT.zdict ROLLOUTS.json ...   # ftis-fed bench wire --rollouts-file
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+
+import zstandard as zstd
+
+#: dict_id -> (file under ftis_fed/data, SHA-256 of its bytes). Ids are never reused for new bytes.
+DICTIONARIES = {
+    1: ("wire-smollm2-v1.zdict", "189c37b34a26e4712ecde2b65f5803cee23fbc538d114026f477ccc14a0ed37a"),
+}
+#: The dictionary encoders try by default.
+DEFAULT = 1
+_DATA = Path(__file__).parent / "data"
+
+
+@lru_cache(maxsize=None)
+def dictionary(dict_id: int) -> zstd.ZstdCompressionDict:
+    """The packaged dictionary ``dict_id`` (checked against its SHA-256); KeyError if unknown."""
+    name, sha = DICTIONARIES[dict_id]
+    raw = (_DATA / name).read_bytes()
+    got = hashlib.sha256(raw).hexdigest()
+    if got != sha:
+        raise RuntimeError(f"wire dictionary {name}: SHA-256 {got}, expected {sha} (the file was changed; "
+                           "every participant must hold the same bytes)")
+    return zstd.ZstdCompressionDict(raw, dict_type=zstd.DICT_TYPE_FULLDICT)
+
+
+def training_samples(batches) -> list[bytes]:
+    """Raw v2 payloads (without prompt ids; with and without texts) of each batch and of each of
+    its groups alone: what the dictionary is trained on."""
+    from .wire import WireOptions, _payload
+
+    out = []
+    for b in batches:
+        parts = [b] + [dataclasses.replace(b, groups=(g,)) for g in b.groups]
+        for texts in (False, True):
+            opts = WireOptions(texts=texts, prompt_ids=False)
+            out += [_payload(p, 2, opts) for p in parts]
+    return out
+
+
+def train(rollout_files, size: int = 8192, dict_id: int = DEFAULT) -> bytes:
+    """A zstd dictionary of ``size`` bytes from rollouts saved by ``ftis-fed bench wire --rollouts-file``."""
+    from .bench.wire import load_rollouts, rollouts_to_batch
+
+    batches = [rollouts_to_batch(load_rollouts(f)) for f in rollout_files]
+    d = zstd.train_dictionary(size, training_samples(batches), dict_id=dict_id, k=16, d=8, level=19)
+    return d.as_bytes()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ftis_fed.wiredict", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train a dictionary from saved rollouts")
+    t.add_argument("out")
+    t.add_argument("rollouts", nargs="+")
+    t.add_argument("--size", type=int, default=8192)
+    a = ap.parse_args(argv)
+    raw = train(a.rollouts, a.size)
+    Path(a.out).write_bytes(raw)
+    print(f"{a.out}: {len(raw)} bytes, sha256 {hashlib.sha256(raw).hexdigest()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
