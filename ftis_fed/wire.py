@@ -727,7 +727,8 @@ class _Reader:
                                offset=self.pos)
         ends = np.flatnonzero(window < 0x80)[:count]                     # last byte of each value
         if ends.size < count:
-            raise _bad("undecodable", f"payload.{what}: {ends.size} of {count} varints before the data ends")
+            raise _bad("undecodable", f"payload.{what}: {ends.size} of {count} varints end within the "
+                                      f"{window.size} bytes left to read (at most 5 bytes each)")
         starts = np.concatenate([[0], ends[:-1] + 1])
         lens = ends - starts + 1
         if int(lens.max()) > 5 or bool(((window[ends] == 0) & (lens > 1)).any()):
