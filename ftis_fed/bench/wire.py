@@ -1,14 +1,18 @@
 """Bench of the wire format on real rollouts: bytes per completion token, everything counted.
 
-Prints ONE JSON line: our frame size per completion token (header, prompt ids, rewards, strings,
-signature: everything) without and with texts, the paper's format on the same rollouts in the same
-run (4-byte ids + float32 log-probs + the same metadata and signature, uncompressed), the maximum
-log-prob error, and the encode+sign+verify+decode throughput.
+Prints ONE JSON line: our frame size per completion token (header, prompt digest, rewards,
+strings, signature: everything) without and with texts, as participants send them (wire v2,
+``wire.send_options``); the v1 frame and the bytes each v2 lever saves on the same rollouts
+(``lever_bytes_saved``: compact header, prompt ids as a digest, packaged zstd dictionary); the
+paper's format on the same rollouts in the same run (4-byte ids + float32 log-probs + the same
+metadata and signature, uncompressed), the maximum log-prob error, and the
+encode+sign+verify+decode throughput.
 
     ftis-fed bench wire                      # 8 prompts x 8 completions x 64 tokens
     ftis-fed bench wire --source synthetic   # no model (smoke test)
     ftis-fed bench wire --prompt-set task --prompts 4 --group-size 4 --max-new-tokens 24
                                              # the default federation's shapes and prompts
+    ftis-fed bench wire ... --rollouts-file /tmp/rollouts.json   # generate once, then reuse
 
 The rollout source is one small function (``SOURCES``): ``policy`` uses the project's policy API
 (``build_policy(PolicyConfig(model=...)).generate``), ``transformers`` plain ``generate`` with
@@ -18,6 +22,7 @@ The rollout source is one small function (``SOURCES``): ``policy`` uses the proj
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -27,11 +32,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..batch import CompletionBatch, SamplingParams
+from ..batch import CompletionBatch, SamplingParams, prompt_ids_digest
 from ..rewards import RewardRule, Verifier
 from ..rollouts import scored_groups
 from ..signing import KeyDirectory, sign_batch, sign_body, verify_frame
-from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header
+from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header, send_options
 
 if TYPE_CHECKING:                       # policies import torch: only the model sources need it
     from ..policies.base import Prompt, Rollout
@@ -193,7 +198,11 @@ def max_logprob_error(a: CompletionBatch, b: CompletionBatch) -> float:
 
 
 def ids_equal(a: CompletionBatch, b: CompletionBatch) -> bool:
-    return all(np.array_equal(ga.prompt_ids, gb.prompt_ids)
+    """Completion ids equal, and prompt ids equal (or, when ``b`` carries only their digest, the
+    digest of ``a``'s prompt ids)."""
+    if b.prompt_digest and b.prompt_digest != prompt_ids_digest([g.prompt_ids for g in a.groups]):
+        return False
+    return all((b.prompt_digest or np.array_equal(ga.prompt_ids, gb.prompt_ids))
                and all(np.array_equal(x, y) for x, y in zip(ga.completion_ids, gb.completion_ids))
                for ga, gb in zip(a.groups, b.groups)) and len(a.groups) == len(b.groups)
 
@@ -248,7 +257,8 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
 
     ``bytes_per_token`` is the frame WITHOUT texts (what a receiver with the sender's tokenizer is
     relayed), ``bytes_per_token_with_texts`` the frame WITH texts (a receiver with another
-    tokenizer); ``fixed_bytes`` = header + signature, the part that does not grow with tokens.
+    tokenizer), both as a participant signs them (``send_options``: wire v2, prompt digest);
+    ``fixed_bytes`` = header + signature, the part that does not grow with tokens.
     ``rollouts_file``: reuse the rollouts saved there (``generate_s`` is then 0), or generate and
     save them there when the file does not exist yet."""
     from pathlib import Path
@@ -268,10 +278,16 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
     batch = rollouts_to_batch(rs)
     N = batch.num_completion_tokens
     key = Ed25519PrivateKey.generate()
-    ours = WireOptions(texts=False)
+    ours = send_options(False)                   # what a participant sends (wire v2, prompt digest)
     frame = sign_batch(batch, key, ours)
-    frame_texts = sign_batch(batch, key, WireOptions(texts=True))
+    frame_texts = sign_batch(batch, key, send_options(True))
     paper = sign_body(encode_body(batch, PAPER_OPTIONS), key)
+    # the levers one at a time, from the v1 frame: compact v2 header, prompt digest, dictionary
+    steps = {"v1": WireOptions(texts=False, version=1), "v2_header": WireOptions(texts=False, dictionary=False),
+             "prompt_digest": WireOptions(texts=False, prompt_ids=False, dictionary=False), "dictionary": ours}
+    sizes = {k: len(sign_batch(batch, key, o)) for k, o in steps.items()}
+    names = list(sizes)
+    frame_v1_texts = sign_batch(batch, key, WireOptions(texts=True, version=1))
     decoded = decode_payload(*verify_frame(frame, {batch.sender: key.public_key()})).validate()
     from ..flower_io import frames_to_record, record_nbytes
 
@@ -286,12 +302,16 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
         "flower_record_bytes_per_token": round(record_nbytes(frames_to_record([frame])) / N, 3),
         "frame_bytes": len(frame), "frame_bytes_with_texts": len(frame_texts), "paper_frame_bytes": len(paper),
         "fixed_bytes": len(frame) - parse_header(frame).payload_len,
-        "payload_bytes": parse_header(frame).payload_len,
+        "payload_bytes": parse_header(frame).payload_len, "dict_id": parse_header(frame).dict_id,
+        "v1_bytes_per_token": round(sizes["v1"] / N, 3), "v1_frame_bytes": sizes["v1"],
+        "v1_bytes_per_token_with_texts": round(len(frame_v1_texts) / N, 3),
+        "lever_bytes_saved": {k: sizes[prev] - sizes[k] for prev, k in zip(names, names[1:])},
+        "run_id_bytes": len(batch.run_id.encode()) + 1,
         "max_logprob_error": max_logprob_error(batch, decoded), "ids_exact": ids_equal(batch, decoded),
         "generate_s": round(gen_s, 1),
     }
     result["zstd_level_bytes_per_token"] = {
-        lvl: round(len(sign_batch(batch, key, WireOptions(texts=False, zstd_level=lvl))) / N, 3) for lvl in (3, 9, 19)}
+        lvl: round(len(sign_batch(batch, key, dataclasses.replace(ours, zstd_level=lvl))) / N, 3) for lvl in (3, 9, 19)}
     result["breakdown_bytes_per_token"] = section_breakdown(batch)
     result.update(time_round_trip(batch, ours, repeats))
     return result
