@@ -9,7 +9,8 @@ frames; large ones hardly differ). Every participant must hold the same bytes: t
 with the package and is checked against its SHA-256 when first loaded, so a changed file fails
 loudly instead of decoding peers' frames into garbage.
 
-    python -m ftis_fed.wiredict train OUT.zdict ROLLOUTS.json ...   # ftis-fed bench wire --rollouts-file
+    python -m ftis_fed.wiredict rollouts DIR             # the 14 training sets (SmolLM2, minutes)
+    python -m ftis_fed.wiredict train OUT.zdict DIR/*.json
 """
 
 from __future__ import annotations
@@ -57,6 +58,30 @@ def training_samples(batches) -> list[bytes]:
     return out
 
 
+#: (partition of 3, round) of the training sets: one per round 2..15, never (0, 1), the bench's.
+TRAINING_SETS = tuple(((r + 2) % 3, r) for r in range(2, 16))
+
+
+def training_rollouts(out_dir, model: str = "smollm2") -> list[Path]:
+    """Generate the dictionary's training rollouts (default run's sampling: 4 task prompts x G=4,
+    24 new tokens, T=0.7; seed 1000 * round + partition) as ``bench wire`` rollout files."""
+    from .batch import SamplingParams
+    from .bench.wire import RolloutSet, save_rollouts
+    from .policies import PolicyConfig, build_policy
+    from .tasks.suite import TaskSpec
+
+    policy = build_policy(PolicyConfig(model=model, seed=0))
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=24)
+    out = []
+    for p, r in TRAINING_SETS:
+        prompts = TaskSpec(prompts_per_round=4).prompts_for_round(p, 3, r)[:4]
+        rolls = policy.generate(prompts, 4, sampling, 1000 * r + p)
+        path = Path(out_dir) / f"p{p}_r{r}.json"
+        save_rollouts(RolloutSet(rolls, sampling, policy.model_id, policy.tokenizer_fp, policy.vocab_size), path)
+        out.append(path)
+    return out
+
+
 def train(rollout_files, size: int = 8192, dict_id: int = DEFAULT) -> bytes:
     """A zstd dictionary of ``size`` bytes from rollouts saved by ``ftis-fed bench wire --rollouts-file``."""
     from .bench.wire import load_rollouts, rollouts_to_batch
@@ -73,7 +98,14 @@ def main(argv=None) -> int:
     t.add_argument("out")
     t.add_argument("rollouts", nargs="+")
     t.add_argument("--size", type=int, default=8192)
+    g = sub.add_parser("rollouts", help="generate the training rollouts into a folder")
+    g.add_argument("out_dir")
     a = ap.parse_args(argv)
+    if a.cmd == "rollouts":
+        Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+        for path in training_rollouts(a.out_dir):
+            print(path)
+        return 0
     raw = train(a.rollouts, a.size)
     Path(a.out).write_bytes(raw)
     print(f"{a.out}: {len(raw)} bytes, sha256 {hashlib.sha256(raw).hexdigest()}")

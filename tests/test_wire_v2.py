@@ -235,3 +235,23 @@ def test_validation_of_digest_batches():
     with pytest.raises(BatchValidationError) as e:
         dataclasses.replace(b, groups=(g,)).validate()                      # ids AND a digest
     assert e.value.reason == "length_mismatch"
+
+
+# ------------------------------------------------------------------------- bench
+
+def test_bench_reports_v2_frames_levers_and_reuses_saved_rollouts(tmp_path):
+    from ftis_fed.bench.wire import load_rollouts, run_bench_wire
+
+    path = tmp_path / "rollouts.json"
+    r = run_bench_wire("synthetic", n_prompts=2, group_size=2, max_new_tokens=16, repeats=1, rollouts_file=str(path))
+    assert path.exists() and r["ids_exact"] and r["max_logprob_error"] <= 2e-3
+    assert set(r["lever_bytes_saved"]) == {"v2_header", "prompt_digest", "dictionary"}
+    assert r["frame_bytes"] == r["v1_frame_bytes"] - sum(r["lever_bytes_saved"].values())
+    assert r["bytes_per_token"] < r["v1_bytes_per_token"] < r["paper_bytes_per_token"]
+    assert r["lever_bytes_saved"]["v2_header"] > 0 and r["lever_bytes_saved"]["prompt_digest"] > 0
+    assert r["fixed_bytes"] + r["payload_bytes"] == r["frame_bytes"] and r["run_id_bytes"] == len("bench-run") + 1
+    again = run_bench_wire("synthetic", n_prompts=2, group_size=2, max_new_tokens=16, repeats=1,
+                           rollouts_file=str(path))
+    assert again["generate_s"] == 0.0 and again["frame_bytes"] == r["frame_bytes"]
+    rs = load_rollouts(path)
+    assert all(lp.dtype == np.float32 for roll in rs.rollouts for lp in roll.logprobs)
