@@ -63,8 +63,9 @@ FLAG_FP_HEX = 0x10     # v2: tokenizer_fp "tok-<16 hex>" stored as its 8 raw byt
 _KNOWN_FLAGS = FLAG_ZSTD | FLAG_TEXTS | FLAG_LOGP_F32
 _KNOWN_FLAGS_V2 = _KNOWN_FLAGS | FLAG_PROMPT_DIGEST | FLAG_FP_HEX
 PROMPT_DIGEST_LEN = 8
-#: v2 tries the packaged zstd dictionary only on payloads up to this size (it pays on small ones).
-DICTIONARY_MAX_RAW = 1 << 20
+#: v2 tries the packaged zstd dictionary only on payloads up to this size (it pays on small ones;
+#: a second level-19 pass over a large payload would cost time for nothing).
+DICTIONARY_MAX_RAW = 64 << 10
 
 LOGP_ESCAPE = 0xFFFF
 MIN_LOGP_FRAC_BITS, MAX_LOGP_FRAC_BITS = 8, 16
@@ -744,7 +745,21 @@ class _Reader:
         return vals.astype(np.int64)
 
     def varint(self, what: str) -> int:
-        return int(self.varints(1, what)[0])
+        """One canonical LEB128 value < 2**32 (<= 5 bytes)."""
+        v = 0
+        for i in range(5):
+            if self.pos >= len(self.buf):
+                raise _bad("undecodable", f"payload.{what}: the data ends inside a varint")
+            b = self.buf[self.pos]
+            self.pos += 1
+            v |= (b & 0x7F) << (7 * i)
+            if not b & 0x80:
+                if b == 0 and i > 0:
+                    raise _bad("undecodable", f"payload.{what}: varint not minimal")
+                if v >= 1 << 32:
+                    raise _bad("undecodable", f"payload.{what}: varint above 2**32")
+                return v
+        raise _bad("undecodable", f"payload.{what}: varint too long (at most 5 bytes)")
 
     def vstr(self, what: str) -> str:
         return _utf8(self.take(self.varint(what), what), f"payload.{what}")

@@ -175,6 +175,12 @@ def test_payload_varints_are_bounded_and_canonical():
         wire._Reader(bytes([0x80] * 5 + [0x01])).varints(1, "x")
     vals = np.array([0, 1, 127, 128, 300, 2 ** 21, 2 ** 32 - 1])
     assert wire._Reader(wire._uvarints(vals)).varints(vals.size, "x").tolist() == vals.tolist()
+    r = wire._Reader(wire._uvarints(vals))
+    assert [r.varint("x") for _ in vals] == vals.tolist()                  # the scalar reader agrees
+    for bad, why in [(b"\x80\x00", "not minimal"), (b"\xff\xff\xff\xff\x10", "above 2"),
+                     (b"\x80" * 5 + b"\x01", "too long"), (b"\x80", "ends inside")]:
+        with pytest.raises(BatchValidationError, match=why):
+            wire._Reader(bad).varint("x")
 
 
 # ------------------------------------------------------------------------- dictionary
