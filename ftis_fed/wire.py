@@ -1,4 +1,4 @@
-"""Completion batches <-> compact, versioned, strictly bounded bytes (wire format v1).
+"""Completion batches <-> compact, versioned, strictly bounded bytes (wire format v2; v1 read).
 
 A *frame* is what travels: ``body || signature`` where ``body = header || payload`` and the
 64-byte Ed25519 signature is made and checked by :mod:`ftis_fed.signing`. This module only lays
@@ -6,7 +6,7 @@ the bytes out and reads them back; it never trusts a length it has not checked a
 :class:`WireLimits` first, and every failure is a :class:`BatchValidationError` (reason
 ``undecodable``, ``unsupported_version`` or ``too_large``).
 
-Header (little-endian, ``_FIXED`` = 88 bytes, then 4 UTF-8 strings of the declared lengths):
+Version 1 header (little-endian, ``_FIXED`` = 88 bytes, then 4 UTF-8 strings of the declared lengths):
 
     magic "FTIS" | version u8 | flags u8 | id_width u8 | logp_frac_bits u8 |
     round u64 | seq u64 | vocab_size u64 | temperature f64 | top_p f64 | top_k u32 |
@@ -28,6 +28,14 @@ Payload (``raw_len`` bytes; zstd-compressed to ``payload_len`` bytes when ``FLAG
                  (values outside [-(0xFFFE / 2**bits), 0], non-finite or positive: kept exactly)
     strings      per group: str task_id, str reference          (str = u32 length + UTF-8)
     texts        FLAG_TEXTS only: per group: str prompt_text, u32 n_texts, n_texts x str
+
+Version 2 (what participants send, ``send_options``; v1 frames are still read): the same sections
+with canonical LEB128 varints for counts, sizes, string lengths and log-prob codes (<= 0xFFFF), a
+compact header (``_header_v2``: magic, version 2, flags, id_width, logp_frac_bits, dict_id, then
+varints / exact decimal reals / strings, the tokenizer fingerprint as 8 raw bytes when it is
+``tok-<16 hex>``), optionally no prompt ids but their 8-byte digest in the header
+(``FLAG_PROMPT_DIGEST``), and zstd optionally with the packaged dictionary ``dict_id``
+(``wiredict``). Layout tables: docs/wire.md.
 
 The fixed-point code has step 2**-bits nats, so the log-prob error is <= 2**-(bits+1): 1.95e-3 at
 the default (and minimum accepted) 8 bits.
@@ -348,7 +356,7 @@ def _payload_v2(batch: CompletionBatch, width: int, opts: WireOptions) -> bytes:
         parts.append(lp.astype("<f4").tobytes())
     else:
         codes, escapes = quantize_logprobs(lp, opts.logp_frac_bits)
-        parts += [_planes(codes), escapes.astype("<f4").tobytes()]
+        parts += [_uvarints(codes), escapes.astype("<f4").tobytes()]          # v2: LEB128 codes
     parts += [_vstr(g.task_id) + _vstr(g.reference) for g in gs]
     if opts.texts:
         for g in gs:
@@ -587,7 +595,7 @@ def _parse_header_v2(frame, limits: WireLimits, signature_len: int) -> WireHeade
         raise _bad("undecodable", f"n_prompt_tokens={n_ptok} in a frame that carries only the prompt digest")
     if not flags & FLAG_ZSTD and payload_len != raw_len:
         raise _bad("undecodable", f"payload_len={payload_len} != raw_len={raw_len} for an uncompressed payload")
-    lp_width = 4 if flags & FLAG_LOGP_F32 else 2
+    lp_width = 4 if flags & FLAG_LOGP_F32 else 1                          # v2 codes: 1..3-byte varints
     min_raw = (n_groups * (3 + (0 if digest_mode else 1)) + 5 * n_compl + width * (n_ptok + n_ctok)
                + lp_width * n_ctok)
     if raw_len < min_raw:
@@ -860,8 +868,14 @@ def _read_logprobs(h: WireHeader, r: _Reader) -> np.ndarray:
     n = h.n_completion_tokens
     if h.flags & FLAG_LOGP_F32:
         return r.array("<f4", n, "logprobs").astype(np.float32)
-    planes = r.array(np.uint8, 2 * n, "logprobs").reshape(2, n)            # (2, N)
-    codes = planes[0].astype(np.uint16) | (planes[1].astype(np.uint16) << 8)
+    if h.version == 2:                                                       # LEB128 codes <= 0xFFFF
+        codes = r.varints(n, "logprob_codes")
+        if n and int(codes.max()) > LOGP_ESCAPE:
+            raise _bad("undecodable", f"payload.logprob_codes: code {int(codes.max())} above {LOGP_ESCAPE}")
+        codes = codes.astype(np.uint16)
+    else:
+        planes = r.array(np.uint8, 2 * n, "logprobs").reshape(2, n)        # (2, N)
+        codes = planes[0].astype(np.uint16) | (planes[1].astype(np.uint16) << 8)
     n_esc = int((codes == LOGP_ESCAPE).sum())
     escapes = r.array("<f4", n_esc, "logprob_escapes").astype(np.float32)
     return dequantize_logprobs(codes, escapes, h.logp_frac_bits)
