@@ -15,7 +15,7 @@ Version 1 header (little-endian, ``_FIXED`` = 88 bytes, then 4 UTF-8 strings of 
     len(sender) u16 | len(run_id) u16 | len(model_id) u16 | len(tokenizer_fp) u16 |
     sender | run_id | model_id | tokenizer_fp
 
-Payload (``raw_len`` bytes; zstd-compressed to ``payload_len`` bytes when ``FLAG_ZSTD``):
+Version 1 payload (``raw_len`` bytes; zstd-compressed to ``payload_len`` bytes when ``FLAG_ZSTD``):
 
     groups       n_groups x (u32 prompt_len, u32 group_size)
     lengths      n_completions x u32                 completion lengths T_i
