@@ -211,7 +211,7 @@ def section_breakdown(batch: CompletionBatch, level: int = 19) -> dict:
     """Bytes per completion token of each part, zstd-compressed on its own (what pays where)."""
     import zstandard as zstd
 
-    from ..wire import _planes, quantize_logprobs
+    from ..wire import _planes, _uvarints, quantize_logprobs
 
     z = zstd.ZstdCompressor(level=level)
     gs = batch.groups
@@ -221,7 +221,7 @@ def section_breakdown(batch: CompletionBatch, level: int = 19) -> dict:
     codes, _ = quantize_logprobs(lp, 8)
     texts = "".join(g.prompt_text + "".join(g.completion_texts) for g in gs).encode()
     parts = {"completion_ids_u16": ids.tobytes(), "logprob_codes_planes": _planes(codes),
-             "logprob_codes_u16": codes.astype("<u2").tobytes(),
+             "logprob_codes_u16": codes.astype("<u2").tobytes(), "logprob_codes_varint": _uvarints(codes),
              "prompt_ids_u16": np.concatenate([g.prompt_ids for g in gs]).astype("<u2").tobytes(),
              "texts": texts}
     return {k: round(len(z.compress(v)) / N, 3) for k, v in parts.items()}
