@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .batch import SamplingParams
-from .wire import FIXED_HEADER_LEN, SIGNATURE_LEN, WireLimits
+from .wire import MAX_HEADER_LEN, SIGNATURE_LEN, WireLimits
 
 #: An honest completion of ``max_new_tokens`` tokens decodes to at most this many characters per
 #: token (SmolLM2's longest token is 16 characters; 32 leaves room for other tokenizers).
@@ -99,8 +99,9 @@ class ReceiveBounds:
 
     @property
     def max_frame_bytes(self) -> int:
-        """Largest signed frame: header (4 strings of <= 1 KiB) + payload (stored raw at worst) + signature."""
-        return FIXED_HEADER_LEN + 4 * 1024 + self.max_raw_bytes + SIGNATURE_LEN
+        """Largest signed frame: header (4 strings of <= 1 KiB, either wire version) + payload (stored
+        raw at worst) + signature."""
+        return MAX_HEADER_LEN + self.max_raw_bytes + SIGNATURE_LEN
 
     def wire_limits(self) -> WireLimits:
         """The wire-format limits these bounds imply (checked from the header, before decompressing)."""

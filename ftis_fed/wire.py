@@ -91,6 +91,10 @@ _HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 _FIXED = _HEADER.size
 #: Bytes of the fixed part of the header (before the four strings).
 FIXED_HEADER_LEN = _FIXED
+#: Longest header of either version with strings of at most 1024 bytes (``WireLimits``' default):
+#: v1 88 + 4 x 1024; v2 9 fixed + 11 varints of <= 10 bytes + 2 reals of <= 9 + 4 strings with a
+#: <= 3-byte length + the 8-byte prompt digest.
+MAX_HEADER_LEN = max(_FIXED + 4 * 1024, 9 + 11 * 10 + 2 * 9 + 4 * (3 + 1024) + 8)
 
 
 def header_offset(name: str) -> tuple[int, str]:
