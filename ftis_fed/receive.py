@@ -13,8 +13,8 @@ round. For each frame, on its own (``receive``):
    prompt must be the receiver's own rendering of that task: same tokenizer, the prompt ids equal
    ``render(task.text)`` (a wire-v2 frame without prompt ids: the digest of every group's
    ``render(task.text)`` equals the batch's ``prompt_digest``, and the rendered ids are used);
-   another tokenizer, the prompt text equals ``task.text`` (``prompt_mismatch``). The group's reference, prompt text and completion texts are replaced by
-   the receiver's own: the task's reference, the task's text, and the texts that will be trained
+   another tokenizer, the prompt text equals ``task.text`` (``prompt_mismatch``). The group's
+   reference, prompt text and completion texts are replaced by the receiver's own: the task's reference, the task's text, and the texts that will be trained
    on (same tokenizer: ``decode`` of the ids, never the carried texts; another tokenizer: the
    carried texts, which are what gets re-tokenized).
 4. Rewards recomputed on that copy (``reverify``: replace / downweight / drop / off), within the
@@ -159,9 +159,10 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
     if digest and acc.token_level:
         own_digest = prompt_ids_digest([g.prompt_ids for g in groups])
         if own_digest != digest:
-            raise BatchValidationError("prompt_mismatch", f"prompt_digest {digest.hex()}: the batch's prompts are not "
-                                                          f"this receiver's renderings of its tasks ({own_digest.hex()}: "
-                                                          "another chat template or system prompt?)")
+            raise BatchValidationError("prompt_mismatch", f"prompt_digest {digest.hex()}: the batch's prompts are "
+                                                          f"not this receiver's renderings of its tasks "
+                                                          f"({own_digest.hex()}: another chat template or system "
+                                                          "prompt?)")
     batch = dataclasses.replace(acc.batch, groups=tuple(groups), prompt_digest=b"" if acc.token_level else digest)
     return batch, truth
 

@@ -43,6 +43,7 @@ the default (and minimum accepted) 8 bits.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ from .batch import (
     BatchValidationError,
     CompletionBatch,
     PromptGroup,
+    PROMPT_DIGEST_LEN,
     SamplingParams,
     prompt_ids_digest,
 )
@@ -70,7 +72,6 @@ FLAG_PROMPT_DIGEST = 0x08  # v2: no prompt ids, an 8-byte digest of them in the 
 FLAG_FP_HEX = 0x10     # v2: tokenizer_fp "tok-<16 hex>" stored as its 8 raw bytes
 _KNOWN_FLAGS = FLAG_ZSTD | FLAG_TEXTS | FLAG_LOGP_F32
 _KNOWN_FLAGS_V2 = _KNOWN_FLAGS | FLAG_PROMPT_DIGEST | FLAG_FP_HEX
-PROMPT_DIGEST_LEN = 8
 #: v2 tries the packaged zstd dictionary only on payloads up to this size (it pays on small ones;
 #: a second level-19 pass over a large payload would cost time for nothing).
 DICTIONARY_MAX_RAW = 64 << 10
@@ -152,9 +153,9 @@ class WireOptions:
 #: The paper's format for comparison: 4-byte ids, float32 log-probs, no compression, no texts.
 PAPER_OPTIONS = WireOptions(texts=False, compress=False, logp="f32", id_width=4, version=1)
 
-#: What a participant sends (``texts`` per variant): v2, prompt ids as a digest, dictionary allowed.
 def send_options(texts: bool) -> WireOptions:
-    """The options a participant signs its batch with: v2 without prompt ids (receivers render them)."""
+    """The options a participant signs its batch with (``texts`` per variant): v2 without prompt ids
+    (receivers render them and check the digest), the packaged dictionary where it pays."""
     return WireOptions(texts=texts, prompt_ids=False)
 
 
@@ -442,7 +443,7 @@ def encode_body(batch: CompletionBatch, options: WireOptions = WireOptions()) ->
     return head + b"".join(enc) + payload
 
 
-_FP_HEX = __import__("re").compile(r"^tok-[0-9a-f]{16}$")
+_FP_HEX = re.compile(r"^tok-[0-9a-f]{16}$")
 
 
 def _header_v2(batch: CompletionBatch, opts: WireOptions, width: int, flags: int, dict_id: int,
@@ -537,7 +538,8 @@ class _HeadCursor:
 
     def take(self, n: int, what: str) -> bytes:
         if self.pos + n > self.end:
-            raise _bad("undecodable", f"header.{what}: needs {n} bytes, {self.end - self.pos} left before the signature")
+            raise _bad("undecodable", f"header.{what}: needs {n} bytes, {self.end - self.pos} left before "
+                                      "the signature")
         out = bytes(self.frame[self.pos:self.pos + n])
         self.pos += n
         return out

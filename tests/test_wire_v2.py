@@ -267,7 +267,8 @@ def test_v2_logprob_codes_above_the_escape_are_refused():
     """v2 log-prob codes are LEB128 varints: a code above 0xFFFF cannot come from quantize_logprobs."""
     v = wire._uvarint
     for code, ok in ((0xFFFE, True), (0x10000, False)):
-        payload = v(1) + v(1) + struct.pack("<f", 0.0) + struct.pack("<H", 7) + v(code) + wire._vstr("t") + wire._vstr("")
+        payload = (v(1) + v(1) + struct.pack("<f", 0.0) + struct.pack("<H", 7) + v(code)     # size, length, reward, id
+                   + wire._vstr("t") + wire._vstr(""))                                    # task id, reference
         frame = v2_head(counts=(1, 1, 0, 1), raw_len=len(payload)) + payload + bytes(SIGNATURE_LEN)
         if ok:
             assert decode_frame(frame).groups[0].logprobs[0][0] == np.float32(-0xFFFE / 256)
