@@ -12,7 +12,9 @@ The batch is immutable and validated on construction: every violation raises
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +113,10 @@ class CompletionBatch:
     vocab_size: the generator's vocabulary size; every token id must be below it.
     sampling: the sampling parameters the log-probs belong to.
     groups: one PromptGroup per prompt.
+    prompt_digest: b"" when every group carries its prompt ids; else the 8-byte
+        :func:`prompt_ids_digest` of the prompt ids the sender generated from, and every group's
+        ``prompt_ids`` is empty (a decoded wire-v2 frame without prompt ids; the receiver renders
+        the prompts itself and checks the digest, ``receive.py``).
     """
 
     sender: str
@@ -122,6 +128,7 @@ class CompletionBatch:
     vocab_size: int
     sampling: SamplingParams
     groups: tuple[PromptGroup, ...]
+    prompt_digest: bytes = b""
 
     @property
     def num_completions(self) -> int:
@@ -165,8 +172,12 @@ class CompletionBatch:
             _fail("too_large", f"batch has {total} completion tokens: limit {max_tokens}")
         mnt = self.sampling.max_new_tokens if max_new_tokens is None else min(max_new_tokens,
                                                                               self.sampling.max_new_tokens)
+        digest = self.prompt_digest
+        if not isinstance(digest, bytes) or len(digest) not in (0, PROMPT_DIGEST_LEN):
+            _fail("bad_header", f"prompt_digest: {len(digest) if isinstance(digest, bytes) else type(digest).__name__}"
+                                f" bytes, must be empty or {PROMPT_DIGEST_LEN}")
         for gi, g in enumerate(self.groups):
-            _validate_group(g, gi, self.vocab_size, mnt)
+            _validate_group(g, gi, self.vocab_size, mnt, bool(digest))
             _validate_sizes(g, gi, max_text_chars, max_prompt_chars, max_string_chars, max_prompt_tokens,
                             max_group_size)
         return self
@@ -180,14 +191,17 @@ def _check_ids(ids: np.ndarray, where: str, vocab_size: int) -> None:
               f"{where}: ids must be in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
 
 
-def _validate_group(g: PromptGroup, gi: int, vocab_size: int, max_new_tokens: int) -> None:
+def _validate_group(g: PromptGroup, gi: int, vocab_size: int, max_new_tokens: int, digest: bool = False) -> None:
     where = f"groups[{gi}]"
     if not isinstance(g.task_id, str) or not g.task_id:
         _fail("missing_field", f"{where}.task_id: must be a non-empty string")
     if not isinstance(g.reference, str):
         _fail("missing_field", f"{where}.reference: must be a string")
     _check_ids(g.prompt_ids, f"{where}.prompt_ids", vocab_size)
-    if g.prompt_ids.size == 0:
+    if digest and g.prompt_ids.size:
+        _fail("length_mismatch", f"{where}.prompt_ids: {g.prompt_ids.size} ids in a batch that carries only "
+                                 "their digest (prompt_digest)")
+    if not digest and g.prompt_ids.size == 0:
         _fail("length_mismatch", f"{where}.prompt_ids: a prompt needs at least one token")
     G = len(g.completion_ids)
     if G < 1:
@@ -237,6 +251,26 @@ def _validate_sizes(g: PromptGroup, gi: int, max_text_chars: int | None, max_pro
             if len(t) > max_text_chars:
                 _fail("text_too_long", f"{where}.completion_texts[{i}] has {len(t)} characters: limit "
                                        f"{max_text_chars} (max-new-tokens x characters per token)")
+
+
+#: Bytes of :func:`prompt_ids_digest`.
+PROMPT_DIGEST_LEN = 8
+_PROMPT_DOMAIN = b"ftis-fed/prompt-ids/v2\0"
+
+
+def prompt_ids_digest(prompts) -> bytes:
+    """8 bytes of SHA-256 over every group's prompt ids, in order (each as u32 count + u32 ids):
+    what a wire-v2 frame without prompt ids carries so that a receiver can check its own rendering
+    of the batch's tasks is the one the sender generated from."""
+    h = hashlib.sha256(_PROMPT_DOMAIN)
+    prompts = list(prompts)
+    h.update(struct.pack("<I", len(prompts)))
+    for p in prompts:
+        a = np.asarray(p, dtype=np.int64).reshape(-1)
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= 1 << 32):
+            _fail("id_out_of_range", "prompt ids must be in [0, 2**32) to be digested")
+        h.update(struct.pack("<I", a.size) + a.astype("<u4").tobytes())
+    return h.digest()[:PROMPT_DIGEST_LEN]
 
 
 def make_group(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .batch import SamplingParams
-from .wire import FIXED_HEADER_LEN, SIGNATURE_LEN, WireLimits
+from .wire import MAX_HEADER_LEN, SIGNATURE_LEN, WireLimits
 
 #: An honest completion of ``max_new_tokens`` tokens decodes to at most this many characters per
 #: token (SmolLM2's longest token is 16 characters; 32 leaves room for other tokenizers).
@@ -86,20 +86,22 @@ class ReceiveBounds:
 
     @property
     def max_raw_bytes(self) -> int:
-        """Largest decompressed payload of an honest frame (wire v1 layout, worst case per field:
-        4-byte ids, f32 log-probs plus an escape each, 4 UTF-8 bytes per character)."""
+        """Largest decompressed payload of an honest frame (worst case per field over wire v1 and v2:
+        4-byte ids, a log-prob code (v2: a LEB128 varint of up to 3 bytes) plus an escaped f32 each,
+        4 UTF-8 bytes per character; v2's varint sizes take no more than v1's u32s)."""
         per_group = (8 + 8 + 8 * self.max_string_chars              # table; task_id + reference
                      + 4 + 4 * self.max_prompt_chars + 4            # prompt text; n_texts
                      + 4 * self.max_prompt_tokens)                  # prompt ids
         per_completion = 4 + 4 + 4 + 4 * self.max_text_chars        # length, reward, text
-        per_token = 4 + 2 + 4                                       # id; u16 code + escaped f32
+        per_token = 4 + 3 + 4                                       # id; code (v2: <= 3 bytes) + escaped f32
         return (self.max_groups * per_group + self.max_completions * per_completion
                 + self.max_completion_tokens * per_token)
 
     @property
     def max_frame_bytes(self) -> int:
-        """Largest signed frame: header (4 strings of <= 1 KiB) + payload (stored raw at worst) + signature."""
-        return FIXED_HEADER_LEN + 4 * 1024 + self.max_raw_bytes + SIGNATURE_LEN
+        """Largest signed frame: header (4 strings of <= 1 KiB, either wire version) + payload (stored
+        raw at worst) + signature."""
+        return MAX_HEADER_LEN + self.max_raw_bytes + SIGNATURE_LEN
 
     def wire_limits(self) -> WireLimits:
         """The wire-format limits these bounds imply (checked from the header, before decompressing)."""

@@ -42,7 +42,7 @@ from .source_weights import SourceAdapter
 from .signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
                       sign_challenge)
 from .training import Trainer, samples_from_batches
-from .wire import WireOptions
+from .wire import send_options
 
 
 def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
@@ -163,7 +163,7 @@ class Participant:
         batch = CompletionBatch(sender=self.name, run_id=fed.run_name, round=round, seq=self.seq,
                                 model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
                                 vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))
-        signed = [sign_batch(batch, self.key, WireOptions(texts=t), max_tokens=fed.max_batch_tokens) for t in variants]
+        signed = [sign_batch(batch, self.key, send_options(t), max_tokens=fed.max_batch_tokens) for t in variants]
         self.own[round] = batch
         frames = [f for t in variants for f in self._attack(batch, round, t)] if self.spec.byzantine else signed
         n_tok = max(1, int(np.sum(lengths)))
@@ -254,7 +254,7 @@ class Participant:
         kinds = parse_kinds(self.spec.byzantine)
         flood = "flood" in kinds and round % 2 == 0
         lies = tuple(k for k in kinds if k != "flood") + (("flood",) if flood else ())
-        frames = hostile_frames(batch, self.key, lies, flood=200, options=WireOptions(texts=texts))
+        frames = hostile_frames(batch, self.key, lies, flood=200, options=send_options(texts))
         self.seq = batch.seq + len(frames) - 1
         return frames
 

@@ -14,9 +14,10 @@ round. For each frame, on its own (``receive``):
    task id must name a train item of this run
    (``TaskResolver``: ``eval_task`` / ``unknown_task``), once per batch (``duplicate_task``); the
    prompt must be the receiver's own rendering of that task: same tokenizer, the prompt ids equal
-   ``render(task.text)``; another tokenizer, the prompt text equals ``task.text``
-   (``prompt_mismatch``). The group's reference, prompt text and completion texts are replaced by
-   the receiver's own: the task's reference, the task's text, and the texts that will be trained
+   ``render(task.text)`` (a wire-v2 frame without prompt ids: the digest of every group's
+   ``render(task.text)`` equals the batch's ``prompt_digest``, and the rendered ids are used);
+   another tokenizer, the prompt text equals ``task.text`` (``prompt_mismatch``). The group's
+   reference, prompt text and completion texts are replaced by the receiver's own: the task's reference, the task's text, and the texts that will be trained
    on (same tokenizer: ``decode`` of the ids, never the carried texts; another tokenizer: the
    carried texts, which are what gets re-tokenized).
 4. Rewards recomputed on that copy (``reverify``: replace / downweight / drop / off), within the
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .batch import BatchValidationError, CompletionBatch
+from .batch import BatchValidationError, CompletionBatch, prompt_ids_digest
 from .bounds import ReceiveBounds
 from .inbox import Accepted, Inbox
 from .reverify import ReverifyConfig, reverify
@@ -137,6 +138,7 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
     is not the receiver's own (see module docstring, step 3)."""
     truth, groups, seen = _Truth(), [], set()
     renders: dict[str, np.ndarray] = {}
+    digest = acc.batch.prompt_digest           # wire v2 without prompt ids: check the receiver's renderings
     for gi, g in enumerate(acc.batch.groups):
         where = f"groups[{gi}]"
         if g.task_id in seen:
@@ -154,13 +156,14 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
             own = renders.get(task.text)
             if own is None:
                 own = renders[task.text] = np.asarray(ctx.render(task.text), dtype=np.int64)
-            if g.prompt_ids.shape != own.shape or not np.array_equal(g.prompt_ids, own):
+            if not digest and (g.prompt_ids.shape != own.shape or not np.array_equal(g.prompt_ids, own)):
                 raise BatchValidationError("prompt_mismatch", f"{where}.prompt_ids: not this receiver's rendering "
                                                               f"of task {g.task_id!r} ({g.prompt_ids.size} ids, "
                                                               f"expected {own.size})")
             texts = tuple(ctx.decode(ids.tolist()) for ids in g.completion_ids)
             if g.completion_texts:
                 truth.texts_disagree += sum(a != b for a, b in zip(texts, g.completion_texts))
+            g = dataclasses.replace(g, prompt_ids=own)
         else:
             if g.prompt_text != task.text:
                 raise BatchValidationError("prompt_mismatch", f"{where}.prompt_text: not the text of task "
@@ -169,7 +172,15 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
         groups.append(dataclasses.replace(g, reference=task.reference, prompt_text=task.text, completion_texts=texts))
         if deadline is not None and time.monotonic() > deadline:
             raise BatchValidationError("time_budget", f"{where}: checking the batch ran past its time budget")
-    return dataclasses.replace(acc.batch, groups=tuple(groups)), truth
+    if digest and acc.token_level:
+        own_digest = prompt_ids_digest([g.prompt_ids for g in groups])
+        if own_digest != digest:
+            raise BatchValidationError("prompt_mismatch", f"prompt_digest {digest.hex()}: the batch's prompts are "
+                                                          f"not this receiver's renderings of its tasks "
+                                                          f"({own_digest.hex()}: another chat template or system "
+                                                          "prompt?)")
+    batch = dataclasses.replace(acc.batch, groups=tuple(groups), prompt_digest=b"" if acc.token_level else digest)
+    return batch, truth
 
 
 def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx: ReceiverContext) -> Received:

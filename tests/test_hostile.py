@@ -109,9 +109,9 @@ def decompressions(monkeypatch):
     calls = []
     real = wire._decompress
 
-    def counting(payload, raw_len):
+    def counting(payload, raw_len, dict_id=0):
         calls.append(raw_len)
-        return real(payload, raw_len)
+        return real(payload, raw_len, dict_id)
     monkeypatch.setattr(wire, "_decompress", counting)
     return calls
 
@@ -244,8 +244,8 @@ def test_cross_tokenizer_texts_are_bounded(policy, rx, decompressions):
 
 
 def test_a_decompression_bomb_is_refused_before_decompressing(policy, rx, decompressions):
-    """A 4 KB signed frame whose payload would decompress to 122 MiB."""
-    body = bytearray(encode_body(honest(policy), WireOptions(texts=False)))
+    """A 4 KB signed frame whose payload would decompress to 122 MiB (v1: fixed header offsets)."""
+    body = bytearray(encode_body(honest(policy), WireOptions(texts=False, version=1)))
     raw_len = 122 << 20
     bomb = zstd.ZstdCompressor(level=3).compress(bytes(raw_len))
     head_len = len(body) - struct.unpack_from("<I", body, wire.header_offset("payload_len")[0])[0]
@@ -428,3 +428,65 @@ def test_bounds_come_from_the_run_config_not_the_header():
     assert limits.max_raw_bytes == b.max_raw_bytes < limits.max_frame_bytes < 1 << 20
     with pytest.raises(ValueError, match="max_groups=0: must be >= 1"):
         ReceiveBounds(vocab_size=None, max_new_tokens=1, max_groups=0, max_group_size=1, max_completion_tokens=1)
+
+
+# ------------------------------------------------------------------------- wire v2: prompt digest
+
+def test_v2_frame_without_prompt_ids_is_checked_by_its_digest_and_gets_the_receivers_rendering(policy, rx):
+    """An honest v2 frame carries only the digest of its prompt ids; the receiver renders the prompts
+    from the task ids, checks the digest, and trains on its own rendering."""
+    b = honest(policy)
+    frame = signed(b, wire.send_options(False))
+    assert wire.parse_header(frame).n_prompt_tokens == 0
+    recv = receive([frame], 1, *rx)
+    assert recv.metrics["offpolicy/accepted"] == 1, recv.metrics
+    got = recv.batches[0]
+    assert got.prompt_digest == b""
+    for g, own in zip(got.groups, b.groups):
+        assert np.array_equal(g.prompt_ids, own.prompt_ids) and g.prompt_ids.size
+
+
+def test_v2_prompt_digest_mismatch_is_prompt_mismatch(policy, rx):
+    """The sender generated from other prompt ids than the receiver's rendering: the digest differs."""
+    t = task_at("add30", "train", 0, 2)
+    junk = np.random.default_rng(0).integers(0, 1000, 40)
+    frame = signed(batch(policy, [group_for(policy, t, ["1"] * 4, prompt_ids=junk)]), wire.send_options(False))
+    assert rejected(receive([frame], 1, *rx), "prompt_mismatch")
+
+
+def test_another_chat_template_with_the_same_tokenizer_is_caught_by_the_digest(policy, rx):
+    """The tokenizer fingerprint covers the vocabulary and special tokens, not the chat template: a
+    sender with the same tokenizer but another system prompt has the receiver's fingerprint, so only
+    the digest of the prompt ids tells the prompts apart."""
+    t = task_at("add30", "train", 0, 2)
+    other = policy.tokenizer.apply_chat_template([{"role": "system", "content": "You are a pirate."},
+                                                  {"role": "user", "content": t.text}],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(other) != policy.format_prompt(t.text)
+    b = batch(policy, [group_for(policy, t, ["1"] * 4, prompt_ids=list(other))])
+    assert b.tokenizer_fp == rx[1].tokenizer_fp
+    assert rejected(receive([signed(b, wire.send_options(False))], 1, *rx), "prompt_mismatch")
+
+
+def test_a_forged_digest_is_prompt_mismatch(policy, rx):
+    """Empty prompt ids and a made-up digest (what a hostile v2 sender can sign): prompt_mismatch."""
+    import dataclasses
+
+    b = honest(policy)
+    forged = dataclasses.replace(b, prompt_digest=bytes(8), groups=tuple(
+        dataclasses.replace(g, prompt_ids=np.zeros(0, np.int64)) for g in b.groups))
+    assert rejected(receive([signed(forged, wire.send_options(False))], 1, *rx), "prompt_mismatch")
+
+
+def test_v2_frame_with_texts_for_another_tokenizer_is_used_at_sequence_level(policy, rx):
+    """Another tokenizer's v2 frame (texts, no prompt ids): checked by its prompt text, as before."""
+    b = dataclasses_replace(honest(policy), tokenizer_fp="tok-other")
+    recv = receive([signed(b, wire.send_options(True))], 1, *rx)
+    assert recv.metrics["offpolicy/accepted"] == 1, recv.metrics
+    assert all(g.prompt_text and g.completion_texts for g in recv.batches[0].groups)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)

@@ -31,7 +31,8 @@ from ftis_fed.signing import (
     sign_body,
     verify_frame,
 )
-from ftis_fed.wire import HEADER_FIELDS, decode_payload, encode_body, header_offset, parse_header
+from ftis_fed.wire import (HEADER_FIELDS, WireOptions, decode_payload, encode_body, header_offset, parse_header,
+                           send_options)
 
 
 def batch(sender: str = "alice", round: int = 1, seq: int = 1) -> CompletionBatch:
@@ -115,10 +116,12 @@ def _reason(frame, keys) -> str:
     return e.value.reason
 
 
-def test_every_flipped_byte_is_rejected(keydir):
-    """Header fields, payload, signature: a single bit flipped anywhere never verifies."""
+@pytest.mark.parametrize("options", [WireOptions(version=1), WireOptions(), send_options(False), send_options(True)])
+def test_every_flipped_byte_is_rejected(keydir, options):
+    """Header fields, payload, signature: a single bit flipped anywhere never verifies (v1, v2 with
+    prompt ids, v2 as participants send it: prompt digest, dictionary)."""
     keys = load_key_directory(keydir)
-    frame = sign_batch(batch(), load_private_key(keydir / "private" / "alice.key"))
+    frame = sign_batch(batch(), load_private_key(keydir / "private" / "alice.key"), options)
     reasons = set()
     for i in range(len(frame)):
         for bit in (0x01, 0x80):
@@ -133,7 +136,7 @@ def test_every_flipped_byte_is_rejected(keydir):
                                                                    "tokenizer_fp", "payload", "signature"])
 def test_each_field_tampered_is_rejected(keydir, field):
     keys = load_key_directory(keydir)
-    frame = sign_batch(batch(), load_private_key(keydir / "private" / "alice.key"))
+    frame = sign_batch(batch(), load_private_key(keydir / "private" / "alice.key"), WireOptions(version=1))
     h = parse_header(frame)
     fixed = header_offset("len_tokenizer_fp")[0] + 2                      # strings follow: alice, run-1, smollm2, ...
     strings = {"sender": fixed, "run_id": fixed + 5, "model_id": fixed + 10, "tokenizer_fp": fixed + 17}

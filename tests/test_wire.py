@@ -20,6 +20,7 @@ from ftis_fed.wire import (
     WireOptions,
     decode_frame,
     header_offset,
+    send_options,
     dequantize_logprobs,
     encode_body,
     id_width_for,
@@ -180,13 +181,18 @@ def test_random_bytes_raise_only_batch_validation_error(data):
         decode_frame(data)
 
 
-_GOOD = frame_of(small_batch())
-_GOOD_RAW = frame_of(small_batch(), WireOptions(compress=False))
+V1 = WireOptions(version=1)
+_GOOD = frame_of(small_batch(), V1)                    # v1: the fixed-offset header tests below poke at it
+_GOOD_RAW = frame_of(small_batch(), WireOptions(compress=False, version=1))
+_GOOD2 = frame_of(small_batch(), send_options(True))                        # v2, digest, dictionary
+_GOOD2_RAW = frame_of(small_batch(), WireOptions(compress=False, prompt_ids=False))
+_GOOD2_IDS = frame_of(small_batch(), WireOptions(dictionary=False))          # v2 with prompt ids, plain zstd
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([_GOOD, _GOOD_RAW]), st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(0, 255)),
-                                                     min_size=1, max_size=4), st.integers(0, 10 ** 6))
+@given(st.sampled_from([_GOOD, _GOOD_RAW, _GOOD2, _GOOD2_RAW, _GOOD2_IDS]),
+       st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(0, 255)), min_size=1, max_size=4),
+       st.integers(0, 10 ** 6))
 def test_mutated_frames_raise_only_batch_validation_error(frame, edits, cut):
     data = bytearray(frame)
     for pos, val in edits:
@@ -220,7 +226,7 @@ def _set(frame: bytes, **fields) -> bytes:
 
 
 @pytest.mark.parametrize("fields,reason", [
-    ({"version": 2}, "unsupported_version"),
+    ({"version": 3}, "unsupported_version"),
     ({"flags": 0x80}, "undecodable"),
     ({"id_width": 3}, "undecodable"),
     ({"logp_frac_bits": 7}, "undecodable"),

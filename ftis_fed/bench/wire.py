@@ -1,14 +1,18 @@
 """Bench of the wire format on real rollouts: bytes per completion token, everything counted.
 
-Prints ONE JSON line: our frame size per completion token (header, prompt ids, rewards, strings,
-signature: everything) without and with texts, the paper's format on the same rollouts in the same
-run (4-byte ids + float32 log-probs + the same metadata and signature, uncompressed), the maximum
-log-prob error, and the encode+sign+verify+decode throughput.
+Prints ONE JSON line: our frame size per completion token (header, prompt digest, rewards,
+strings, signature: everything) without and with texts, as participants send them (wire v2,
+``wire.send_options``); the v1 frame and the bytes each v2 lever saves on the same rollouts
+(``lever_bytes_saved``: compact header, prompt ids as a digest, packaged zstd dictionary); the
+paper's format on the same rollouts in the same run (4-byte ids + float32 log-probs + the same
+metadata and signature, uncompressed), the maximum log-prob error, and the
+encode+sign+verify+decode throughput.
 
     ftis-fed bench wire                      # 8 prompts x 8 completions x 64 tokens
     ftis-fed bench wire --source synthetic   # no model (smoke test)
     ftis-fed bench wire --prompt-set task --prompts 4 --group-size 4 --max-new-tokens 24
                                              # the default federation's shapes and prompts
+    ftis-fed bench wire ... --rollouts-file /tmp/rollouts.json   # generate once, then reuse
 
 The rollout source is one small function (``SOURCES``): ``policy`` uses the project's policy API
 (``build_policy(PolicyConfig(model=...)).generate``), ``transformers`` plain ``generate`` with
@@ -18,6 +22,7 @@ The rollout source is one small function (``SOURCES``): ``policy`` uses the proj
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -27,11 +32,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..batch import CompletionBatch, SamplingParams
+from ..batch import CompletionBatch, SamplingParams, prompt_ids_digest
 from ..rewards import RewardRule, Verifier
 from ..rollouts import scored_groups
 from ..signing import KeyDirectory, sign_batch, sign_body, verify_frame
-from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header
+from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header, send_options
 
 if TYPE_CHECKING:                       # policies import torch: only the model sources need it
     from ..policies.base import Prompt, Rollout
@@ -139,6 +144,43 @@ def synthetic_rollouts(prompts, group_size: int, sampling: SamplingParams, seed:
 
 SOURCES = {"policy": policy_rollouts, "transformers": transformers_rollouts, "synthetic": synthetic_rollouts}
 
+ROLLOUTS_FORMAT = "ftis-fed/bench-wire-rollouts/v1"
+
+
+def save_rollouts(rs: RolloutSet, path) -> None:
+    """Write a RolloutSet as JSON (ids as lists, log-probs as exact float32 values) to reuse it."""
+    from pathlib import Path
+
+    s = rs.sampling
+    data = {"format": ROLLOUTS_FORMAT, "model_id": rs.model_id, "tokenizer_fp": rs.tokenizer_fp,
+            "vocab_size": rs.vocab_size,
+            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                         "max_new_tokens": s.max_new_tokens},
+            "rollouts": [{"task_id": r.prompt.task_id, "text": r.prompt.text, "reference": r.prompt.reference,
+                          "prompt_ids": [int(x) for x in r.prompt_ids],
+                          "completion_ids": [[int(x) for x in c] for c in r.completion_ids],
+                          "logprobs": [[float(x) for x in lp] for lp in r.logprobs],
+                          "completion_texts": list(r.completion_texts)} for r in rs.rollouts]}
+    Path(path).write_text(json.dumps(data))
+
+
+def load_rollouts(path) -> RolloutSet:
+    """Read a RolloutSet written by :func:`save_rollouts` (float32 log-probs come back bit-exact)."""
+    from pathlib import Path
+
+    from ..policies.base import Rollout
+    from ..prompt import Prompt
+
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != ROLLOUTS_FORMAT:
+        raise ValueError(f"{path}: format must be {ROLLOUTS_FORMAT!r}")
+    rolls = [Rollout(Prompt(r["task_id"], r["text"], r["reference"]), np.asarray(r["prompt_ids"], dtype=np.int64),
+                     [np.asarray(c, dtype=np.int64) for c in r["completion_ids"]],
+                     [np.asarray(lp, dtype=np.float32) for lp in r["logprobs"]], list(r["completion_texts"]))
+             for r in data["rollouts"]]
+    return RolloutSet(rolls, SamplingParams(**data["sampling"]), data["model_id"], data["tokenizer_fp"],
+                      int(data["vocab_size"]))
+
 
 def rollouts_to_batch(rs: RolloutSet, sender: str = "bench", run_id: str = "bench-run", round: int = 0,
                       seq: int = 0) -> CompletionBatch:
@@ -156,7 +198,11 @@ def max_logprob_error(a: CompletionBatch, b: CompletionBatch) -> float:
 
 
 def ids_equal(a: CompletionBatch, b: CompletionBatch) -> bool:
-    return all(np.array_equal(ga.prompt_ids, gb.prompt_ids)
+    """Completion ids equal, and prompt ids equal (or, when ``b`` carries only their digest, the
+    digest of ``a``'s prompt ids)."""
+    if b.prompt_digest and b.prompt_digest != prompt_ids_digest([g.prompt_ids for g in a.groups]):
+        return False
+    return all((b.prompt_digest or np.array_equal(ga.prompt_ids, gb.prompt_ids))
                and all(np.array_equal(x, y) for x, y in zip(ga.completion_ids, gb.completion_ids))
                for ga, gb in zip(a.groups, b.groups)) and len(a.groups) == len(b.groups)
 
@@ -165,7 +211,7 @@ def section_breakdown(batch: CompletionBatch, level: int = 19) -> dict:
     """Bytes per completion token of each part, zstd-compressed on its own (what pays where)."""
     import zstandard as zstd
 
-    from ..wire import _planes, quantize_logprobs
+    from ..wire import _planes, _uvarints, quantize_logprobs
 
     z = zstd.ZstdCompressor(level=level)
     gs = batch.groups
@@ -175,7 +221,7 @@ def section_breakdown(batch: CompletionBatch, level: int = 19) -> dict:
     codes, _ = quantize_logprobs(lp, 8)
     texts = "".join(g.prompt_text + "".join(g.completion_texts) for g in gs).encode()
     parts = {"completion_ids_u16": ids.tobytes(), "logprob_codes_planes": _planes(codes),
-             "logprob_codes_u16": codes.astype("<u2").tobytes(),
+             "logprob_codes_u16": codes.astype("<u2").tobytes(), "logprob_codes_varint": _uvarints(codes),
              "prompt_ids_u16": np.concatenate([g.prompt_ids for g in gs]).astype("<u2").tobytes(),
              "texts": texts}
     return {k: round(len(z.compress(v)) / N, 3) for k, v in parts.items()}
@@ -205,25 +251,43 @@ def time_round_trip(batch: CompletionBatch, options: WireOptions, repeats: int) 
 
 def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int = 8,
                    max_new_tokens: int = 64, temperature: float = 0.7, seed: int = 0,
-                   repeats: int = 20, model: str = "smollm2", prompt_set: str = "arithmetic") -> dict:
+                   repeats: int = 20, model: str = "smollm2", prompt_set: str = "arithmetic",
+                   rollouts_file: str | None = None) -> dict:
     """Generate rollouts from ``source`` and measure the wire format on them -> one result dict.
 
     ``bytes_per_token`` is the frame WITHOUT texts (what a receiver with the sender's tokenizer is
     relayed), ``bytes_per_token_with_texts`` the frame WITH texts (a receiver with another
-    tokenizer); ``fixed_bytes`` = header + signature, the part that does not grow with tokens."""
+    tokenizer), both as a participant signs them (``send_options``: wire v2, prompt digest);
+    ``fixed_bytes`` = header + signature, the part that does not grow with tokens.
+    ``rollouts_file``: reuse the rollouts saved there (``generate_s`` is then 0), or generate and
+    save them there when the file does not exist yet."""
+    from pathlib import Path
+
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     prompts = PROMPT_SETS[prompt_set](n_prompts, seed)
     kwargs = {} if source == "synthetic" else {"model": model}
     t0 = time.perf_counter()
-    rs = SOURCES[source](prompts, group_size, sampling, seed, **kwargs)
-    gen_s = time.perf_counter() - t0
+    if rollouts_file and Path(rollouts_file).exists():
+        rs = load_rollouts(rollouts_file)
+        gen_s = 0.0
+    else:
+        rs = SOURCES[source](prompts, group_size, sampling, seed, **kwargs)
+        gen_s = time.perf_counter() - t0
+        if rollouts_file:
+            save_rollouts(rs, rollouts_file)
     batch = rollouts_to_batch(rs)
     N = batch.num_completion_tokens
     key = Ed25519PrivateKey.generate()
-    ours = WireOptions(texts=False)
+    ours = send_options(False)                   # what a participant sends (wire v2, prompt digest)
     frame = sign_batch(batch, key, ours)
-    frame_texts = sign_batch(batch, key, WireOptions(texts=True))
+    frame_texts = sign_batch(batch, key, send_options(True))
     paper = sign_body(encode_body(batch, PAPER_OPTIONS), key)
+    # the levers one at a time, from the v1 frame: compact v2 header, prompt digest, dictionary
+    steps = {"v1": WireOptions(texts=False, version=1), "v2_header": WireOptions(texts=False, dictionary=False),
+             "prompt_digest": WireOptions(texts=False, prompt_ids=False, dictionary=False), "dictionary": ours}
+    sizes = {k: len(sign_batch(batch, key, o)) for k, o in steps.items()}
+    names = list(sizes)
+    frame_v1_texts = sign_batch(batch, key, WireOptions(texts=True, version=1))
     decoded = decode_payload(*verify_frame(frame, {batch.sender: key.public_key()})).validate()
     from ..flower_io import frames_to_record, record_nbytes
 
@@ -238,12 +302,16 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
         "flower_record_bytes_per_token": round(record_nbytes(frames_to_record([frame])) / N, 3),
         "frame_bytes": len(frame), "frame_bytes_with_texts": len(frame_texts), "paper_frame_bytes": len(paper),
         "fixed_bytes": len(frame) - parse_header(frame).payload_len,
-        "payload_bytes": parse_header(frame).payload_len,
+        "payload_bytes": parse_header(frame).payload_len, "dict_id": parse_header(frame).dict_id,
+        "v1_bytes_per_token": round(sizes["v1"] / N, 3), "v1_frame_bytes": sizes["v1"],
+        "v1_bytes_per_token_with_texts": round(len(frame_v1_texts) / N, 3),
+        "lever_bytes_saved": {k: sizes[prev] - sizes[k] for prev, k in zip(names, names[1:])},
+        "run_id_bytes": len(batch.run_id.encode()) + 1,
         "max_logprob_error": max_logprob_error(batch, decoded), "ids_exact": ids_equal(batch, decoded),
         "generate_s": round(gen_s, 1),
     }
     result["zstd_level_bytes_per_token"] = {
-        lvl: round(len(sign_batch(batch, key, WireOptions(texts=False, zstd_level=lvl))) / N, 3) for lvl in (3, 9, 19)}
+        lvl: round(len(sign_batch(batch, key, dataclasses.replace(ours, zstd_level=lvl))) / N, 3) for lvl in (3, 9, 19)}
     result["breakdown_bytes_per_token"] = section_breakdown(batch)
     result.update(time_round_trip(batch, ours, repeats))
     return result
@@ -261,12 +329,14 @@ def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=20, help="timed encode/sign/verify/decode round trips")
+    ap.add_argument("--rollouts-file", default=None,
+                    help="JSON file of rollouts: reused when it exists, else written after generating")
 
 
 def run_cli(a: argparse.Namespace) -> int:
     """Handler: print the bench's one JSON line."""
     print(json.dumps(run_bench_wire(a.source, a.prompts, a.group_size, a.max_new_tokens, a.temperature,
-                                    a.seed, a.repeats, a.model, a.prompt_set)))
+                                    a.seed, a.repeats, a.model, a.prompt_set, a.rollouts_file)))
     return 0
 
 

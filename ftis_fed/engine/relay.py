@@ -77,7 +77,8 @@ def text_variants(mode: str, sender_fp: str, receiver_fps: Sequence[str]) -> tup
 def texts_differ(a: CompletionBatch, b: CompletionBatch) -> str:
     """'' when two batches are the same apart from their texts (prompt_text, completion_texts),
     else the first field that differs (e.g. ``groups[2].logprobs``)."""
-    for f in ("sender", "run_id", "round", "seq", "model_id", "tokenizer_fp", "vocab_size", "sampling"):
+    for f in ("sender", "run_id", "round", "seq", "model_id", "tokenizer_fp", "vocab_size", "sampling",
+              "prompt_digest"):
         if getattr(a, f) != getattr(b, f):
             return f
     if len(a.groups) != len(b.groups):

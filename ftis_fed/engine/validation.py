@@ -142,8 +142,9 @@ def check_frames(frames: Any, limits: ReplyLimits) -> tuple[bytes, ...]:
     return tuple(frames)
 
 
-#: header fields that may differ between the variants of one batch (the texts flag and sizes)
-VARIANT_FREE_FIELDS = frozenset({"flags", "raw_len", "payload_len", "body_len"})
+#: header fields that may differ between the variants of one batch (the texts flag, sizes, and
+#: whether zstd's packaged dictionary paid: wire v2 keeps the smaller payload per variant)
+VARIANT_FREE_FIELDS = frozenset({"flags", "raw_len", "payload_len", "body_len", "dict_id"})
 
 
 def check_variants(frames: tuple[bytes, ...], variants: tuple[bool, ...], limits: ReplyLimits) -> None:
