@@ -2,8 +2,8 @@
 
 A default-run frame holds ~235 completion tokens; zstd alone spends a good part of such a payload
 on describing its entropy tables (Huffman literals, FSE sequences) and has no earlier data to
-match. A dictionary carries both, trained once on SmolLM2 rollouts of the task suite (never the
-bench's own prompts: ``TRAINING_SETS``). Frames name it by ``dict_id`` in the header;
+match. A dictionary carries both, trained once on SmolLM2 rollouts of the task suite under a task seed
+no run uses (``TRAINING_SETS``, ``TRAINING_TASK_SEED``): it never saw a measured prompt. Frames name it by ``dict_id`` in the header;
 the encoder keeps the dictionary-compressed payload only when it is smaller (it is for small
 frames; large ones hardly differ). Every participant must hold the same bytes: the file ships
 with the package and is checked against its SHA-256 when first loaded, so a changed file fails
@@ -25,7 +25,7 @@ import zstandard as zstd
 
 #: dict_id -> (file under ftis_fed/data, SHA-256 of its bytes). Ids are never reused for new bytes.
 DICTIONARIES = {
-    1: ("wire-smollm2-v1.zdict", "3c6ec889bf78769293f40e2b28980f70bed730cd480d4ebbe9138079a2df7d4e"),
+    1: ("wire-smollm2-v1.zdict", "1dda92176e8433042d5899f8201516eb267c39a75f7d798ea7e5810bb6575b9e"),
 }
 #: The dictionary encoders try by default.
 DEFAULT = 1
@@ -58,15 +58,16 @@ def training_samples(batches) -> list[bytes]:
     return out
 
 
-#: (partition of 3, round) of the training sets: one per round 2..19 and 24..47; never round 1
-#: (partition 0 of round 1 is what ``bench wire --prompt-set task`` measures) nor 20..23 (held out
-#: to check the dictionary on prompts it has not seen).
+#: (partition of 3, round) of the training sets: one per round 2..19 and 24..47 ...
 TRAINING_SETS = tuple(((r + 2) % 3, r) for r in (*range(2, 20), *range(24, 48)))
+#: ... of the task suite under this ``task-seed``, which no preset, test or bench uses (they use
+#: 0): the dictionary never saw a prompt that a run or ``bench wire`` measures.
+TRAINING_TASK_SEED = 7
 
 
 def training_rollouts(out_dir, model: str = "smollm2") -> list[Path]:
     """Generate the dictionary's training rollouts (default run's sampling: 4 task prompts x G=4,
-    24 new tokens, T=0.7; seed 1000 * round + partition) as ``bench wire`` rollout files."""
+    24 new tokens, T=0.7; sampling seed 1000 * round + partition; task seed ``TRAINING_TASK_SEED``) as ``bench wire`` rollout files."""
     from .batch import SamplingParams
     from .bench.wire import RolloutSet, save_rollouts
     from .policies import PolicyConfig, build_policy
@@ -76,7 +77,7 @@ def training_rollouts(out_dir, model: str = "smollm2") -> list[Path]:
     sampling = SamplingParams(temperature=0.7, max_new_tokens=24)
     out = []
     for p, r in TRAINING_SETS:
-        prompts = TaskSpec(prompts_per_round=4).prompts_for_round(p, 3, r)[:4]
+        prompts = TaskSpec(prompts_per_round=4, seed=TRAINING_TASK_SEED).prompts_for_round(p, 3, r)[:4]
         rolls = policy.generate(prompts, 4, sampling, 1000 * r + p)
         path = Path(out_dir) / f"p{p}_r{r}.json"
         save_rollouts(RolloutSet(rolls, sampling, policy.model_id, policy.tokenizer_fp, policy.vocab_size), path)
