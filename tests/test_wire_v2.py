@@ -185,16 +185,15 @@ def test_payload_varints_are_bounded_and_canonical():
 
 # ------------------------------------------------------------------------- dictionary
 
-def test_dictionary_is_used_when_smaller_and_checked_against_its_hash(tmp_path, monkeypatch):
+def test_dictionary_is_used_when_smaller_and_checked_against_its_hash(monkeypatch):
     b = small_batch()
     with_dict = parse_header(frame_of(b, send_options(False)))
     plain = parse_header(frame_of(b, WireOptions(texts=False, prompt_ids=False, dictionary=False)))
     assert with_dict.dict_id in (0, wiredict.DEFAULT) and plain.dict_id == 0
     assert with_dict.payload_len <= plain.payload_len
-    name, _ = wiredict.DICTIONARIES[wiredict.DEFAULT]
-    raw = (wiredict._DATA / name).read_bytes()
-    (tmp_path / name).write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
-    monkeypatch.setattr(wiredict, "_DATA", tmp_path)
+    raw = wiredict.raw_bytes(wiredict.DEFAULT)
+    changed = raw[:-1] + bytes([raw[-1] ^ 1])           # one bit of the shipped bytes flipped
+    monkeypatch.setattr(wiredict, "raw_bytes", lambda dict_id: changed)
     wiredict.dictionary.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="SHA-256"):
