@@ -181,7 +181,7 @@ OFFLINE_MODELS["smollm2-d36"] = build_grown
 
 #: The SFT phase of ``smollm2-l20-sft`` (``build_shallow_sft``): reply-only cross-entropy on the ID
 #: families' train split, bare-number replies (``derived.build_sft``).
-SHALLOW_SFT = dict(families=("add30", "sub30"), steps=150, lr=1e-4, batch=16, seed=0)
+SHALLOW_SFT = dict(families=("add30", "sub30"), steps=60, lr=1e-4, batch=8, seed=0)
 
 
 def build_shallow_sft(out: Path, base: str = "smollm2-l20", **kw) -> None:
