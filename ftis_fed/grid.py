@@ -47,6 +47,11 @@ from typing import Callable, Iterable, Sequence
 MODES = ("alone", "noIS", "VIS", "TIS", "F-noIS", "F-VIS", "F-TIS")
 REFERENCE = "F-TIS"
 METRICS = ("eval/id/accuracy", "eval/ood/accuracy")
+#: Training diagnostics the summary averages over rounds and seeds (what each method did to the peers'
+#: samples: how much of the own reward signal there was, how far the peers' samples were, what the
+#: filter dropped).
+DIAGNOSTICS = ("reward/mean", "reward/groups_with_signal", "offpolicy/kl_mean", "offpolicy/ratio_mean",
+               "offpolicy/filtered_frac")
 #: variant name -> extra run-config items of its cells (``MODE+NAME`` in ``--modes``).
 VARIANTS: dict[str, dict] = {"adapt": {"source-adapt": "kl"}}
 
@@ -314,6 +319,30 @@ def summarize(results: Sequence[dict], reference: str = REFERENCE) -> tuple[list
     return summary, paired
 
 
+def train_diagnostics(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """Per method × participant: each ``DIAGNOSTICS`` key averaged over the training rounds of a cell,
+    then mean ± sd over the finished cells (seeds); read from the metrics files."""
+    per: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        rows = [r for r in read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")
+                if r.get("phase") == "train" and not str(r.get("participant", "")).startswith("_")]
+        for p in sorted({r["participant"] for r in rows}):
+            for k in DIAGNOSTICS:
+                vs = [_num(r.get(k)) for r in rows if r["participant"] == p]
+                vs = [v for v in vs if math.isfinite(v)]
+                if vs:
+                    per[(c.method, p)][k].append(statistics.fmean(vs))
+    table = []
+    for (method, p), ks in sorted(per.items(), key=lambda kv: (_method_order(kv[0][0]), kv[0][1])):
+        row = {"method": method, "participant": p}
+        for k in DIAGNOSTICS:
+            row[k + ":mean"], row[k + ":sd"] = _mean_sd(ks.get(k, []))
+        table.append(row)
+    return table
+
+
 def _write_csv(path: Path, rows: Sequence[dict]) -> None:
     cols = list(dict.fromkeys(k for r in rows for k in r))
     with path.open("w", newline="") as f:
@@ -327,7 +356,8 @@ def _pm(mean: float, sd: float) -> str:
 
 
 def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
-                     title: str, initial: dict[str, dict] | None = None) -> str:
+                     title: str, initial: dict[str, dict] | None = None,
+                     diagnostics: Sequence[dict] = ()) -> str:
     initial = initial or {}
     ns = sorted({int(r["eval/id/n"]) for r in results if math.isfinite(r["eval/id/n"])})
     secs = {r["cell"]: r.get("cell_seconds", float("nan")) for r in results}
@@ -368,6 +398,14 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                          f"{r['eval/id/accuracy:ref_wins']}/{r['eval/id/accuracy:ref_losses']} | "
                          f"{_pm(r['eval/ood/accuracy:diff_mean'], r['eval/ood/accuracy:diff_sd'])} | "
                          f"{r['eval/ood/accuracy:ref_wins']}/{r['eval/ood/accuracy:ref_losses']} |")
+        lines.append("")
+    if diagnostics:
+        lines += ["## Training diagnostics (per round, mean ± sd over seeds)", "",
+                  "| method | participant | " + " | ".join(DIAGNOSTICS) + " |",
+                  "|---|---|" + "---|" * len(DIAGNOSTICS)]
+        for r in diagnostics:
+            lines.append(f"| {r['method']} | {r['participant']} | "
+                         + " | ".join(_pm(r[k + ':mean'], r[k + ':sd']) for k in DIAGNOSTICS) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -459,14 +497,17 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str) -> dict:
     results = cell_results(cells, out)
     summary, paired = summarize(results)
     initial = initial_eval(out)
+    diagnostics = train_diagnostics(cells, out)
     _write_csv(out / "cells.csv", results)
     _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd"} for r in summary] +
                [{**r, "kind": "paired_diff"} for r in paired] +
                [{"method": "before-training", "participant": p, "seeds": 1, "kind": "initial",
-                 **{m + ":mean": _num(r.get(m)) for m in METRICS}} for p, r in sorted(initial.items())])
-    (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial))
+                 **{m + ":mean": _num(r.get(m)) for m in METRICS}} for p, r in sorted(initial.items())] +
+               [{**r, "kind": "train_diagnostics"} for r in diagnostics])
+    (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics))
     plot(summary, cells, out)
-    return {"results": results, "summary": summary, "paired": paired, "initial": initial}
+    return {"results": results, "summary": summary, "paired": paired, "initial": initial,
+            "diagnostics": diagnostics}
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -103,7 +103,12 @@ def test_summary_is_computed_from_the_metrics_files(tmp_path):
     out2 = write_summary(cells, tmp_path, "test grid")
     row = {(r["method"], r["participant"]): r for r in out2["summary"]}[("alone", "a")]
     assert row["eval/id/accuracy:mean"] == pytest.approx(statistics.fmean([0.9, 0.31, 0.32]))
+    # training diagnostics: reward/mean is 0.1 * round in every fake cell -> mean over rounds 1, 2 = 0.15
+    diag = {(r["method"], r["participant"]): r for r in out2["diagnostics"]}
+    assert diag[("noIS", "b")]["reward/mean:mean"] == pytest.approx(0.15)
+    assert math.isnan(diag[("noIS", "b")]["offpolicy/kl_mean:mean"])          # not in the files: not invented
     md = (tmp_path / "summary.md").read_text()
+    assert "Training diagnostics" in md
     assert "F-TIS − noIS" in md and "| F-TIS |" in md
     assert (tmp_path / "summary.csv").exists() and (tmp_path / "cells.csv").exists()
     assert (tmp_path / "final_accuracy.png").stat().st_size > 1000
