@@ -73,6 +73,9 @@ class FederationConfig:
     eval_every: int = knob("eval-every", 3, """
         greedy pass@1 on held-out ID/OOD sets before round 1, every k rounds and after the last
         (0 = never).""")
+    eval_initial: bool = knob("eval-initial", True, """
+        evaluate before round 1 too (when eval-every > 0); false skips it, e.g. in ``ftis-fed grid``,
+        where every cell starts from the same models and one cell's round-0 evaluation serves all.""")
     eval_size: int = knob("eval-size", 24, """
         prompts in the held-out ID set (the eval split of task-families), >= 1; checked at start
         against the distinct problems the families have.""")

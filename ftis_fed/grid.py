@@ -40,13 +40,18 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 MODES = ("alone", "noIS", "VIS", "TIS", "F-noIS", "F-VIS", "F-TIS")
 REFERENCE = "F-TIS"
 METRICS = ("eval/id/accuracy", "eval/ood/accuracy")
+#: Training diagnostics the summary averages over rounds and seeds (what each method did to the peers'
+#: samples: how much of the own reward signal there was, how far the peers' samples were, what the
+#: filter dropped).
+DIAGNOSTICS = ("reward/mean", "reward/groups_with_signal", "offpolicy/kl_mean", "offpolicy/ratio_mean",
+               "offpolicy/filtered_frac")
 #: variant name -> extra run-config items of its cells (``MODE+NAME`` in ``--modes``).
 VARIANTS: dict[str, dict] = {"adapt": {"source-adapt": "kl"}}
 
@@ -61,6 +66,9 @@ class Cell:
     seed: int
     variant: str = ""
     extra: tuple[tuple[str, object], ...] = ()
+    #: ``eval-initial`` of this run (None: the preset's). Set by ``run_grid`` when the grid shares one
+    #: initial evaluation; not part of the cell's identity (name, equality).
+    eval_initial: bool | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -77,8 +85,11 @@ class Cell:
         return self.label if self.groups == "vertical" else f"{self.label}/h"
 
     def run_config(self, out_dir: Path) -> dict:
-        return {**dict(self.extra), "loss-mode": self.mode, "advantage-groups": self.groups, "seed": self.seed,
-                "output-dir": str(out_dir)}
+        rc = {**dict(self.extra), "loss-mode": self.mode, "advantage-groups": self.groups, "seed": self.seed,
+              "output-dir": str(out_dir)}
+        if self.eval_initial is not None:
+            rc["eval-initial"] = self.eval_initial
+        return rc
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -150,28 +161,36 @@ Runner = Callable[[Cell, Path, Path], int]
 """runner(cell, cell_dir, log_path) -> exit status (0 = the run completed)."""
 
 
-def sim_runner(app: Path, preset: str, extra: Sequence[str] = ()) -> Runner:
-    """The product path: ``ftis-fed sim --preset <preset> --run-config ...`` in a subprocess, its
-    output going to the cell's ``run.log``."""
+def sim_runner(app: Path, preset: str, extra: Sequence[str] = (), sim_args: Sequence[str] = ()) -> Runner:
+    """The product path: ``ftis-fed sim --preset <preset> [sim_args] --run-config ...`` in a subprocess,
+    its output going to the cell's ``run.log``. The subprocess runs in ``app`` with ``app`` first on
+    PYTHONPATH, so the grid's cells run the code of the tree the grid was started from."""
 
     def run(cell: Cell, cell_dir: Path, log_path: Path) -> int:
         items = [f"{k}={json.dumps(v)}" for k, v in cell.run_config(cell_dir / "run").items()]
-        cmd = [sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(app), "--preset", preset]
+        cmd = [sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(app), "--preset", preset, *sim_args]
         for item in [*extra, *items]:
             cmd += ["--run-config", item]
         with open(log_path, "ab") as log:
             log.write(("+ " + " ".join(cmd) + "\n").encode())
             log.flush()
+            path = os.pathsep.join([str(app), *filter(None, [os.environ.get("PYTHONPATH")])])
             return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=app,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}).returncode
 
     return run
 
 
 def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[str], None] = print,
-             clock: Callable[[], float] = time.monotonic) -> list[Cell]:
+             clock: Callable[[], float] = time.monotonic, shared_initial: bool = False) -> list[Cell]:
     """Run every cell that has no ``done.json``; returns the cells that failed. Progress: cell k of
-    n, elapsed, and an estimate of the rest from the mean time of the cells run so far."""
+    n, elapsed, and an estimate of the rest from the mean time of the cells run so far.
+
+    shared_initial: every cell starts from the same models, so the evaluation before round 1 (greedy,
+    the same held-out prompts) is the same in every cell: only the first cell run while no finished
+    cell in ``out`` has one evaluates before round 1 (``eval-initial``), the others skip it;
+    ``initial_eval`` reads it back for the summary and the curves.
+    """
     out.mkdir(parents=True, exist_ok=True)
     todo = [c for c in cells if not (out / "cells" / c.name / "done.json").exists()]
     if len(todo) < len(cells):
@@ -184,6 +203,8 @@ def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[s
             cell_dir.rename(aside)
             echo(f"[grid] {cell.name}: an unfinished earlier attempt moved to {aside.name}")
         cell_dir.mkdir(parents=True)
+        if shared_initial:
+            cell = replace(cell, eval_initial=not initial_eval(out))
         elapsed = clock() - t0
         eta = f", about {elapsed / (k - 1) * (len(todo) - k + 1) / 60:.0f} min left" if k > 1 else ""
         echo(f"[grid] cell {k}/{len(todo)} {cell.name} (elapsed {elapsed / 60:.1f} min{eta})")
@@ -195,7 +216,8 @@ def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[s
             failed.append(cell)
             echo(f"[grid] {cell.name}: FAILED (exit {status}, {len(rows)} metric rows); see {cell_dir / 'run.log'}")
             continue
-        (cell_dir / "done.json").write_text(json.dumps({"cell": cell.name, "seconds": seconds, "status": status}))
+        (cell_dir / "done.json").write_text(json.dumps({"cell": cell.name, "seconds": seconds, "status": status,
+                                                        "eval_initial": cell.eval_initial}))
         echo(f"[grid] {cell.name}: done in {seconds / 60:.1f} min")
     return failed
 
@@ -209,14 +231,28 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def final_eval(rows: Iterable[dict]) -> dict[str, dict]:
-    """participant -> its evaluation row of the last evaluated round."""
+    """participant -> its evaluation row of the last evaluated round after training (round >= 1; the
+    evaluation before round 1 is never a cell's result)."""
     last: dict[str, dict] = {}
     for r in rows:
-        if r.get("phase") == "eval" and not str(r.get("participant", "")).startswith("_"):
+        if (r.get("phase") == "eval" and int(r.get("round", 0)) >= 1
+                and not str(r.get("participant", "")).startswith("_")):
             p = r["participant"]
             if p not in last or int(r["round"]) >= int(last[p]["round"]):
                 last[p] = r
     return last
+
+
+def initial_eval(out: Path) -> dict[str, dict]:
+    """participant -> its evaluation row before round 1, from the first finished cell in ``out``
+    (any grouping or method: the models before training are the same) that has one; {} if none."""
+    for done in sorted((out / "cells").glob("*/done.json")):
+        rows = [r for r in read_rows(done.parent / "run" / "metrics.jsonl")
+                if r.get("phase") == "eval" and int(r.get("round", -1)) == 0
+                and not str(r.get("participant", "")).startswith("_")]
+        if rows:
+            return {r["participant"]: r for r in rows}
+    return {}
 
 
 def cell_results(cells: Sequence[Cell], out: Path) -> list[dict]:
@@ -224,11 +260,13 @@ def cell_results(cells: Sequence[Cell], out: Path) -> list[dict]:
     metrics.jsonl (nothing is typed in)."""
     table = []
     for c in cells:
-        if not (out / "cells" / c.name / "done.json").exists():
+        done = out / "cells" / c.name / "done.json"
+        if not done.exists():
             continue
+        seconds = _num(json.loads(done.read_text()).get("seconds"))
         for p, r in sorted(final_eval(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")).items()):
             row = {"cell": c.name, "method": c.method, "mode": c.mode, "groups": c.groups, "seed": c.seed,
-                   "participant": p, "round": int(r["round"])}
+                   "participant": p, "round": int(r["round"]), "cell_seconds": seconds}
             for m in METRICS:
                 row[m] = _num(r.get(m))
             row["eval/id/n"] = _num(r.get("eval/id/n"))
@@ -281,6 +319,30 @@ def summarize(results: Sequence[dict], reference: str = REFERENCE) -> tuple[list
     return summary, paired
 
 
+def train_diagnostics(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """Per method × participant: each ``DIAGNOSTICS`` key averaged over the training rounds of a cell,
+    then mean ± sd over the finished cells (seeds); read from the metrics files."""
+    per: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        rows = [r for r in read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")
+                if r.get("phase") == "train" and not str(r.get("participant", "")).startswith("_")]
+        for p in sorted({r["participant"] for r in rows}):
+            for k in DIAGNOSTICS:
+                vs = [_num(r.get(k)) for r in rows if r["participant"] == p]
+                vs = [v for v in vs if math.isfinite(v)]
+                if vs:
+                    per[(c.method, p)][k].append(statistics.fmean(vs))
+    table = []
+    for (method, p), ks in sorted(per.items(), key=lambda kv: (_method_order(kv[0][0]), kv[0][1])):
+        row = {"method": method, "participant": p}
+        for k in DIAGNOSTICS:
+            row[k + ":mean"], row[k + ":sd"] = _mean_sd(ks.get(k, []))
+        table.append(row)
+    return table
+
+
 def _write_csv(path: Path, rows: Sequence[dict]) -> None:
     cols = list(dict.fromkeys(k for r in rows for k in r))
     with path.open("w", newline="") as f:
@@ -294,10 +356,18 @@ def _pm(mean: float, sd: float) -> str:
 
 
 def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
-                     title: str) -> str:
+                     title: str, initial: dict[str, dict] | None = None,
+                     diagnostics: Sequence[dict] = ()) -> str:
+    initial = initial or {}
     ns = sorted({int(r["eval/id/n"]) for r in results if math.isfinite(r["eval/id/n"])})
-    lines = [f"# {title}", "", f"{len({r['cell'] for r in results})} finished cells; "
-             f"final held-out greedy pass@1, mean ± sd over seeds.", ""]
+    secs = {r["cell"]: r.get("cell_seconds", float("nan")) for r in results}
+    secs_ok = [v for v in secs.values() if math.isfinite(v)]
+    lines = [f"# {title}", "", f"{len({r['cell'] for r in results})} finished cells"
+             + (f" ({statistics.fmean(secs_ok) / 60:.1f} min wall per cell on average, "
+                f"{sum(secs_ok) / 3600:.2f} h in all)" if secs_ok else "")
+             + "; final held-out greedy pass@1, mean ± sd over seeds"
+             + ("; *before training*: the shared evaluation before round 1 (the same models in every cell)."
+                if initial else "."), ""]
     if ns:
         se = math.sqrt(0.25 / ns[0])
         lines += [f"ID evaluation set: {', '.join(map(str, ns))} prompts: one cell's standard error is at most "
@@ -310,6 +380,9 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
         lines += [f"## {m}", "", "| method | " + " | ".join(participants) + " |",
                   "|---|" + "---|" * len(participants)]
         cell = {(r["method"], r["participant"]): r for r in summary}
+        if initial:
+            lines.append("| *before training* | " + " | ".join(
+                f"{_num(initial[p].get(m)):.3f}" if p in initial else "–" for p in participants) + " |")
         for meth in methods:
             vals = [_pm(cell[(meth, p)][m + ":mean"], cell[(meth, p)][m + ":sd"]) if (meth, p) in cell else "–"
                     for p in participants]
@@ -325,6 +398,14 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                          f"{r['eval/id/accuracy:ref_wins']}/{r['eval/id/accuracy:ref_losses']} | "
                          f"{_pm(r['eval/ood/accuracy:diff_mean'], r['eval/ood/accuracy:diff_sd'])} | "
                          f"{r['eval/ood/accuracy:ref_wins']}/{r['eval/ood/accuracy:ref_losses']} |")
+        lines.append("")
+    if diagnostics:
+        lines += ["## Training diagnostics (per round, mean ± sd over seeds)", "",
+                  "| method | participant | " + " | ".join(DIAGNOSTICS) + " |",
+                  "|---|---|" + "---|" * len(DIAGNOSTICS)]
+        for r in diagnostics:
+            lines.append(f"| {r['method']} | {r['participant']} | "
+                         + " | ".join(_pm(r[k + ':mean'], r[k + ':sd']) for k in DIAGNOSTICS) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -388,11 +469,17 @@ def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path
 
 
 def _curves(cells: Sequence[Cell], out: Path) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+    """(method, participant, key) -> [(round, mean over seeds)]; a cell without its own evaluation
+    before round 1 gets the grid's shared one (``initial_eval``) as its round-0 point."""
     acc: dict[tuple[str, str, str, int], list[float]] = defaultdict(list)
+    initial = list(initial_eval(out).values())
     for c in cells:
         if not (out / "cells" / c.name / "done.json").exists():
             continue
-        for r in read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"):
+        rows = read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")
+        if not any(r.get("phase") == "eval" and int(r.get("round", -1)) == 0 for r in rows):
+            rows = initial + rows
+        for r in rows:
             if str(r.get("participant", "")).startswith("_"):
                 continue
             for key in ("eval/id/accuracy", "reward/mean"):
@@ -409,12 +496,18 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str) -> dict:
     """cells.csv, summary.csv, summary.md and the figures, all from the cells' metrics files."""
     results = cell_results(cells, out)
     summary, paired = summarize(results)
+    initial = initial_eval(out)
+    diagnostics = train_diagnostics(cells, out)
     _write_csv(out / "cells.csv", results)
     _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd"} for r in summary] +
-               [{**r, "kind": "paired_diff"} for r in paired])
-    (out / "summary.md").write_text(summary_markdown(summary, paired, results, title))
+               [{**r, "kind": "paired_diff"} for r in paired] +
+               [{"method": "before-training", "participant": p, "seeds": 1, "kind": "initial",
+                 **{m + ":mean": _num(r.get(m)) for m in METRICS}} for p, r in sorted(initial.items())] +
+               [{**r, "kind": "train_diagnostics"} for r in diagnostics])
+    (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics))
     plot(summary, cells, out)
-    return {"results": results, "summary": summary, "paired": paired}
+    return {"results": results, "summary": summary, "paired": paired, "initial": initial,
+            "diagnostics": diagnostics}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -437,8 +530,14 @@ def main(a: argparse.Namespace) -> int:
                                                "cells": [c.name for c in cells]}, indent=1))
     print(f"[grid] {len(cells)} cells ({len(modes)} modes × {len(groups)} groupings × {a.seeds} seeds) "
           f"of preset {a.preset} -> {out}", flush=True)
-    failed = [] if a.summary_only else run_grid(cells, out, sim_runner(app, a.preset, a.run_config),
-                                                echo=lambda s: print(s, flush=True))
+    sim_args = ["--keep-superlink"] + (["--address", a.address] if a.address else [])
+    try:
+        failed = [] if a.summary_only else run_grid(cells, out, sim_runner(app, a.preset, a.run_config, sim_args),
+                                                    echo=lambda s: print(s, flush=True),
+                                                    shared_initial=a.initial_eval == "once")
+    finally:
+        if not a.summary_only:
+            _stop_kept_superlink(app, a.address)
     write_summary(cells, out, f"Grid: preset {a.preset}")
     print(f"[grid] summary: {out / 'summary.md'} (+ summary.csv, cells.csv, final_accuracy.png, curves.png)")
     if failed:
@@ -446,6 +545,28 @@ def main(a: argparse.Namespace) -> int:
               "again to retry them", file=sys.stderr)
         return 1
     return 0
+
+
+def _stop_kept_superlink(app: Path, address: str | None) -> None:
+    """Stop the simulation SuperLink the cells kept running between them (``--keep-superlink``: one
+    start per grid instead of one per cell), by the pid its launcher recorded."""
+    import signal
+
+    from .launch import load_flower_toml, own_superlink
+
+    flower = load_flower_toml(app)
+    conn = flower["superlink"].get(flower["superlink"]["default"], {})
+    address = address or conn.get("address")
+    if not conn.get("ftis-managed") or not address:
+        return
+    home = Path(os.environ.get("FLWR_HOME", app / ".flwr")).resolve()
+    pid = own_superlink(home, address)
+    if pid is not None:
+        try:
+            os.killpg(pid, signal.SIGTERM)
+            print(f"[grid] stopped the SuperLink the cells shared (pid {pid}, {address})", flush=True)
+        except ProcessLookupError:
+            pass
 
 
 def add_cli(sub) -> None:
@@ -462,5 +583,11 @@ def add_cli(sub) -> None:
                                     for k, v in VARIANTS.items()))
     p.add_argument("--out", default=None, help="output folder (default outputs/grid-<preset>)")
     p.add_argument("--app", default=".", help="the Flower app folder (default: .)")
+    p.add_argument("--address", default=None,
+                   help="HOST:PORT of the simulation SuperLink the cells share (default: flower.toml's; "
+                        "another one when a federation already runs on that port)")
+    p.add_argument("--initial-eval", choices=("once", "every"), default="once",
+                   help="evaluate before round 1 in one cell only (once: every cell starts from the same "
+                        "models, so the others skip it; the summary and curves use it) or in every cell")
     p.add_argument("--summary-only", action="store_true", help="only (re)write the summary of finished cells")
     p.set_defaults(func=main)

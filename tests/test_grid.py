@@ -31,8 +31,9 @@ def fake_runner(calls: list, fail: set = frozenset()):
         run_dir.mkdir(parents=True)
         rows = []
         for p in ("a", "b"):
-            rows.append({"round": 0, "participant": p, "phase": "eval", "eval/id/accuracy": 0.1,
-                         "eval/ood/accuracy": 0.1, "eval/id/n": 24.0})
+            if cell.eval_initial is not False:                  # what eval-initial=false makes the engine skip
+                rows.append({"round": 0, "participant": p, "phase": "eval", "eval/id/accuracy": 0.1,
+                             "eval/ood/accuracy": 0.1, "eval/id/n": 24.0})
             for rnd in (1, 2):
                 rows.append({"round": rnd, "participant": p, "phase": "train", "reward/mean": 0.1 * rnd})
             idacc, oodacc = _accuracy(cell, p)
@@ -102,7 +103,12 @@ def test_summary_is_computed_from_the_metrics_files(tmp_path):
     out2 = write_summary(cells, tmp_path, "test grid")
     row = {(r["method"], r["participant"]): r for r in out2["summary"]}[("alone", "a")]
     assert row["eval/id/accuracy:mean"] == pytest.approx(statistics.fmean([0.9, 0.31, 0.32]))
+    # training diagnostics: reward/mean is 0.1 * round in every fake cell -> mean over rounds 1, 2 = 0.15
+    diag = {(r["method"], r["participant"]): r for r in out2["diagnostics"]}
+    assert diag[("noIS", "b")]["reward/mean:mean"] == pytest.approx(0.15)
+    assert math.isnan(diag[("noIS", "b")]["offpolicy/kl_mean:mean"])          # not in the files: not invented
     md = (tmp_path / "summary.md").read_text()
+    assert "Training diagnostics" in md
     assert "F-TIS − noIS" in md and "| F-TIS |" in md
     assert (tmp_path / "summary.csv").exists() and (tmp_path / "cells.csv").exists()
     assert (tmp_path / "final_accuracy.png").stat().st_size > 1000
@@ -156,3 +162,73 @@ def test_a_variant_cell_carries_its_extra_run_config_and_is_compared_with_its_re
     assert pair["eval/ood/accuracy:diff_mean"] == pytest.approx(-0.05)
     assert pair["eval/id/accuracy:diff_mean"] == pytest.approx(0.0)
     assert "F-TIS+adapt" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_initial_evaluation_runs_in_one_cell_and_serves_the_whole_grid(tmp_path):
+    cells = plan(["alone", "F-TIS"], 2)
+    seen: list = []
+    fail = {"alone__vertical__s0"}
+
+    def runner(cell, cell_dir, log_path):
+        seen.append((cell.name, cell.run_config(cell_dir / "run").get("eval-initial")))
+        return fake_runner([], fail=fail)(cell, cell_dir, log_path)
+
+    # the first cell fails: the next one run carries the initial evaluation instead
+    assert [c.name for c in run_grid(cells, tmp_path, runner, echo=lambda s: None, shared_initial=True)] == \
+        ["alone__vertical__s0"]
+    assert seen == [("alone__vertical__s0", True), ("F-TIS__vertical__s0", True),
+                    ("alone__vertical__s1", False), ("F-TIS__vertical__s1", False)]
+    seen.clear()
+    fail.clear()
+    assert run_grid(cells, tmp_path, runner, echo=lambda s: None, shared_initial=True) == []
+    assert seen == [("alone__vertical__s0", False)]          # resumed: the finished carrier still serves
+    init = grid.initial_eval(tmp_path)
+    assert set(init) == {"a", "b"} and init["a"]["eval/id/accuracy"] == 0.1
+    out = write_summary(cells, tmp_path, "t")
+    # round 0 is never a cell's result; every method's curve starts from the shared evaluation
+    assert all(r["round"] == 2 for r in out["results"])
+    curves = grid._curves(cells, tmp_path)
+    for meth in ("alone", "F-TIS"):
+        assert curves[(meth, "a", "eval/id/accuracy")][0] == (0, pytest.approx(0.1))
+    md = (tmp_path / "summary.md").read_text()
+    assert "| *before training* | 0.100 | 0.100 |" in md
+    assert json.loads((tmp_path / "cells" / "F-TIS__vertical__s0" / "done.json").read_text())["eval_initial"] is True
+
+
+def test_a_cell_whose_only_evaluation_is_the_initial_one_has_no_result(tmp_path):
+    rows = [{"round": 0, "participant": "a", "phase": "eval", "eval/id/accuracy": 0.5},
+            {"round": 1, "participant": "a", "phase": "train", "reward/mean": 0.2}]
+    assert grid.final_eval(rows) == {}
+    cells = plan(["alone"], 1)
+
+    def crashed_after_round_0(cell, cell_dir, log_path):
+        (cell_dir / "run").mkdir(parents=True)
+        (cell_dir / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0
+
+    assert run_grid(cells, tmp_path, crashed_after_round_0, echo=lambda s: None) == cells
+    assert not (tmp_path / "cells" / "alone__vertical__s0" / "done.json").exists()
+
+
+def test_sim_runner_passes_the_cell_and_runs_this_tree(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append((cmd, kw))
+
+        class R:
+            returncode = 0
+        return R()
+
+    monkeypatch.setattr(grid.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    run = grid.sim_runner(tmp_path, "grid-small", ["eval-size=8"], ["--keep-superlink", "--address", "h:1"])
+    cell = Cell("F-TIS", "vertical", 2, eval_initial=False)
+    (tmp_path / "c").mkdir()
+    assert run(cell, tmp_path / "c", tmp_path / "c" / "run.log") == 0
+    cmd, kw = calls[0]
+    assert cmd[cmd.index("--preset") + 1] == "grid-small" and cmd[cmd.index("--address") + 1] == "h:1"
+    items = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--run-config"]
+    assert items[0] == "eval-size=8" and 'loss-mode="F-TIS"' in items and "seed=2" in items
+    assert "eval-initial=false" in items
+    assert kw["cwd"] == tmp_path and kw["env"]["PYTHONPATH"].split(":") == [str(tmp_path), "/elsewhere"]

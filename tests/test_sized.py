@@ -67,10 +67,24 @@ def test_grown_model_starts_as_the_same_function_and_has_more_layers(tmp_path):
 def test_sized_models_are_registered():
     assert OFFLINE_MODELS["smollm2-l20"] is sized.build_shallow
     assert OFFLINE_MODELS["smollm2-d36"] is sized.build_grown
+    assert OFFLINE_MODELS["smollm2-l20-sft"] is sized.build_shallow_sft
+
+
+def test_shallow_sft_fine_tunes_its_base_on_the_reply_and_is_deterministic(tmp_path):
+    kw = dict(base="tiny-llama-b", steps=3, lr=1e-3, batch=4)
+    sized.build_shallow_sft(tmp_path / "a", **kw)
+    sized.build_shallow_sft(tmp_path / "b", **kw)
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)     # same seed, same model
+    base = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-llama-b"))
+    tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert tuned.config.num_hidden_layers == base.config.num_hidden_layers       # the base's architecture
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert not torch.allclose(_logits(tuned, tok), _logits(base, tok))          # trained: moved
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,layers", [("smollm2-l20", 20), ("smollm2-d36", 36)])
+@pytest.mark.parametrize("name,layers", [("smollm2-l20", 20), ("smollm2-l20-sft", 20), ("smollm2-d36", 36)])
 def test_registered_sized_models_build_and_load(name, layers):
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name))
     assert model.config.num_hidden_layers == layers

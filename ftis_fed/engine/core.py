@@ -162,7 +162,7 @@ class Engine:
                  fed.num_rounds, fed.group_size, fed.objective.mode, self.out_dir)
         self.admit()
         try:
-            if self.start_round == 1 and is_eval_round(0, fed.num_rounds, fed.eval_every):
+            if self.start_round == 1 and fed.eval_initial and is_eval_round(0, fed.num_rounds, fed.eval_every):
                 self.evaluate(0)
             for rnd in range(self.start_round, fed.num_rounds + 1):
                 self.run_round(rnd)

@@ -177,3 +177,24 @@ def build_grown(out: Path, base: str = "smollm2", after: Sequence[int] = GROW_AF
 OFFLINE_MODELS["smollm2-l20"] = build_shallow
 #: Size heterogeneity: a deeper SmolLM2 (36 layers, 156 M), grown with identity-initialised copies.
 OFFLINE_MODELS["smollm2-d36"] = build_grown
+
+
+#: The SFT phase of ``smollm2-l20-sft`` (``build_shallow_sft``): reply-only cross-entropy on the ID
+#: families' train split, bare-number replies (``derived.build_sft``).
+SHALLOW_SFT = dict(families=("add30", "sub30"), steps=60, lr=1e-4, batch=8, seed=0)
+
+
+def build_shallow_sft(out: Path, base: str = "smollm2-l20", **kw) -> None:
+    """``base`` (the distilled shallow model) after a seeded supervised fine-tune on the ID families'
+    train split (``SHALLOW_SFT``, overridable by keyword): makes the small model *competent* on the
+    task, not only a language model close to its teacher. The loss touches the reply tokens only, so a
+    step costs a fraction of a distillation step (no teacher, no full-vocabulary KL)."""
+    from .derived import build_sft
+
+    args = {**SHALLOW_SFT, **kw}
+    build_sft(out, base, tuple(args["families"]), steps=args["steps"], lr=args["lr"], batch=args["batch"],
+              seed=args["seed"])
+
+
+#: The small participant of the grid: smollm2-l20 made competent (docs/models.md).
+OFFLINE_MODELS["smollm2-l20-sft"] = build_shallow_sft
