@@ -212,14 +212,34 @@ def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[s
         status = runner(cell, cell_dir, cell_dir / "run.log")
         seconds = clock() - c0
         rows = read_rows(cell_dir / "run" / "metrics.jsonl")
-        if status != 0 or not final_eval(rows):
+        problems = cell_problems(rows)
+        if status != 0 or not final_eval(rows) or problems:
             failed.append(cell)
-            echo(f"[grid] {cell.name}: FAILED (exit {status}, {len(rows)} metric rows); see {cell_dir / 'run.log'}")
+            why = f"; {', '.join(problems)}" if problems else ""
+            echo(f"[grid] {cell.name}: FAILED (exit {status}, {len(rows)} metric rows{why}); see {cell_dir / 'run.log'}")
             continue
         (cell_dir / "done.json").write_text(json.dumps({"cell": cell.name, "seconds": seconds, "status": status,
                                                         "eval_initial": cell.eval_initial}))
         echo(f"[grid] {cell.name}: done in {seconds / 60:.1f} min")
     return failed
+
+
+def cell_problems(rows: Iterable[dict]) -> list[str]:
+    """Why a cell's run is not a valid cell of the comparison although it completed: every cell must
+    be the same federation doing the same work, so any participant dropped from a phase, a failed
+    generation or training step, a rejected frame or a missing reply in any round disqualifies it
+    (the method would otherwise be compared on a different federation). [] when valid."""
+    out = []
+    for r in rows:
+        if r.get("participant") != "_federation":
+            continue
+        rnd = r.get("round")
+        bad = {k: v for k, v in r.items() if isinstance(v, (int, float)) and v > 0 and (
+            k.startswith("fed/dropped/") or k in ("fed/generate_failures", "fed/train_failures", "fed/rejected"))}
+        if r.get("fed/replies", 0) < r.get("fed/participants", 0):
+            bad["fed/replies"] = r.get("fed/replies")
+        out += [f"round {rnd}: {k}={v:g}" for k, v in sorted(bad.items())]
+    return out
 
 
 # ----------------------------------------------------------------------------- summarising

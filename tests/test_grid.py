@@ -19,8 +19,9 @@ def _accuracy(cell: Cell, participant: str) -> tuple[float, float]:
     return round(base + off, 4), round(base / 2 + off, 4)
 
 
-def fake_runner(calls: list, fail: set = frozenset()):
-    """Writes what a finished ``ftis-fed sim`` writes: metrics.jsonl with train and eval rows."""
+def fake_runner(calls: list, fail: set = frozenset(), dropped: set = frozenset()):
+    """Writes what a finished ``ftis-fed sim`` writes: metrics.jsonl with train and eval rows
+    (``dropped``: cells whose run completed although one participant was dropped in round 2)."""
 
     def run(cell: Cell, cell_dir, log_path):
         calls.append(cell.name)
@@ -39,7 +40,11 @@ def fake_runner(calls: list, fail: set = frozenset()):
             idacc, oodacc = _accuracy(cell, p)
             rows.append({"round": 2, "participant": p, "phase": "eval", "eval/id/accuracy": idacc,
                          "eval/ood/accuracy": oodacc, "eval/id/n": 24.0})
-        rows.append({"round": 2, "participant": "_federation", "phase": "train", "fed/replies": 2.0})
+        fed = {"round": 2, "participant": "_federation", "phase": "train", "fed/replies": 2.0,
+               "fed/participants": 2.0, "fed/generate_failures": 0.0, "fed/rejected": 0.0}
+        if cell.name in dropped:
+            fed.update({"fed/dropped/error": 1.0, "fed/generate_failures": 1.0})
+        rows.append(fed)
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return 0
 
@@ -208,6 +213,23 @@ def test_a_cell_whose_only_evaluation_is_the_initial_one_has_no_result(tmp_path)
 
     assert run_grid(cells, tmp_path, crashed_after_round_0, echo=lambda s: None) == cells
     assert not (tmp_path / "cells" / "alone__vertical__s0" / "done.json").exists()
+
+
+def test_a_completed_run_with_a_dropped_participant_is_not_a_cell(tmp_path):
+    """A run that finished although a participant failed (the first horizontal cells here: every
+    participant dropped from every generate phase, nothing trained, and evaluations equal to the
+    initial ones) must not enter the comparison: it is rerun, not summarised."""
+    cells = plan(["alone", "F-TIS"], 1)
+    calls, msgs = [], []
+    failed = run_grid(cells, tmp_path, fake_runner(calls, dropped={"F-TIS__vertical__s0"}), echo=msgs.append)
+    assert [c.name for c in failed] == ["F-TIS__vertical__s0"]
+    assert not (tmp_path / "cells" / "F-TIS__vertical__s0" / "done.json").exists()
+    assert any("fed/dropped/error=1" in m and "fed/generate_failures=1" in m for m in msgs)
+    assert grid.cell_problems([{"round": 1, "participant": "_federation", "fed/replies": 1.0,
+                                "fed/participants": 2.0}]) == ["round 1: fed/replies=1"]
+    calls.clear()
+    assert run_grid(cells, tmp_path, fake_runner(calls), echo=lambda s: None) == []
+    assert calls == ["F-TIS__vertical__s0"]
 
 
 def test_sim_runner_passes_the_cell_and_runs_this_tree(tmp_path, monkeypatch):
