@@ -262,13 +262,27 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     return metrics
 
 
+#: parameter dtypes torch's fused AdamW kernel takes on CPU and CUDA
+FUSED_ADAMW_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def fused_adamw_ok(params: Sequence[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused AdamW kernel applies: every parameter a CPU or CUDA tensor of a float dtype
+    it takes (one kernel over all tensors instead of a Python loop of ~10 ops per tensor)."""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in FUSED_ADAMW_DTYPES
+                                for p in params)
+
+
 def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: PolicyConfig) -> torch.optim.Optimizer:
     """The ``optimizer`` key's optimizer over ``params`` with the config's learning rate and weight
-    decay: ``adamw`` = torch AdamW; ``adamw-8bit`` / ``paged-adamw-8bit`` = bitsandbytes AdamW8bit /
+    decay: ``adamw`` = torch AdamW (its fused kernel where ``fused_adamw_ok``: the same update, measured
+    ~6x faster on SmolLM2-135M on a CPU; TRL's default ``adamw_torch_fused`` too); ``adamw-8bit`` / ``paged-adamw-8bit`` = bitsandbytes AdamW8bit /
     PagedAdamW8bit (moments in blockwise 8-bit; tensors under 4096 elements keep 32-bit state, as
     bitsandbytes decides). A clear error names the key when bitsandbytes is missing."""
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay)
+        params = list(params)
+        return torch.optim.AdamW(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay,
+                                 fused=True if fused_adamw_ok(params) else None)
     try:
         import bitsandbytes as bnb
     except ImportError as e:
