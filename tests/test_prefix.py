@@ -289,3 +289,47 @@ def test_generation_after_an_update_uses_the_new_weights():
     assert max(float((s - torch.as_tensor(r)).abs().max()) for s, r in zip(rescored, after[0].logprobs)) <= 1e-4
     assert any(not np.allclose(x, y, atol=1e-3) for x, y in zip(before[0].logprobs, after[0].logprobs)
                if len(x) == len(y))
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_zero_advantage_micro_batches_skip_the_backward_with_the_same_step(share):
+    """A micro-batch whose rows all have advantage 0 is scored without a graph and gets no backward: the
+    same loss, diagnostics, gradient norm and weights as the reference step that runs every micro-batch
+    with a graph and a backward (its gradient is exactly zero)."""
+    P, C = rows(1000, seed=7, prompt_lens=(6, 3), completion_lens=((4, 2, 5, 1), (3, 3, 2, 6)))
+    rng = np.random.default_rng(0)
+    zero = tuple(P[0])                                         # the first prompt's group: all rewards equal
+    samples = [TrainSample(p, c, -rng.exponential(1.0, len(c)).astype(np.float32), 0.0,
+                           0.0 if tuple(p) == zero else float(rng.standard_normal()), "me", True)
+               for p, c in zip(P, C)]
+    out = []
+    for force_graph in (True, False):
+        pol = build_policy(PolicyConfig(model="tiny-llama", micro_batch=4, share_prefix=share, lr=1e-3))
+        asked = []
+        score = pol.score_padded
+        pol.score_padded = lambda p, c, s, g, _f=score, _force=force_graph: asked.append(g) or _f(p, c, s, g or _force)
+        m = Trainer(pol, ObjectiveConfig()).step(samples, SP)
+        out.append((m, pol.trainable_state(), asked))
+    (m0, w0, _), (m1, w1, asked) = out
+    # grouped micro-batches (share-prefix): the zero group fills one micro-batch; mixed ones (no sharing) none
+    assert m1["train/no_backward_rows"] == (4.0 if share else 0.0)
+    assert sorted(asked) == ([False, True] if share else [True, True])
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], rel=RTOL, abs=1e-7), k
+    for n in w0:
+        torch.testing.assert_close(w0[n], w1[n], rtol=0, atol=1e-7)
+
+
+def test_an_update_of_only_zero_advantages_still_steps_adamw():
+    """No backward at all: the zero gradients are filled in, so AdamW still takes its step (weight decay,
+    and momentum from the previous step) as it did when the backward ran."""
+    P, C = rows(1000, seed=7, prompt_lens=(6,), completion_lens=((4, 2, 5, 1),))
+    pol = build_policy(PolicyConfig(model="tiny-llama", micro_batch=4, lr=1e-3, weight_decay=0.5))
+    trainer = Trainer(pol, ObjectiveConfig())
+    lp = [-np.ones(len(c), dtype=np.float32) for c in C]
+    trainer.step([TrainSample(p, c, l, 0.0, a, "me", True) for p, c, l, a in zip(P, C, lp, (1.0, -1.0, 0.5, -0.5))], SP)
+    before = pol.trainable_state()
+    m = trainer.step([TrainSample(p, c, l, 0.0, 0.0, "me", True) for p, c, l in zip(P, C, lp)], SP)
+    after = pol.trainable_state()
+    assert m["train/no_backward_rows"] == 4.0 and m["train/grad_norm"] == 0.0
+    assert all(not torch.equal(before[n], after[n]) for n in before)
