@@ -206,17 +206,21 @@ class HFPolicy(Policy):
     def _shared_prompt_cache(self, input_ids: torch.Tensor, attn: torch.Tensor, group_size: int):
         """The KV cache of every row's first P-1 prompt positions, computed once per prompt and repeated
         for its ``group_size`` rows (rows are grouped: prompt k owns rows k*G .. k*G+G-1), or None when
-        there is nothing to share (G = 1, a one-token prompt). ``generate`` then runs only the last
+        there is nothing to share (G = 1, a one-token prompt) or the architecture is not one of
+        ``prefix.MODEL_TYPES`` (checked by tests/test_prefix.py). ``generate`` then runs only the last
         prompt position and the decode steps; positions come from the mask exactly as ``generate``
         derives them (left padding), so the rows see the same keys/values as an unshared prefill."""
         from transformers import DynamicCache
 
+        from .prefix import MODEL_TYPES
+
         P = input_ids.shape[1]
-        if group_size < 2 or P < 2:
-            return None
+        config = unwrap_causal_lm(self.model).config
+        if group_size < 2 or P < 2 or getattr(config, "model_type", None) not in MODEL_TYPES:
+            return None                                  # nothing to share, or an architecture not checked
         ids, mask = input_ids[::group_size, : P - 1], attn[::group_size, : P - 1]          # (U,P-1)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)                               # (U,P-1)
-        cache = DynamicCache(config=unwrap_causal_lm(self.model).config)
+        cache = DynamicCache(config=config)
         self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                    position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
                    logits_to_keep=1)
