@@ -213,6 +213,8 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     logp_old: per-sample (T_i,) log-probs before this update (multi-epoch PPO); None = first epoch.
     group_prompts: micro-batches keep the rows of one prompt together (see ``row_order``), so a
         shared-prefix ``score`` computes each prompt once.
+    A micro-batch whose rows all have advantage 0 is scored with ``grad=False`` and gets no backward
+    (its gradient is exactly zero); ``train/no_backward_rows`` counts those rows.
     Returns finalised metrics: loss, grad norm, per-source off-policy diagnostics.
     """
     if MODES[cfg.mode].local_only:
@@ -229,10 +231,16 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     order = row_order([s.prompt_ids for s in samples], [s.completion_ids for s in samples], group_prompts)
     stats: dict[str, float] = {}
     loss_total = 0.0
+    skipped_rows = 0
     for start in range(0, len(order), micro_batch):
         idx = order[start:start + micro_batch]
         mb = [samples[i] for i in idx]
-        logp = score([s.prompt_ids for s in mb], [s.completion_ids for s in mb], True)  # (b,T)
+        # rows with advantage 0 (a group whose rewards are all equal) add exactly nothing to the loss or its
+        # gradient (every loss term is multiplied by the advantage): a micro-batch of only such rows is
+        # scored without a graph (its log-probs still feed the diagnostics), and no backward runs for it
+        grad = any(s.advantage != 0.0 for s in mb)
+        skipped_rows += 0 if grad else len(mb)
+        logp = score([s.prompt_ids for s in mb], [s.completion_ids for s in mb], grad)  # (b,T)
         T = logp.shape[1]
         mask = torch.arange(T)[None, :] < torch.tensor([len(s.completion_ids) for s in mb])[:, None]
         x = LossInputs(
@@ -251,6 +259,10 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
         loss_total += float(out.loss.detach())
         out.stats.pop("loss/value", None)
         stats = merge_stats(stats, out.stats)
+    if skipped_rows == len(order):        # no backward ran: the zero gradient every backward would have given
+        for p in params:                    # (AdamW still steps: momentum, weight decay)
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
     finite = bool(torch.isfinite(grad_norm))
     if finite:
@@ -259,17 +271,32 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     metrics = finalize_stats(stats)
     metrics.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm),
                     "train/skipped_nonfinite": float(not finite), "train/samples": float(len(samples)),
+                    "train/no_backward_rows": float(skipped_rows),
                     "train/tokens": float(denominators[1])})
     return metrics
 
 
+#: parameter dtypes torch's fused AdamW kernel takes on CPU and CUDA
+FUSED_ADAMW_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def fused_adamw_ok(params: Sequence[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused AdamW kernel applies: every parameter a CPU or CUDA tensor of a float dtype
+    it takes (one kernel over all tensors instead of a Python loop of ~10 ops per tensor)."""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in FUSED_ADAMW_DTYPES
+                                for p in params)
+
+
 def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: PolicyConfig) -> torch.optim.Optimizer:
     """The ``optimizer`` key's optimizer over ``params`` with the config's learning rate and weight
-    decay: ``adamw`` = torch AdamW; ``adamw-8bit`` / ``paged-adamw-8bit`` = bitsandbytes AdamW8bit /
+    decay: ``adamw`` = torch AdamW (its fused kernel where ``fused_adamw_ok``: the same update, measured
+    ~6x faster on SmolLM2-135M on a CPU; TRL's default ``adamw_torch_fused`` too); ``adamw-8bit`` / ``paged-adamw-8bit`` = bitsandbytes AdamW8bit /
     PagedAdamW8bit (moments in blockwise 8-bit; tensors under 4096 elements keep 32-bit state, as
     bitsandbytes decides). A clear error names the key when bitsandbytes is missing."""
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay)
+        params = list(params)
+        return torch.optim.AdamW(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay,
+                                 fused=True if fused_adamw_ok(params) else None)
     try:
         import bitsandbytes as bnb
     except ImportError as e:

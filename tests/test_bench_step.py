@@ -19,6 +19,8 @@ def test_ours_worker_generates_exactly_max_new_tokens():
     assert res["completion_tokens"] == [2 * 2 * 4]              # EOS masked until the budget
     assert len(res["step_s"]) == 1 and res["step_s"][0] >= res["generate_s"][0] > 0
     assert res["peak_rss_mb"] >= res["rss_after_load_mb"] > 0
+    assert len(res["no_backward_rows"]) == 1 and 0 <= res["no_backward_rows"][0] <= 4
+    assert res["step_cpu_s"][0] >= res["generate_cpu_s"][0] > 0 and res["train_cpu_s"][0] > 0
 
 
 def test_cli_registers_step_with_handler():

@@ -312,3 +312,27 @@ def test_subtraction_specialist_is_a_specialist():
     base = evaluate(TextGenerator("smollm2"), sets, Verifier(), max_new_tokens=16)
     spec = evaluate(TextGenerator("smollm2-sub30"), sets, Verifier(), max_new_tokens=16)
     assert spec["eval/sub30/accuracy"] >= base["eval/sub30/accuracy"] + 0.1
+
+
+def test_adamw_uses_the_fused_kernel_with_the_same_update():
+    """make_optimizer('adamw') takes torch's fused AdamW for CPU float parameters; three steps give the
+    same weights as the single-tensor AdamW (and a non-float parameter list falls back)."""
+    from ftis_fed.training import fused_adamw_ok, make_optimizer
+
+    cfg = PolicyConfig(model="tiny-llama", lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    w0 = [torch.randn(7, 5), torch.randn(3)]
+    ours = [torch.nn.Parameter(w.clone()) for w in w0]
+    ref = [torch.nn.Parameter(w.clone()) for w in w0]
+    opt = make_optimizer(ours, cfg)
+    assert opt.defaults["fused"] is True
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for k in range(3):
+        g = [torch.randn_like(w) for w in w0]
+        for p, q, gi in zip(ours, ref, g):
+            p.grad, q.grad = gi.clone(), gi.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    assert not fused_adamw_ok([torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)])

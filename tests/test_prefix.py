@@ -12,7 +12,7 @@ from ftis_fed.batch import SamplingParams
 from ftis_fed.objective import LossInputs, ObjectiveConfig, count_denominators, ftis_loss
 from ftis_fed.policies import PolicyConfig, build_policy, prefix
 from ftis_fed.policies.prefix import prompt_index, shared_token_logprobs, supports_shared_prefix, worth_sharing
-from ftis_fed.policies.scoring import token_logprobs
+from ftis_fed.policies.scoring import token_logprobs, unwrap_causal_lm
 from ftis_fed.training import Trainer, TrainSample, row_order
 
 SP = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16)
@@ -232,3 +232,104 @@ def test_4bit_lora_shared_prefix_equals_unshared():
     pad = pol.tokenizer.pad_token_id
     ref = loss_and_grads(pol.model, pol.trainable, token_logprobs, P, C, pad, sampling=sp)
     assert_same(ref, loss_and_grads(pol.model, pol.trainable, shared_token_logprobs, P, C, pad, sampling=sp))
+
+
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_generation_prefills_each_prompt_once_with_the_same_samples(adapter):
+    """HFPolicy.generate with share-prefix: the prompt's first P-1 positions run once per prompt (not per
+    completion) and the G rows continue from a copy of that cache; same seed -> the same tokens and
+    recorded log-probs as the unshared prefill, and the recorded log-probs still equal a teacher-forced
+    rescoring (prompts of different lengths: left padding)."""
+    from ftis_fed.policies import Prompt
+
+    prompts = [Prompt("a/0", "What is 3 + 4? Reply with just the number.", "7"),
+               Prompt("a/1", "What is 12 + 35 + 8 + 1? Reply with just the number, please.", "56")]
+    sp = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=8)
+    out = {}
+    for share in (False, True):
+        pol = build_policy(PolicyConfig(model="tiny-llama", adapter=adapter, lora_r=4, share_prefix=share))
+        first_batch = []
+        hook = unwrap_causal_lm(pol.model).register_forward_pre_hook(
+            lambda m, a, kw: first_batch.append(kw["input_ids"].shape) if not first_batch else None, with_kwargs=True)
+        rolls = pol.generate(prompts, 3, sp, seed=5)
+        hook.remove()
+        P_ = [r.prompt_ids.tolist() for r in rolls for _ in r.completion_ids]
+        C_ = [c.tolist() for r in rolls for c in r.completion_ids]
+        rec = [lp for r in rolls for lp in r.logprobs]
+        rescored = pol.score(P_, C_, sp)
+        assert max(float((s - torch.as_tensor(r)).abs().max()) for s, r in zip(rescored, rec)) <= 1e-4
+        out[share] = (rolls, first_batch[0])
+    (r0, shape0), (r1, shape1) = out[False], out[True]
+    P = max(len(r.prompt_ids) for r in r0)
+    assert len({len(r.prompt_ids) for r in r0}) == 2
+    assert tuple(shape0) == (6, P) and tuple(shape1) == (2, P - 1)     # prefill: 6 rows vs 2 prompts once
+    for a, b in zip(r0, r1):
+        for x, y in zip(a.completion_ids, b.completion_ids):
+            assert np.array_equal(x, y)
+        for x, y in zip(a.logprobs, b.logprobs):
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
+
+
+def test_generation_after_an_update_uses_the_new_weights():
+    """The shared prefill runs on the live weights: after a Trainer step, generate's recorded log-probs
+    equal a rescoring under the updated model (and differ from the pre-update model's)."""
+    from ftis_fed.policies import Prompt
+
+    prompts = [Prompt("a/0", "What is 3 + 4? Reply with just the number.", "7")]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    pol = build_policy(PolicyConfig(model="tiny-llama", share_prefix=True, lr=1e-2))
+    before = pol.generate(prompts, 4, sp, seed=2)
+    samples = [TrainSample(before[0].prompt_ids.tolist(), c.tolist(), lp, float(lp.sum()), float(a), "me", True)
+               for c, lp, a in zip(before[0].completion_ids, before[0].logprobs, (1.0, -1.0, 0.5, -0.5))]
+    Trainer(pol, ObjectiveConfig()).step(samples, sp)
+    after = pol.generate(prompts, 4, sp, seed=2)
+    P_ = [after[0].prompt_ids.tolist()] * 4
+    C_ = [c.tolist() for c in after[0].completion_ids]
+    rescored = pol.score(P_, C_, sp)
+    assert max(float((s - torch.as_tensor(r)).abs().max()) for s, r in zip(rescored, after[0].logprobs)) <= 1e-4
+    assert any(not np.allclose(x, y, atol=1e-3) for x, y in zip(before[0].logprobs, after[0].logprobs)
+               if len(x) == len(y))
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_zero_advantage_micro_batches_skip_the_backward_with_the_same_step(share):
+    """A micro-batch whose rows all have advantage 0 is scored without a graph and gets no backward: the
+    same loss, diagnostics, gradient norm and weights as the reference step that runs every micro-batch
+    with a graph and a backward (its gradient is exactly zero)."""
+    P, C = rows(1000, seed=7, prompt_lens=(6, 3), completion_lens=((4, 2, 5, 1), (3, 3, 2, 6)))
+    rng = np.random.default_rng(0)
+    zero = tuple(P[0])                                         # the first prompt's group: all rewards equal
+    samples = [TrainSample(p, c, -rng.exponential(1.0, len(c)).astype(np.float32), 0.0,
+                           0.0 if tuple(p) == zero else float(rng.standard_normal()), "me", True)
+               for p, c in zip(P, C)]
+    out = []
+    for force_graph in (True, False):
+        pol = build_policy(PolicyConfig(model="tiny-llama", micro_batch=4, share_prefix=share, lr=1e-3))
+        asked = []
+        score = pol.score_padded
+        pol.score_padded = lambda p, c, s, g, _f=score, _force=force_graph: asked.append(g) or _f(p, c, s, g or _force)
+        m = Trainer(pol, ObjectiveConfig()).step(samples, SP)
+        out.append((m, pol.trainable_state(), asked))
+    (m0, w0, _), (m1, w1, asked) = out
+    # grouped micro-batches (share-prefix): the zero group fills one micro-batch; mixed ones (no sharing) none
+    assert m1["train/no_backward_rows"] == (4.0 if share else 0.0)
+    assert sorted(asked) == ([False, True] if share else [True, True])
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], rel=RTOL, abs=1e-7), k
+    for n in w0:
+        torch.testing.assert_close(w0[n], w1[n], rtol=0, atol=1e-7)
+
+
+def test_an_update_of_only_zero_advantages_still_steps_adamw():
+    """No backward at all: the zero gradients are filled in, so AdamW still takes its step (weight decay,
+    and momentum from the previous step) as it did when the backward ran."""
+    P, C = rows(1000, seed=7, prompt_lens=(6,), completion_lens=((4, 2, 5, 1),))
+    pol = build_policy(PolicyConfig(model="tiny-llama", micro_batch=4, lr=1e-3, weight_decay=0.5))
+    trainer = Trainer(pol, ObjectiveConfig())
+    lp = [-np.ones(len(c), dtype=np.float32) for c in C]
+    trainer.step([TrainSample(p, c, l, 0.0, a, "me", True) for p, c, l, a in zip(P, C, lp, (1.0, -1.0, 0.5, -0.5))], SP)
+    before = pol.trainable_state()
+    m = trainer.step([TrainSample(p, c, l, 0.0, 0.0, "me", True) for p, c, l in zip(P, C, lp)], SP)
+    after = pol.trainable_state()
+    assert m["train/no_backward_rows"] == 4.0 and m["train/grad_norm"] == 0.0
+    assert all(not torch.equal(before[n], after[n]) for n in before)

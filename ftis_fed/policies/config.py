@@ -55,7 +55,8 @@ class PolicyConfig:
         completion; ``policies/prefix.py``): the same log-probs and gradients, the prompt's forward
         and backward done once per micro-batch instead of once per completion. Applies where exact
         (the HF backend on a checked architecture with sdpa/eager attention); elsewhere rows are
-        scored one by one.""")
+        scored one by one. Generation (HF backend) likewise prefills each prompt once for its G
+        completions (the same samples and recorded log-probs).""")
     grad_checkpointing_tokens: int = knob("grad-checkpointing-tokens", 0, """
         gradient checkpointing by sequence length, >= 0: when > 0, a training micro-batch whose
         padded prompt + completion tokens (rows x longest row) exceed this value is run with

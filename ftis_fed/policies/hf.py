@@ -183,8 +183,10 @@ class HFPolicy(Policy):
         torch.manual_seed(seed)
         self.model.eval()
         with self._autocast():
+            cache = self._shared_prompt_cache(input_ids, attn, group_size) if self.cfg.share_prefix else None
             seqs = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
-                                       generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]))
+                                       generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]),
+                                       **({"past_key_values": cache} if cache is not None else {}))
         seqs = seqs.cpu()
         logps = sampler.finish(seqs).cpu()                                       # (N, T)
         gen = seqs[:, P:]                                                        # (N, T)
@@ -200,6 +202,30 @@ class HFPolicy(Policy):
                 texts.append(tok.decode(ids[:n], skip_special_tokens=True))
             out.append(Rollout(p, np.asarray(prompt_ids[pi], dtype=np.int64), c_ids, c_lp, texts))
         return out
+
+    def _shared_prompt_cache(self, input_ids: torch.Tensor, attn: torch.Tensor, group_size: int):
+        """The KV cache of every row's first P-1 prompt positions, computed once per prompt and repeated
+        for its ``group_size`` rows (rows are grouped: prompt k owns rows k*G .. k*G+G-1), or None when
+        there is nothing to share (G = 1, a one-token prompt) or the architecture is not one of
+        ``prefix.MODEL_TYPES`` (checked by tests/test_prefix.py). ``generate`` then runs only the last
+        prompt position and the decode steps; positions come from the mask exactly as ``generate``
+        derives them (left padding), so the rows see the same keys/values as an unshared prefill."""
+        from transformers import DynamicCache
+
+        from .prefix import MODEL_TYPES
+
+        P = input_ids.shape[1]
+        config = unwrap_causal_lm(self.model).config
+        if group_size < 2 or P < 2 or getattr(config, "model_type", None) not in MODEL_TYPES:
+            return None                                  # nothing to share, or an architecture not checked
+        ids, mask = input_ids[::group_size, : P - 1], attn[::group_size, : P - 1]          # (U,P-1)
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)                               # (U,P-1)
+        cache = DynamicCache(config=config)
+        self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                   position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
+        cache.batch_repeat_interleave(group_size)                                           # (U*G, ...)
+        return cache
 
     @torch.no_grad()
     def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int = 32) -> list[str]:
