@@ -212,9 +212,11 @@ def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[s
         status = runner(cell, cell_dir, cell_dir / "run.log")
         seconds = clock() - c0
         rows = read_rows(cell_dir / "run" / "metrics.jsonl")
-        if status != 0 or not final_eval(rows):
+        defects = cell_defects(rows)
+        if status != 0 or not final_eval(rows) or defects:
             failed.append(cell)
-            echo(f"[grid] {cell.name}: FAILED (exit {status}, {len(rows)} metric rows); see {cell_dir / 'run.log'}")
+            echo(f"[grid] {cell.name}: FAILED (exit {status}, {len(rows)} metric rows"
+                 + (f"; {'; '.join(defects)}" if defects else "") + f"); see {cell_dir / 'run.log'}")
             continue
         (cell_dir / "done.json").write_text(json.dumps({"cell": cell.name, "seconds": seconds, "status": status,
                                                         "eval_initial": cell.eval_initial}))
@@ -241,6 +243,33 @@ def final_eval(rows: Iterable[dict]) -> dict[str, dict]:
             if p not in last or int(r["round"]) >= int(last[p]["round"]):
                 last[p] = r
     return last
+
+
+def cell_defects(rows: Sequence[dict]) -> list[str]:
+    """Why a run that exited 0 is still not a result of its method (empty: none): a round in which a
+    participant was dropped, failed, or had frames rejected (``_federation`` rows), or a participant
+    that was evaluated but did not train, on samples, in every round. A run whose participants were
+    all dropped still evaluates its untrained models — it must not count as a finished cell."""
+    fed = [r for r in rows if r.get("phase") == "train" and r.get("participant") == "_federation"]
+    out = []
+    for r in fed:
+        bad = {k: v for k, v in r.items()
+               if (k.startswith("fed/dropped/") or k in ("fed/generate_failures", "fed/train_failures", "fed/rejected"))
+               and _num(v) > 0}
+        if "fed/complete" in r and _num(r["fed/complete"]) == 0:
+            bad["fed/complete"] = r["fed/complete"]
+        if bad:
+            out.append(f"round {r.get('round')}: " + ", ".join(f"{k}={v}" for k, v in sorted(bad.items())))
+    rounds = sorted({int(r["round"]) for r in fed})
+    trained = {(r["participant"], int(r["round"])) for r in rows
+               if r.get("phase") == "train" and not str(r.get("participant", "")).startswith("_")
+               and _num(r.get("train/samples")) > 0}
+    for p in sorted({r["participant"] for r in rows if r.get("phase") == "eval"
+                     and not str(r.get("participant", "")).startswith("_")}):
+        missing = [k for k in rounds if (p, k) not in trained]
+        if missing or not rounds:
+            out.append(f"{p} did not train in round(s) {missing or 'any'}")
+    return out
 
 
 def initial_eval(out: Path) -> dict[str, dict]:

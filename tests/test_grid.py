@@ -35,11 +35,15 @@ def fake_runner(calls: list, fail: set = frozenset()):
                 rows.append({"round": 0, "participant": p, "phase": "eval", "eval/id/accuracy": 0.1,
                              "eval/ood/accuracy": 0.1, "eval/id/n": 24.0})
             for rnd in (1, 2):
-                rows.append({"round": rnd, "participant": p, "phase": "train", "reward/mean": 0.1 * rnd})
+                rows.append({"round": rnd, "participant": p, "phase": "train", "reward/mean": 0.1 * rnd,
+                             "train/samples": 36.0})
             idacc, oodacc = _accuracy(cell, p)
             rows.append({"round": 2, "participant": p, "phase": "eval", "eval/id/accuracy": idacc,
                          "eval/ood/accuracy": oodacc, "eval/id/n": 24.0})
-        rows.append({"round": 2, "participant": "_federation", "phase": "train", "fed/replies": 2.0})
+        for rnd in (1, 2):
+            rows.append({"round": rnd, "participant": "_federation", "phase": "train", "fed/replies": 2.0,
+                         "fed/generate_failures": 0.0, "fed/train_failures": 0.0, "fed/rejected": 0.0,
+                         "fed/complete": 1.0})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return 0
 
@@ -232,3 +236,27 @@ def test_sim_runner_passes_the_cell_and_runs_this_tree(tmp_path, monkeypatch):
     assert items[0] == "eval-size=8" and 'loss-mode="F-TIS"' in items and "seed=2" in items
     assert "eval-initial=false" in items
     assert kw["cwd"] == tmp_path and kw["env"]["PYTHONPATH"].split(":") == [str(tmp_path), "/elsewhere"]
+
+
+def test_a_run_whose_participants_were_dropped_is_not_a_finished_cell(tmp_path):
+    cells = plan(["F-TIS"], 1)
+
+    def dropped(cell, cell_dir, log_path):
+        fake_runner([])(cell, cell_dir, log_path)
+        f = cell_dir / "run" / "metrics.jsonl"
+        rows = [json.loads(x) for x in f.read_text().splitlines()]
+        rows = [r for r in rows if not (r["phase"] == "train" and r["participant"] == "b")]   # b never trained
+        for r in rows:
+            if r["participant"] == "_federation":
+                r["fed/dropped/no_reply"] = 1.0
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0                                                   # the run itself "completed"
+
+    msgs: list = []
+    assert run_grid(cells, tmp_path, dropped, echo=msgs.append) == cells
+    assert not (tmp_path / "cells" / "F-TIS__vertical__s0" / "done.json").exists()
+    assert any("fed/dropped/no_reply=1.0" in m and "b did not train in round(s) [1, 2]" in m for m in msgs)
+    rows = grid.read_rows(tmp_path / "cells" / "F-TIS__vertical__s0" / "run" / "metrics.jsonl")
+    assert grid.cell_defects(rows)
+    # a clean run has none
+    assert run_grid(cells, tmp_path, fake_runner([]), echo=lambda s: None) == []
