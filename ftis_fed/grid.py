@@ -212,34 +212,16 @@ def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[s
         status = runner(cell, cell_dir, cell_dir / "run.log")
         seconds = clock() - c0
         rows = read_rows(cell_dir / "run" / "metrics.jsonl")
-        problems = cell_problems(rows)
-        if status != 0 or not final_eval(rows) or problems:
+        defects = cell_defects(rows)
+        if status != 0 or not final_eval(rows) or defects:
             failed.append(cell)
-            why = f"; {', '.join(problems)}" if problems else ""
-            echo(f"[grid] {cell.name}: FAILED (exit {status}, {len(rows)} metric rows{why}); see {cell_dir / 'run.log'}")
+            echo(f"[grid] {cell.name}: FAILED (exit {status}, {len(rows)} metric rows"
+                 + (f"; {'; '.join(defects)}" if defects else "") + f"); see {cell_dir / 'run.log'}")
             continue
         (cell_dir / "done.json").write_text(json.dumps({"cell": cell.name, "seconds": seconds, "status": status,
                                                         "eval_initial": cell.eval_initial}))
         echo(f"[grid] {cell.name}: done in {seconds / 60:.1f} min")
     return failed
-
-
-def cell_problems(rows: Iterable[dict]) -> list[str]:
-    """Why a cell's run is not a valid cell of the comparison although it completed: every cell must
-    be the same federation doing the same work, so any participant dropped from a phase, a failed
-    generation or training step, a rejected frame or a missing reply in any round disqualifies it
-    (the method would otherwise be compared on a different federation). [] when valid."""
-    out = []
-    for r in rows:
-        if r.get("participant") != "_federation":
-            continue
-        rnd = r.get("round")
-        bad = {k: v for k, v in r.items() if isinstance(v, (int, float)) and v > 0 and (
-            k.startswith("fed/dropped/") or k in ("fed/generate_failures", "fed/train_failures", "fed/rejected"))}
-        if r.get("fed/replies", 0) < r.get("fed/participants", 0):
-            bad["fed/replies"] = r.get("fed/replies")
-        out += [f"round {rnd}: {k}={v:g}" for k, v in sorted(bad.items())]
-    return out
 
 
 # ----------------------------------------------------------------------------- summarising
@@ -261,6 +243,33 @@ def final_eval(rows: Iterable[dict]) -> dict[str, dict]:
             if p not in last or int(r["round"]) >= int(last[p]["round"]):
                 last[p] = r
     return last
+
+
+def cell_defects(rows: Sequence[dict]) -> list[str]:
+    """Why a run that exited 0 is still not a result of its method (empty: none): a round in which a
+    participant was dropped, failed, or had frames rejected (``_federation`` rows), or a participant
+    that was evaluated but did not train, on samples, in every round. A run whose participants were
+    all dropped still evaluates its untrained models — it must not count as a finished cell."""
+    fed = [r for r in rows if r.get("phase") == "train" and r.get("participant") == "_federation"]
+    out = []
+    for r in fed:
+        bad = {k: v for k, v in r.items()
+               if (k.startswith("fed/dropped/") or k in ("fed/generate_failures", "fed/train_failures", "fed/rejected"))
+               and _num(v) > 0}
+        if "fed/complete" in r and _num(r["fed/complete"]) == 0:
+            bad["fed/complete"] = r["fed/complete"]
+        if bad:
+            out.append(f"round {r.get('round')}: " + ", ".join(f"{k}={v}" for k, v in sorted(bad.items())))
+    rounds = sorted({int(r["round"]) for r in fed})
+    trained = {(r["participant"], int(r["round"])) for r in rows
+               if r.get("phase") == "train" and not str(r.get("participant", "")).startswith("_")
+               and _num(r.get("train/samples")) > 0}
+    for p in sorted({r["participant"] for r in rows if r.get("phase") == "eval"
+                     and not str(r.get("participant", "")).startswith("_")}):
+        missing = [k for k in rounds if (p, k) not in trained]
+        if missing or not rounds:
+            out.append(f"{p} did not train in round(s) {missing or 'any'}")
+    return out
 
 
 def initial_eval(out: Path) -> dict[str, dict]:

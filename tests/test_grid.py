@@ -19,9 +19,8 @@ def _accuracy(cell: Cell, participant: str) -> tuple[float, float]:
     return round(base + off, 4), round(base / 2 + off, 4)
 
 
-def fake_runner(calls: list, fail: set = frozenset(), dropped: set = frozenset()):
-    """Writes what a finished ``ftis-fed sim`` writes: metrics.jsonl with train and eval rows
-    (``dropped``: cells whose run completed although one participant was dropped in round 2)."""
+def fake_runner(calls: list, fail: set = frozenset()):
+    """Writes what a finished ``ftis-fed sim`` writes: metrics.jsonl with train and eval rows."""
 
     def run(cell: Cell, cell_dir, log_path):
         calls.append(cell.name)
@@ -36,15 +35,15 @@ def fake_runner(calls: list, fail: set = frozenset(), dropped: set = frozenset()
                 rows.append({"round": 0, "participant": p, "phase": "eval", "eval/id/accuracy": 0.1,
                              "eval/ood/accuracy": 0.1, "eval/id/n": 24.0})
             for rnd in (1, 2):
-                rows.append({"round": rnd, "participant": p, "phase": "train", "reward/mean": 0.1 * rnd})
+                rows.append({"round": rnd, "participant": p, "phase": "train", "reward/mean": 0.1 * rnd,
+                             "train/samples": 36.0})
             idacc, oodacc = _accuracy(cell, p)
             rows.append({"round": 2, "participant": p, "phase": "eval", "eval/id/accuracy": idacc,
                          "eval/ood/accuracy": oodacc, "eval/id/n": 24.0})
-        fed = {"round": 2, "participant": "_federation", "phase": "train", "fed/replies": 2.0,
-               "fed/participants": 2.0, "fed/generate_failures": 0.0, "fed/rejected": 0.0}
-        if cell.name in dropped:
-            fed.update({"fed/dropped/error": 1.0, "fed/generate_failures": 1.0})
-        rows.append(fed)
+        for rnd in (1, 2):
+            rows.append({"round": rnd, "participant": "_federation", "phase": "train", "fed/replies": 2.0,
+                         "fed/generate_failures": 0.0, "fed/train_failures": 0.0, "fed/rejected": 0.0,
+                         "fed/complete": 1.0})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return 0
 
@@ -215,23 +214,6 @@ def test_a_cell_whose_only_evaluation_is_the_initial_one_has_no_result(tmp_path)
     assert not (tmp_path / "cells" / "alone__vertical__s0" / "done.json").exists()
 
 
-def test_a_completed_run_with_a_dropped_participant_is_not_a_cell(tmp_path):
-    """A run that finished although a participant failed (the first horizontal cells here: every
-    participant dropped from every generate phase, nothing trained, and evaluations equal to the
-    initial ones) must not enter the comparison: it is rerun, not summarised."""
-    cells = plan(["alone", "F-TIS"], 1)
-    calls, msgs = [], []
-    failed = run_grid(cells, tmp_path, fake_runner(calls, dropped={"F-TIS__vertical__s0"}), echo=msgs.append)
-    assert [c.name for c in failed] == ["F-TIS__vertical__s0"]
-    assert not (tmp_path / "cells" / "F-TIS__vertical__s0" / "done.json").exists()
-    assert any("fed/dropped/error=1" in m and "fed/generate_failures=1" in m for m in msgs)
-    assert grid.cell_problems([{"round": 1, "participant": "_federation", "fed/replies": 1.0,
-                                "fed/participants": 2.0}]) == ["round 1: fed/replies=1"]
-    calls.clear()
-    assert run_grid(cells, tmp_path, fake_runner(calls), echo=lambda s: None) == []
-    assert calls == ["F-TIS__vertical__s0"]
-
-
 def test_sim_runner_passes_the_cell_and_runs_this_tree(tmp_path, monkeypatch):
     calls = []
 
@@ -254,3 +236,27 @@ def test_sim_runner_passes_the_cell_and_runs_this_tree(tmp_path, monkeypatch):
     assert items[0] == "eval-size=8" and 'loss-mode="F-TIS"' in items and "seed=2" in items
     assert "eval-initial=false" in items
     assert kw["cwd"] == tmp_path and kw["env"]["PYTHONPATH"].split(":") == [str(tmp_path), "/elsewhere"]
+
+
+def test_a_run_whose_participants_were_dropped_is_not_a_finished_cell(tmp_path):
+    cells = plan(["F-TIS"], 1)
+
+    def dropped(cell, cell_dir, log_path):
+        fake_runner([])(cell, cell_dir, log_path)
+        f = cell_dir / "run" / "metrics.jsonl"
+        rows = [json.loads(x) for x in f.read_text().splitlines()]
+        rows = [r for r in rows if not (r["phase"] == "train" and r["participant"] == "b")]   # b never trained
+        for r in rows:
+            if r["participant"] == "_federation":
+                r["fed/dropped/no_reply"] = 1.0
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0                                                   # the run itself "completed"
+
+    msgs: list = []
+    assert run_grid(cells, tmp_path, dropped, echo=msgs.append) == cells
+    assert not (tmp_path / "cells" / "F-TIS__vertical__s0" / "done.json").exists()
+    assert any("fed/dropped/no_reply=1.0" in m and "b did not train in round(s) [1, 2]" in m for m in msgs)
+    rows = grid.read_rows(tmp_path / "cells" / "F-TIS__vertical__s0" / "run" / "metrics.jsonl")
+    assert grid.cell_defects(rows)
+    # a clean run has none
+    assert run_grid(cells, tmp_path, fake_runner([]), echo=lambda s: None) == []
