@@ -85,8 +85,14 @@ class Cell:
         return self.label if self.groups == "vertical" else f"{self.label}/h"
 
     def run_config(self, out_dir: Path) -> dict:
+        """The cell's run-config items on top of the preset. Horizontal cells also take the shared
+        prompts (``task-scheme = "shared"``): the paper's horizontal mode has every participant
+        complete the same prompts, so a preset's partition (e.g. ``expertise`` in ``paper``) holds
+        for its vertical cells only (a horizontal run with another scheme is a config error)."""
         rc = {**dict(self.extra), "loss-mode": self.mode, "advantage-groups": self.groups, "seed": self.seed,
               "output-dir": str(out_dir)}
+        if self.groups == "horizontal":
+            rc["task-scheme"] = "shared"
         if self.eval_initial is not None:
             rc["eval-initial"] = self.eval_initial
         return rc

@@ -61,6 +61,27 @@ def test_plan_is_seed_major_and_checks_names():
         plan(["alone"], 0)
 
 
+def test_horizontal_cells_of_a_preset_with_another_partition_are_valid_runs(tmp_path):
+    """The paper preset partitions prompts by expertise; its horizontal cells take the shared prompts
+    (what the horizontal mode needs), and the whole run config passes the check done before a run."""
+    import tomllib
+    from pathlib import Path
+
+    from ftis_fed.config import validate_run_config
+
+    root = Path(__file__).resolve().parents[1]
+    defaults = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    preset = tomllib.loads((root / "sims" / "presets" / "paper.toml").read_text())
+    assert preset["task-scheme"] == "expertise"
+    v, h = plan(["F-TIS"], 1, ["vertical", "horizontal"])
+    assert "task-scheme" not in v.run_config(tmp_path) and h.run_config(tmp_path)["task-scheme"] == "shared"
+    with pytest.raises(ValueError, match="task-scheme"):
+        validate_run_config({**defaults, **preset, **h.run_config(tmp_path), "task-scheme": "expertise"},
+                            check_models=False)
+    fed = validate_run_config({**defaults, **preset, **h.run_config(tmp_path)}, check_models=False)
+    assert fed.objective.advantage_groups == "horizontal" and fed.task.scheme == "shared"
+
+
 def test_grid_resumes_and_reruns_only_unfinished_cells(tmp_path):
     cells = plan(["alone", "noIS", "F-TIS"], 2)
     calls: list = []
