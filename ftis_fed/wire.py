@@ -821,20 +821,28 @@ def _decode_payload(h: WireHeader, body: bytes) -> CompletionBatch:
         n_esc = int((codes == LOGP_ESCAPE).sum())
         escapes = r.array("<f4", n_esc, "logprob_escapes").astype(np.float32)
         logprobs = dequantize_logprobs(codes, escapes, h.logp_frac_bits)
-    names = [(r.str(f"groups[{i}].task_id"), r.str(f"groups[{i}].reference")) for i in range(h.n_groups)]
+    names, texts = _read_strings(h, g_sizes, r.str, r.u32)
+    if r.pos != len(raw):
+        raise _bad("undecodable", f"payload: {len(raw) - r.pos} unread bytes at the end")
+    return _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logprobs, names, texts)
+
+
+def _read_strings(h: WireHeader, g_sizes: np.ndarray, read_str, read_int) -> tuple[list, list]:
+    """The payload's string sections, the same in both versions up to how a string and a count are
+    written (v1: u32 length / u32; v2: varint length / varint): per group the task id and reference,
+    then with the texts flag the prompt text and 0 or the group's size completion texts."""
+    names = [(read_str(f"groups[{i}].task_id"), read_str(f"groups[{i}].reference")) for i in range(h.n_groups)]
     texts = [("", ())] * h.n_groups
     if h.has_texts:
         texts = []
         for i in range(h.n_groups):
-            pt = r.str(f"groups[{i}].prompt_text")
-            k = r.u32(f"groups[{i}].n_texts")
+            pt = read_str(f"groups[{i}].prompt_text")
+            k = read_int(f"groups[{i}].n_texts")
             if k not in (0, int(g_sizes[i])):
                 raise _bad("undecodable", f"payload.groups[{i}].n_texts={k}: must be 0 or the group's "
                                           f"{int(g_sizes[i])} completions")
-            texts.append((pt, tuple(r.str(f"groups[{i}].completion_texts[{j}]") for j in range(k))))
-    if r.pos != len(raw):
-        raise _bad("undecodable", f"payload: {len(raw) - r.pos} unread bytes at the end")
-    return _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logprobs, names, texts)
+            texts.append((pt, tuple(read_str(f"groups[{i}].completion_texts[{j}]") for j in range(k))))
+    return names, texts
 
 
 def _decode_payload_v2(h: WireHeader, r: _Reader) -> CompletionBatch:
@@ -854,17 +862,7 @@ def _decode_payload_v2(h: WireHeader, r: _Reader) -> CompletionBatch:
     prompt_ids = r.array(dt, h.n_prompt_tokens, "prompt_ids").astype(np.int64)
     comp_ids = r.array(dt, h.n_completion_tokens, "completion_ids").astype(np.int64)
     logprobs = _read_logprobs(h, r)
-    names = [(r.vstr(f"groups[{i}].task_id"), r.vstr(f"groups[{i}].reference")) for i in range(h.n_groups)]
-    texts = [("", ())] * h.n_groups
-    if h.has_texts:
-        texts = []
-        for i in range(h.n_groups):
-            pt = r.vstr(f"groups[{i}].prompt_text")
-            k = r.varint(f"groups[{i}].n_texts")
-            if k not in (0, int(g_sizes[i])):
-                raise _bad("undecodable", f"payload.groups[{i}].n_texts={k}: must be 0 or the group's "
-                                          f"{int(g_sizes[i])} completions")
-            texts.append((pt, tuple(r.vstr(f"groups[{i}].completion_texts[{j}]") for j in range(k))))
+    names, texts = _read_strings(h, g_sizes, r.vstr, r.varint)
     if r.pos != len(r.buf):
         raise _bad("undecodable", f"payload: {len(r.buf) - r.pos} unread bytes at the end")
     return _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logprobs, names, texts)
