@@ -530,6 +530,23 @@ def parse_header(frame: bytes, limits: WireLimits = WireLimits(),
                       n_groups, n_compl, n_ptok, n_ctok, raw_len, payload_len, *strings, body_len)
 
 
+def _read_varint(next_byte, max_bytes: int, bits: int, where: str) -> int:
+    """One canonical unsigned LEB128 value from ``next_byte()`` (a bounded read that raises at the
+    end of its data): at most ``max_bytes`` bytes, no trailing zero byte, below ``2**bits``. The
+    header's values use (10, 64), the payload's (5, 32)."""
+    v = 0
+    for i in range(max_bytes):
+        b = next_byte()
+        v |= (b & 0x7F) << (7 * i)
+        if not b & 0x80:
+            if b == 0 and i > 0:
+                raise _bad("undecodable", f"{where}: varint not minimal")
+            if v >= 1 << bits:
+                raise _bad("undecodable", f"{where}: varint above 2**{bits}")
+            return v
+    raise _bad("undecodable", f"{where}: varint too long (more than {max_bytes} bytes)")
+
+
 class _HeadCursor:
     """Bounded reads from a frame's header: varints (canonical, <= 10 bytes, < 2**64), reals, strings."""
 
@@ -545,18 +562,7 @@ class _HeadCursor:
         return out
 
     def varint(self, what: str) -> int:
-        v, shift = 0, 0
-        for i in range(10):
-            b = self.take(1, what)[0]
-            v |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                if b == 0 and i > 0:
-                    raise _bad("undecodable", f"header.{what}: non-minimal varint")
-                if v >= 1 << 64:
-                    raise _bad("undecodable", f"header.{what}: varint above 2**64")
-                return v
-        raise _bad("undecodable", f"header.{what}: varint longer than 10 bytes")
+        return _read_varint(lambda: self.take(1, what)[0], 10, 64, f"header.{what}")
 
     def real(self, what: str) -> float:
         d = self.take(1, what)[0]
@@ -760,20 +766,13 @@ class _Reader:
 
     def varint(self, what: str) -> int:
         """One canonical LEB128 value < 2**32 (<= 5 bytes)."""
-        v = 0
-        for i in range(5):
+        def next_byte() -> int:
             if self.pos >= len(self.buf):
                 raise _bad("undecodable", f"payload.{what}: the data ends inside a varint")
-            b = self.buf[self.pos]
             self.pos += 1
-            v |= (b & 0x7F) << (7 * i)
-            if not b & 0x80:
-                if b == 0 and i > 0:
-                    raise _bad("undecodable", f"payload.{what}: varint not minimal")
-                if v >= 1 << 32:
-                    raise _bad("undecodable", f"payload.{what}: varint above 2**32")
-                return v
-        raise _bad("undecodable", f"payload.{what}: varint too long (at most 5 bytes)")
+            return self.buf[self.pos - 1]
+
+        return _read_varint(next_byte, 5, 32, f"payload.{what}")
 
     def vstr(self, what: str) -> str:
         return _utf8(self.take(self.varint(what), what), f"payload.{what}")
