@@ -792,18 +792,26 @@ def decode_payload(h: WireHeader, body: bytes) -> CompletionBatch:
 
 
 def _decode_payload(h: WireHeader, body: bytes) -> CompletionBatch:
+    """The payload's sections in order; v1 and v2 differ only in how sizes, counts and string
+    lengths are written (u32 vs varint), in v2's optional prompt ids (prompt digest) and in the
+    log-prob codes (``_read_logprobs``)."""
     payload = body[h.body_len - h.payload_len:]
     raw = _decompress(payload, h.raw_len, h.dict_id) if h.flags & FLAG_ZSTD else payload
     r = _Reader(raw)
-    if h.version == 2:
-        return _decode_payload_v2(h, r)
-    table = r.array("<u4", 2 * h.n_groups, "groups").reshape(-1, 2)      # (n_groups, 2)
-    p_lens, g_sizes = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
+    v2 = h.version == 2
+    if v2:
+        g_sizes = r.varints(h.n_groups, "group_sizes")
+        p_lens = (np.zeros(h.n_groups, dtype=np.int64) if h.flags & FLAG_PROMPT_DIGEST
+                  else r.varints(h.n_groups, "prompt_lengths"))
+    else:
+        table = r.array("<u4", 2 * h.n_groups, "groups").reshape(-1, 2)      # (n_groups, 2)
+        p_lens, g_sizes = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
     if int(g_sizes.sum()) != h.n_completions or int(p_lens.sum()) != h.n_prompt_tokens:
         raise _bad("undecodable", f"payload.groups: sizes sum to {int(g_sizes.sum())} completions / "
                                   f"{int(p_lens.sum())} prompt tokens, header says {h.n_completions} / "
                                   f"{h.n_prompt_tokens}")
-    lengths = r.array("<u4", h.n_completions, "lengths").astype(np.int64)   # (n_completions,)
+    lengths = (r.varints(h.n_completions, "lengths") if v2
+               else r.array("<u4", h.n_completions, "lengths").astype(np.int64))   # (n_completions,)
     if int(lengths.sum()) != h.n_completion_tokens:
         raise _bad("undecodable", f"payload.lengths: sum {int(lengths.sum())}, "
                                   f"header n_completion_tokens={h.n_completion_tokens}")
@@ -811,16 +819,8 @@ def _decode_payload(h: WireHeader, body: bytes) -> CompletionBatch:
     dt = _ID_DTYPES[h.id_width]
     prompt_ids = r.array(dt, h.n_prompt_tokens, "prompt_ids").astype(np.int64)
     comp_ids = r.array(dt, h.n_completion_tokens, "completion_ids").astype(np.int64)
-    n = h.n_completion_tokens
-    if h.flags & FLAG_LOGP_F32:
-        logprobs = r.array("<f4", n, "logprobs").astype(np.float32)
-    else:
-        planes = r.array(np.uint8, 2 * n, "logprobs").reshape(2, n)        # (2, N)
-        codes = planes[0].astype(np.uint16) | (planes[1].astype(np.uint16) << 8)
-        n_esc = int((codes == LOGP_ESCAPE).sum())
-        escapes = r.array("<f4", n_esc, "logprob_escapes").astype(np.float32)
-        logprobs = dequantize_logprobs(codes, escapes, h.logp_frac_bits)
-    names, texts = _read_strings(h, g_sizes, r.str, r.u32)
+    logprobs = _read_logprobs(h, r)
+    names, texts = _read_strings(h, g_sizes, *((r.vstr, r.varint) if v2 else (r.str, r.u32)))
     if r.pos != len(raw):
         raise _bad("undecodable", f"payload: {len(raw) - r.pos} unread bytes at the end")
     return _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logprobs, names, texts)
@@ -842,29 +842,6 @@ def _read_strings(h: WireHeader, g_sizes: np.ndarray, read_str, read_int) -> tup
                                           f"{int(g_sizes[i])} completions")
             texts.append((pt, tuple(read_str(f"groups[{i}].completion_texts[{j}]") for j in range(k))))
     return names, texts
-
-
-def _decode_payload_v2(h: WireHeader, r: _Reader) -> CompletionBatch:
-    g_sizes = r.varints(h.n_groups, "group_sizes")
-    digest_mode = bool(h.flags & FLAG_PROMPT_DIGEST)
-    p_lens = np.zeros(h.n_groups, dtype=np.int64) if digest_mode else r.varints(h.n_groups, "prompt_lengths")
-    if int(g_sizes.sum()) != h.n_completions or int(p_lens.sum()) != h.n_prompt_tokens:
-        raise _bad("undecodable", f"payload.groups: sizes sum to {int(g_sizes.sum())} completions / "
-                                  f"{int(p_lens.sum())} prompt tokens, header says {h.n_completions} / "
-                                  f"{h.n_prompt_tokens}")
-    lengths = r.varints(h.n_completions, "lengths")
-    if int(lengths.sum()) != h.n_completion_tokens:
-        raise _bad("undecodable", f"payload.lengths: sum {int(lengths.sum())}, "
-                                  f"header n_completion_tokens={h.n_completion_tokens}")
-    rewards = r.array("<f4", h.n_completions, "rewards").astype(np.float32)
-    dt = _ID_DTYPES[h.id_width]
-    prompt_ids = r.array(dt, h.n_prompt_tokens, "prompt_ids").astype(np.int64)
-    comp_ids = r.array(dt, h.n_completion_tokens, "completion_ids").astype(np.int64)
-    logprobs = _read_logprobs(h, r)
-    names, texts = _read_strings(h, g_sizes, r.vstr, r.varint)
-    if r.pos != len(r.buf):
-        raise _bad("undecodable", f"payload: {len(r.buf) - r.pos} unread bytes at the end")
-    return _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logprobs, names, texts)
 
 
 def _read_logprobs(h: WireHeader, r: _Reader) -> np.ndarray:
