@@ -1,8 +1,9 @@
 """The transformers backend: full fine-tuning, LoRA, and 4-bit / 8-bit + LoRA (QLoRA).
 
 Generation uses ``model.generate`` with every built-in warper switched off and one logits processor
-of ours, ``RecordingSampler``, that applies ``processed_logprobs`` (temperature, top-k, top-p) and
-records the log-prob of each token the generator then samples from exactly that distribution. So
+of ours, ``RecordingSampler``, that applies ``processed_logprobs`` (temperature, top-k, top-p), draws
+each token from exactly that distribution and records its log-prob (``generate`` itself runs greedy
+on the sampler's one-hot scores). So
 the recorded log-probs are those of the actual sampling distribution by construction, and ``score``
 recomputes them with the same function (tests check the two agree).
 
@@ -45,8 +46,9 @@ def cpu_has_bf16() -> bool:
 
 def sampling_generation_config(max_new_tokens: int, tokenizer, do_sample: bool = True) -> GenerationConfig:
     """The whole generation configuration, explicitly: plain multinomial sampling at T=1 with no
-    filter (RecordingSampler applies temperature / top-k / top-p) or greedy decoding, stopping only
-    at the tokenizer's EOS or the budget. Every setting that could add a logits processor is set to
+    filter, or greedy decoding (what ``HFPolicy.generate`` runs: its ``RecordingSampler`` applies
+    temperature / top-k / top-p, draws the token and hands greedy decoding a one-hot score), stopping
+    only at the tokenizer's EOS or the budget. Every setting that could add a logits processor is set to
     its neutral value (the model's generation_config is neutral too: see the module docstring)."""
     neutral = dict(temperature=1.0, top_k=0 if do_sample else None, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
                    eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
@@ -58,29 +60,51 @@ def sampling_generation_config(max_new_tokens: int, tokenizer, do_sample: bool =
 
 
 class RecordingSampler(LogitsProcessor):
-    """Turns the raw logits into the sampling distribution's log-probs and records, at each step,
-    the log-prob of the token sampled at the previous step (memory: one (B,V) row per step)."""
+    """Turns the raw logits into the sampling distribution's log-probs, draws the next token from it
+    and records that token's log-prob (memory: one (B,) value per step).
+
+    The draw is inverse-CDF sampling (one uniform per row against the float64 cumulative sum of the
+    probabilities: exactly the distribution ``processed_logprobs`` defines; a zero-probability token,
+    e.g. one cut by top-k/top-p, is never drawn). The processor returns a one-hot score (0 for the
+    drawn token, -inf elsewhere), so ``generate`` runs in greedy mode and its argmax takes the token:
+    ``torch.multinomial`` over the full vocabulary, which draws one exponential variate per token, cost
+    ~14 % of generation's CPU time (64 rows x 49k vocabulary, SmolLM2, measured), the cumulative sum ~1 %.
+    Randomness comes from torch's global generator (``torch.manual_seed`` before ``generate``).
+    """
 
     def __init__(self, sampling: SamplingParams, prompt_len: int):
         self.sampling = sampling
         self.prompt_len = prompt_len
-        self.prev: torch.Tensor | None = None                                    # (B,V)
         self.recorded: list[torch.Tensor] = []                                   # each (B,)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if input_ids.shape[1] > self.prompt_len:
-            self._record(input_ids[:, -1])
-        self.prev = processed_logprobs(scores, self.sampling)
-        return self.prev
-
-    def _record(self, tokens: torch.Tensor) -> None:
-        self.recorded.append(self.prev.gather(-1, tokens[:, None]).squeeze(-1).float())
+        lp = processed_logprobs(scores, self.sampling)                           # (B,V)
+        tokens = sample_from_logprobs(lp)                                        # (B,)
+        self.recorded.append(lp.gather(-1, tokens[:, None]).squeeze(-1).float())
+        return torch.full_like(lp, float("-inf")).scatter_(-1, tokens[:, None], 0.0)
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """(B, T) recorded log-probs of the generated part of ``sequences``."""
-        if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.recorded):
-            self._record(sequences[:, -1])
-        return torch.stack(self.recorded, dim=1) if self.recorded else torch.zeros((sequences.shape[0], 0))
+        """(B, T) recorded log-probs of the generated part of ``sequences`` (``generate`` replaces the
+        tokens of rows that already ended with the pad id: their values past EOS are meaningless)."""
+        T = sequences.shape[1] - self.prompt_len
+        if len(self.recorded) < T:
+            raise RuntimeError(f"RecordingSampler saw {len(self.recorded)} steps for {T} generated tokens")
+        return torch.stack(self.recorded[:T], dim=1) if T else torch.zeros((sequences.shape[0], 0))
+
+
+def sample_from_logprobs(lp: torch.Tensor) -> torch.Tensor:
+    """(B,V) log-probs -> (B,) token ids drawn from exp(lp) (inverse CDF, one uniform per row).
+
+    The cumulative sum is in float64 and the uniform is scaled by its total, so rounding cannot pick a
+    token past the mass; a token with probability 0 spans an empty interval and is never drawn
+    (``searchsorted(..., right=True)`` returns the first index whose cumulative mass exceeds the draw)."""
+    cdf = lp.exp().double().cumsum_(-1)                                          # (B,V)
+    u = torch.rand((lp.shape[0], 1), dtype=torch.float64, device=lp.device) * cdf[:, -1:]   # (B,1)
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=lp.shape[-1] - 1)  # (B,)
+    bad = ~torch.isfinite(lp.gather(-1, tokens[:, None]).squeeze(-1))
+    if bool(bad.any()):                        # only if the row's mass is 0 or NaN: its most likely token
+        tokens = torch.where(bad, lp.argmax(-1), tokens)
+    return tokens
 
 
 def use_checkpointing(cfg: PolicyConfig, prompt_ids: Sequence[Sequence[int]],
@@ -179,7 +203,7 @@ class HFPolicy(Policy):
         input_ids, attn = left_pad(rows, tok.pad_token_id)                       # (N,P)
         P = input_ids.shape[1]
         sampler = RecordingSampler(sampling, prompt_len=P)
-        gen_cfg = sampling_generation_config(sampling.max_new_tokens, tok)
+        gen_cfg = sampling_generation_config(sampling.max_new_tokens, tok, do_sample=False)  # the sampler draws
         torch.manual_seed(seed)
         self.model.eval()
         with self._autocast():
@@ -228,20 +252,65 @@ class HFPolicy(Policy):
         return cache
 
     @torch.no_grad()
-    def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int = 32) -> list[str]:
+    def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int = 64) -> list[str]:
+        """Greedy replies, ``batch_size`` prompts per ``generate``. The rows' longest common token prefix
+        (the chat template's system message) is prefilled once (``_common_prefix_rows``)."""
         tok = self.tokenizer
         self.model.eval()
         texts: list[str] = []
         gen_cfg = sampling_generation_config(max_new_tokens, tok, do_sample=False)
         for s in range(0, len(prompts), batch_size):
             rows = [self.format_prompt(p.text) for p in prompts[s:s + batch_size]]
-            input_ids, attn = left_pad(rows, tok.pad_token_id)                   # (n,P)
-            P = input_ids.shape[1]
             with self._autocast():
+                shared = self._common_prefix_rows(rows) if self.cfg.share_prefix else None
+                if shared is None:
+                    input_ids, attn = left_pad(rows, tok.pad_token_id)           # (n,P)
+                    kwargs = {}
+                else:
+                    input_ids, attn, cache = shared
+                    kwargs = {"past_key_values": cache}
                 seqs = self.model.generate(input_ids=input_ids.to(self.device),
-                                           attention_mask=attn.to(self.device), generation_config=gen_cfg)
-            texts += tok.batch_decode(seqs[:, P:].cpu(), skip_special_tokens=True)
+                                           attention_mask=attn.to(self.device), generation_config=gen_cfg, **kwargs)
+            texts += tok.batch_decode(seqs[:, input_ids.shape[1]:].cpu(), skip_special_tokens=True)
         return texts
+
+    def _common_prefix_rows(self, rows: Sequence[Sequence[int]]):
+        """(input_ids, attention_mask, cache) for rows that share their first L tokens, or None (one row,
+        L < 2, or an architecture not in ``prefix.MODEL_TYPES``).
+
+        Layout: [common prefix | padding | the row's rest], the padding masked. The prefix's keys/values
+        are computed once (one row) and repeated for every row; positions come from the mask as
+        ``generate`` derives them (cumulative sum), so each row's rest sits at positions L, L+1, ... exactly
+        as in a left-padded batch: the same computation as ``left_pad`` rows, with the prefix done once."""
+        from transformers import DynamicCache
+
+        from .prefix import MODEL_TYPES
+
+        config = unwrap_causal_lm(self.model).config
+        if len(rows) < 2 or getattr(config, "model_type", None) not in MODEL_TYPES:
+            return None
+        first, L = list(rows[0]), min(len(r) for r in rows) - 1     # every row keeps >= 1 token of its own
+        for r in rows[1:]:
+            n = 0
+            while n < L and r[n] == first[n]:
+                n += 1
+            L = n
+        if L < 2:
+            return None
+        rest = [list(r)[L:] for r in rows]
+        R = max(len(r) for r in rest)
+        input_ids = torch.full((len(rows), L + R), self.tokenizer.pad_token_id, dtype=torch.long)   # (n,L+R)
+        attn = torch.zeros_like(input_ids)
+        input_ids[:, :L] = torch.tensor(first[:L], dtype=torch.long)
+        attn[:, :L] = 1
+        for i, r in enumerate(rest):
+            input_ids[i, L + R - len(r):] = torch.tensor(r, dtype=torch.long)
+            attn[i, L + R - len(r):] = 1
+        cache = DynamicCache(config=config)
+        self.model(input_ids=input_ids[:1, :L].to(self.device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
+        cache.batch_repeat_interleave(len(rows))                                  # (n, ...)
+        return input_ids, attn, cache
 
     # ------------------------------------------------------------------ score
     def score(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool = False) -> list[torch.Tensor]:
@@ -261,7 +330,7 @@ class HFPolicy(Policy):
             self._set_checkpointing(use_checkpointing(self.cfg, prompt_ids, completion_ids))
         return token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
                               grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast,
-                              share_prefix=self.cfg.share_prefix).cpu()
+                              share_prefix=self.cfg.share_prefix, head_graph_mb=self.cfg.logit_graph_mb).cpu()
 
     def retokenize(self, prompt_text: str, completion_text: str, ended: bool) -> tuple[list[int], list[int]]:
         """A peer's text in this model's tokenizer and chat template; EOS appended only when the
