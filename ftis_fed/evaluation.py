@@ -28,19 +28,30 @@ class GreedyGenerator(Protocol):
     def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]: ...
 
 
+def greedy_replies(policy: GreedyGenerator, prompts: Sequence[Prompt], max_new_tokens: int,
+                   batch_size: int = 64) -> list[str]:
+    """The greedy reply to each prompt, ``batch_size`` prompts per ``generate_greedy`` call."""
+    replies: list[str] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = list(prompts[i:i + batch_size])
+        out = policy.generate_greedy(chunk, max_new_tokens)
+        if len(out) != len(chunk):
+            raise ValueError(f"generate_greedy returned {len(out)} replies for {len(chunk)} prompts")
+        replies += out
+    return replies
+
+
+def solved_share(prompts: Sequence[Prompt], replies: Sequence[str], verifier: Verifier) -> float:
+    """Share of ``prompts`` whose reply solves the task (a rule's format bonus does not count)."""
+    return sum(verifier.check(p.task_id, r, p.reference, p.text)[0] for p, r in zip(prompts, replies)) / len(prompts)
+
+
 def pass_at_1(policy: GreedyGenerator, prompts: Sequence[Prompt], verifier: Verifier,
               max_new_tokens: int = 32, batch_size: int = 64) -> float:
     """Share of ``prompts`` whose greedy reply solves the task (a rule's format bonus does not count)."""
     if not prompts:
         raise ValueError("prompts is empty: pass@1 needs at least one prompt")
-    solved = 0
-    for i in range(0, len(prompts), batch_size):
-        chunk = list(prompts[i:i + batch_size])
-        replies = policy.generate_greedy(chunk, max_new_tokens)
-        if len(replies) != len(chunk):
-            raise ValueError(f"generate_greedy returned {len(replies)} replies for {len(chunk)} prompts")
-        solved += sum(verifier.check(p.task_id, r, p.reference, p.text)[0] for p, r in zip(chunk, replies))
-    return solved / len(prompts)
+    return solved_share(prompts, greedy_replies(policy, prompts, max_new_tokens, batch_size), verifier)
 
 
 def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], verifier: Verifier | None = None,
@@ -51,13 +62,25 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
         ``"math500"`` (or any other name) -> a benchmark set. Keys become ``eval/id/...``,
         ``eval/ood/<family>/...`` and ``eval/<name>/...``.
     max_new_tokens: one generation budget, or one per set name (missing names get 32).
+    The sets that share a budget are generated together (``batch_size`` prompts per call, not one
+    call per small set: fuller batches), then scored set by set.
     """
     verifier = verifier or Verifier()
+    budget = {name: max_new_tokens.get(name, 32) if isinstance(max_new_tokens, Mapping) else max_new_tokens
+              for name in sets}
+    for name, prompts in sets.items():
+        if not prompts:
+            raise ValueError(f"evaluation set {name!r} is empty: pass@1 needs at least one prompt")
+    replies: dict[str, list[str]] = {}
+    for b in dict.fromkeys(budget.values()):
+        names = [n for n in sets if budget[n] == b]
+        together = greedy_replies(policy, [p for n in names for p in sets[n]], b, batch_size)
+        for n in names:
+            replies[n], together = together[:len(sets[n])], together[len(sets[n]):]
     out: dict[str, float] = {}
     ood = []
     for name, prompts in sets.items():
-        budget = max_new_tokens.get(name, 32) if isinstance(max_new_tokens, Mapping) else max_new_tokens
-        acc = pass_at_1(policy, prompts, verifier, budget, batch_size)
+        acc = solved_share(prompts, replies[name], verifier)
         prefix = "eval/id" if name == "id" else f"eval/ood/{name}" if name in OOD_FAMILIES else f"eval/{name}"
         out[f"{prefix}/accuracy"] = acc
         out[f"{prefix}/n"] = float(len(prompts))

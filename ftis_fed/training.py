@@ -184,18 +184,22 @@ def _pad(arrays: Sequence[np.ndarray], T: int) -> torch.Tensor:
 
 
 def row_order(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-              group_prompts: bool) -> list[int]:
+              group_prompts: bool, zero: Sequence[bool] | None = None) -> list[int]:
     """The order rows are cut into micro-batches: longest first (least padding); with ``group_prompts``,
-    the rows of one prompt stay contiguous (groups longest first, then longest completion first)."""
+    the rows of one prompt stay contiguous (groups longest first, then longest completion first).
+    zero: per row, its advantage is 0; such rows (without grouping) or prompts all of whose rows are
+    such (with grouping) go last, so they fill whole micro-batches that need no backward."""
     n = len(prompt_ids)
+    z = list(zero) if zero is not None else [False] * n
     if not group_prompts:
-        return sorted(range(n), key=lambda i: -len(prompt_ids[i]) - len(completion_ids[i]))
+        return sorted(range(n), key=lambda i: (z[i], -len(prompt_ids[i]) - len(completion_ids[i])))
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompt_ids):
         groups.setdefault(tuple(p), []).append(i)
     longest = {k: max(len(prompt_ids[i]) + len(completion_ids[i]) for i in rows) for k, rows in groups.items()}
+    all_zero = {k: all(z[i] for i in rows) for k, rows in groups.items()}
     order: list[int] = []
-    for k in sorted(groups, key=lambda k: -longest[k]):
+    for k in sorted(groups, key=lambda k: (all_zero[k], -longest[k])):
         order += sorted(groups[k], key=lambda i: -len(completion_ids[i]))
     return order
 
@@ -206,7 +210,7 @@ ScoreFn = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]], bool], tor
 def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
               samples: Sequence[TrainSample], cfg: ObjectiveConfig, micro_batch: int,
               max_grad_norm: float, logp_old: Sequence[torch.Tensor] | None = None,
-              group_prompts: bool = False) -> dict[str, float]:
+              group_prompts: bool = False, score_zero_advantage: bool = True) -> dict[str, float]:
     """One optimizer step of the F-TIS objective over ``samples``.
 
     score(prompt_ids, completion_ids, grad) -> (b,T) padded log-probs under the current weights.
@@ -214,7 +218,9 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     group_prompts: micro-batches keep the rows of one prompt together (see ``row_order``), so a
         shared-prefix ``score`` computes each prompt once.
     A micro-batch whose rows all have advantage 0 is scored with ``grad=False`` and gets no backward
-    (its gradient is exactly zero); ``train/no_backward_rows`` counts those rows.
+    (its gradient is exactly zero); ``train/no_backward_rows`` counts those rows. With
+    ``score_zero_advantage`` False it is not scored at all (``train/unscored_rows``): the loss,
+    gradient and step are the same, only the off-policy diagnostics then cover the other rows.
     Returns finalised metrics: loss, grad norm, per-source off-policy diagnostics.
     """
     if MODES[cfg.mode].local_only:
@@ -228,18 +234,23 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     lengths = torch.tensor([len(s.completion_ids) for s in samples])
     all_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     denominators = count_denominators(all_mask, torch.ones(len(samples), dtype=torch.bool))
-    order = row_order([s.prompt_ids for s in samples], [s.completion_ids for s in samples], group_prompts)
+    order = row_order([s.prompt_ids for s in samples], [s.completion_ids for s in samples], group_prompts,
+                      zero=[s.advantage == 0.0 for s in samples])
     stats: dict[str, float] = {}
     loss_total = 0.0
-    skipped_rows = 0
+    skipped_rows = unscored_rows = 0
     for start in range(0, len(order), micro_batch):
         idx = order[start:start + micro_batch]
         mb = [samples[i] for i in idx]
         # rows with advantage 0 (a group whose rewards are all equal) add exactly nothing to the loss or its
         # gradient (every loss term is multiplied by the advantage): a micro-batch of only such rows is
-        # scored without a graph (its log-probs still feed the diagnostics), and no backward runs for it
+        # scored without a graph (its log-probs still feed the diagnostics), or not at all, and no backward
+        # runs for it
         grad = any(s.advantage != 0.0 for s in mb)
         skipped_rows += 0 if grad else len(mb)
+        if not grad and not score_zero_advantage:
+            unscored_rows += len(mb)
+            continue
         logp = score([s.prompt_ids for s in mb], [s.completion_ids for s in mb], grad)  # (b,T)
         T = logp.shape[1]
         mask = torch.arange(T)[None, :] < torch.tensor([len(s.completion_ids) for s in mb])[:, None]
@@ -271,7 +282,7 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     metrics = finalize_stats(stats)
     metrics.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm),
                     "train/skipped_nonfinite": float(not finite), "train/samples": float(len(samples)),
-                    "train/no_backward_rows": float(skipped_rows),
+                    "train/no_backward_rows": float(skipped_rows), "train/unscored_rows": float(unscored_rows),
                     "train/tokens": float(denominators[1])})
     return metrics
 
@@ -334,7 +345,8 @@ class Trainer:
         try:
             metrics = ftis_step(lambda p, c, g: pol.score_padded(p, c, sampling, g), self.params, self.optimizer,
                                 samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm,
-                                group_prompts=self.cfg.share_prefix)   # a prompt's rows in one micro-batch
+                                group_prompts=self.cfg.share_prefix,   # a prompt's rows in one micro-batch
+                                score_zero_advantage=self.cfg.score_zero_advantage)
         finally:
             pol.train_mode(False)
         self.steps += 1

@@ -24,8 +24,10 @@ What is counted (bytes; ``Estimate`` keeps each part):
   autocast: autocast saves the bf16 copies *and* the fp32 inputs; measured). With gradient
   checkpointing: each layer's input (H per token and layer) plus one layer's activations;
 - the LM head: ``ftis_fed.policies.scoring`` computes log-probs in chunks of ``logit_chunk``
-  positions with checkpointing, so its peak is 3 fp32 (micro_batch, chunk, V) tensors (logits,
-  processed log-probs, their gradient), not (micro_batch, T, V);
+  positions, so its transient peak is 3 fp32 (micro_batch, chunk, V) tensors (logits, processed
+  log-probs, their gradient); a micro-batch whose (micro_batch, T, V) fp32 log-softmax fits in
+  ``logit_graph_mb`` MiB keeps it for backward (no recompute: counted here with T = ``seq_len``, an
+  upper bound), a larger one recomputes each chunk (checkpointing);
 - generation (HF ``generate``): the KV cache of ``gen_sequences`` sequences of ``seq_len`` tokens at
   the weight dtype (2 * layers * KV per token). It is not live during training, so the peak is
   ``max(training, generation)`` on top of weights;
@@ -122,7 +124,7 @@ class Setup:
     optimizer: one of OPTIMIZERS. lora_r: LoRA rank. micro_batch: completions per forward/backward.
     seq_len: prompt + completion tokens per row. logit_chunk: positions per LM-head chunk.
     grad_checkpointing: recompute layers in backward. gen_sequences: sequences generated at once
-    (prompts x G) for the KV-cache term.
+    (prompts x G) for the KV-cache term. logit_graph_mb: the policy key ``logit-graph-mb``.
     """
 
     adapter: str = "full"
@@ -136,6 +138,7 @@ class Setup:
     logit_chunk: int = 32
     grad_checkpointing: bool = True
     gen_sequences: int = 32
+    logit_graph_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if self.adapter not in ("full", "lora"):
@@ -208,6 +211,9 @@ def estimate(m: ModelShape, s: Setup) -> Estimate:
     else:
         act = m.layers * per_layer
     logits = 3 * s.micro_batch * min(s.logit_chunk, s.seq_len) * m.vocab * 4
+    kept = s.micro_batch * s.seq_len * m.vocab * 4                               # (micro_batch, T, V) fp32
+    if 0 < kept <= s.logit_graph_mb * 2 ** 20:
+        logits += kept
     kv_cache = 2 * m.layers * m.kv * s.gen_sequences * s.seq_len * DTYPE_BYTES[s.weights]
     return Estimate(weights=weight_bytes(m, s.weights, s.quant), trainable_params=n_train,
                     gradients=n_train * train_bytes, optimizer=optimizer_bytes(n_train, train_bytes, s.optimizer),

@@ -11,7 +11,7 @@ from ftis_fed.bench import step
 
 TINY = dict(model="tiny-llama", prompts=2, group_size=2, max_new_tokens=4, temperature=0.7, dtype="auto",
             micro_batch=2, logit_chunk=2, mode="F-TIS", lr=1e-5, warmup=0, steps=1, threads=0, seed=0,
-            grad_checkpointing=True, trl_gradient_checkpointing=False, share_prefix=True)
+            grad_checkpointing=True, trl_gradient_checkpointing=False, share_prefix=True, logit_graph_mb=256.0)
 
 
 def test_ours_worker_generates_exactly_max_new_tokens():
@@ -20,6 +20,7 @@ def test_ours_worker_generates_exactly_max_new_tokens():
     assert len(res["step_s"]) == 1 and res["step_s"][0] >= res["generate_s"][0] > 0
     assert res["peak_rss_mb"] >= res["rss_after_load_mb"] > 0
     assert len(res["no_backward_rows"]) == 1 and 0 <= res["no_backward_rows"][0] <= 4
+    assert 0 <= res["unscored_rows"][0] <= res["no_backward_rows"][0]
     assert res["step_cpu_s"][0] >= res["generate_cpu_s"][0] > 0 and res["train_cpu_s"][0] > 0
 
 

@@ -138,6 +138,10 @@ def test_prompt_index_and_row_order():
     assert [k for j, k in enumerate(seen) if j == 0 or seen[j - 1] != k] == [(1, 2), (3,), (4, 5, 6)]  # contiguous
     assert order == [2, 5, 0, 1, 4, 3]      # longest group first (ties: first seen), longest completion first
     assert row_order(P, C, group_prompts=False) == sorted(range(6), key=lambda i: -len(P[i]) - len(C[i]))
+    # rows / whole prompt groups of advantage 0 go last (they fill the micro-batches that need no backward)
+    zero = [True, False, True, False, False, True]             # prompt (1, 2) all zero; (3,) half zero
+    assert row_order(P, C, group_prompts=True, zero=zero) == [1, 4, 3, 2, 5, 0]
+    assert row_order(P, C, group_prompts=False, zero=zero) == [1, 3, 4, 2, 5, 0]
 
 
 def test_update_with_and_without_sharing_is_the_same_step():
@@ -270,6 +274,44 @@ def test_generation_prefills_each_prompt_once_with_the_same_samples(adapter):
             np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_greedy_evaluation_prefills_the_common_prefix_once_with_the_same_replies(adapter):
+    """generate_greedy with share-prefix: the rows' longest common prefix (the chat template's system
+    message) runs once for one row, the rest of each row after a masked gap; the same greedy tokens
+    (replies) and the same next-token logits as left-padded rows computed in full."""
+    from ftis_fed.policies import Prompt
+
+    prompts = [Prompt(f"a/{i}", t, "0") for i, t in enumerate(
+        ["What is 3 + 4?", "What is 12 + 35 + 8 + 1? Reply with just the number, please.", "Next: 2, 4, 6, ?"])]
+    out = {}
+    for share in (False, True):
+        pol = build_policy(PolicyConfig(model="tiny-llama", adapter=adapter, lora_r=4, share_prefix=share))
+        calls = []
+        hook = unwrap_causal_lm(pol.model).register_forward_pre_hook(
+            lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        out[share] = pol.generate_greedy(prompts, 6)
+        hook.remove()
+        rows = [pol.format_prompt(p.text) for p in prompts]
+        out[share, "calls"] = calls[:2]
+        if share:
+            ids, attn, cache = pol._common_prefix_rows(rows)
+            L = next(i for i in range(ids.shape[1]) if attn[1:, i].min() == 0)     # the gap after the prefix
+            assert all(r[:L] == rows[0][:L] for r in rows) and L >= 2
+            with torch.no_grad():
+                pos_s = (attn.cumsum(-1) - 1).clamp(min=0)
+                shared = pol.model(input_ids=ids[:, L:], attention_mask=attn, position_ids=pos_s[:, L:],
+                                   past_key_values=cache).logits[:, -1]
+                from ftis_fed.policies.hf import left_pad
+                full_ids, full_attn = left_pad(rows, pol.tokenizer.pad_token_id)
+                pos = (full_attn.cumsum(-1) - 1).clamp(min=0)
+                full = pol.model(input_ids=full_ids, attention_mask=full_attn, position_ids=pos).logits[:, -1]
+            torch.testing.assert_close(shared, full, rtol=0, atol=1e-4)
+    assert out[True] == out[False]
+    n, P = len(prompts), max(len(pol.format_prompt(p.text)) for p in prompts)
+    assert out[False, "calls"][0] == (n, P) and out[True, "calls"][0] == (1, L)   # the prefix alone, once
+    assert out[True, "calls"][1][1] == P - L                                        # then only the rest
+
+
 def test_generation_after_an_update_uses_the_new_weights():
     """The shared prefill runs on the live weights: after a Trainer step, generate's recorded log-probs
     equal a rescoring under the updated model (and differ from the pre-update model's)."""
@@ -291,11 +333,13 @@ def test_generation_after_an_update_uses_the_new_weights():
                if len(x) == len(y))
 
 
+@pytest.mark.parametrize("score_zero", [True, False])
 @pytest.mark.parametrize("share", [False, True])
-def test_zero_advantage_micro_batches_skip_the_backward_with_the_same_step(share):
-    """A micro-batch whose rows all have advantage 0 is scored without a graph and gets no backward: the
-    same loss, diagnostics, gradient norm and weights as the reference step that runs every micro-batch
-    with a graph and a backward (its gradient is exactly zero)."""
+def test_zero_advantage_micro_batches_skip_the_backward_with_the_same_step(share, score_zero):
+    """A micro-batch whose rows all have advantage 0 gets no backward (its gradient is exactly zero): with
+    ``score-zero-advantage`` it is scored without a graph (same loss, diagnostics, gradient norm and
+    weights as the reference step that runs every micro-batch with a graph and a backward); without it,
+    it is not scored at all (same loss, gradient norm and weights; the diagnostics cover the other rows)."""
     P, C = rows(1000, seed=7, prompt_lens=(6, 3), completion_lens=((4, 2, 5, 1), (3, 3, 2, 6)))
     rng = np.random.default_rng(0)
     zero = tuple(P[0])                                         # the first prompt's group: all rewards equal
@@ -303,19 +347,25 @@ def test_zero_advantage_micro_batches_skip_the_backward_with_the_same_step(share
                            0.0 if tuple(p) == zero else float(rng.standard_normal()), "me", True)
                for p, c in zip(P, C)]
     out = []
-    for force_graph in (True, False):
-        pol = build_policy(PolicyConfig(model="tiny-llama", micro_batch=4, share_prefix=share, lr=1e-3))
+    for force_graph, knob in ((True, True), (False, score_zero)):
+        pol = build_policy(PolicyConfig(model="tiny-llama", micro_batch=4, share_prefix=share, lr=1e-3,
+                                        score_zero_advantage=knob))
         asked = []
         score = pol.score_padded
         pol.score_padded = lambda p, c, s, g, _f=score, _force=force_graph: asked.append(g) or _f(p, c, s, g or _force)
         m = Trainer(pol, ObjectiveConfig()).step(samples, SP)
         out.append((m, pol.trainable_state(), asked))
     (m0, w0, _), (m1, w1, asked) = out
-    # grouped micro-batches (share-prefix): the zero group fills one micro-batch; mixed ones (no sharing) none
-    assert m1["train/no_backward_rows"] == (4.0 if share else 0.0)
-    assert sorted(asked) == ([False, True] if share else [True, True])
-    for k in m0:
+    # the zero rows are ordered last (``row_order``): with or without grouping they fill one micro-batch
+    assert m1["train/no_backward_rows"] == 4.0
+    skipped = not score_zero
+    assert m1["train/unscored_rows"] == (4.0 if skipped else 0.0)
+    assert sorted(asked) == ([True] if skipped else [False, True])
+    same = ("train/loss", "train/grad_norm", "train/samples", "train/tokens") if skipped else m0
+    for k in same:
         assert m1[k] == pytest.approx(m0[k], rel=RTOL, abs=1e-7), k
+    if skipped:                                                # diagnostics over the 4 rows that were scored
+        assert m1["offpolicy/me/samples"] == 4.0 and m0["offpolicy/me/samples"] == 8.0
     for n in w0:
         torch.testing.assert_close(w0[n], w1[n], rtol=0, atol=1e-7)
 

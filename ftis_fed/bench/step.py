@@ -42,14 +42,17 @@ import time
 
 #: Written into the JSON so a reader knows what was compared without reading this file.
 NOTES = [
-    "ours: HFPolicy(PolicyConfig(model, dtype, micro_batch, logit_chunk, grad_checkpointing=True unless "
-    "--no-grad-checkpointing, share_prefix=True unless --no-share-prefix)).generate -> Verifier rewards -> "
+    "ours: HFPolicy(PolicyConfig(model, dtype, micro_batch, logit_chunk, logit_graph_mb, grad_checkpointing=False "
+    "unless --grad-checkpointing, share_prefix=True unless --no-share-prefix)).generate -> Verifier rewards -> "
     "CompletionBatch -> samples_from_batches(mode F-TIS, vertical groups) -> Trainer.step (one AdamW step, "
     "torch's fused kernel)",
     "ours, where it differs in work (exact, same results): with share_prefix each prompt is prefilled once for "
-    "its G rows in generate and scored once per micro-batch in the update; a micro-batch whose rows all have "
-    "advantage 0 (a group of equal rewards: zero gradient) is scored without a graph and gets no backward "
-    "(ours.no_backward_rows); TRL runs forward + backward over every row",
+    "its G rows in generate and scored once per micro-batch in the update; the sampler draws each token by "
+    "inverse CDF instead of torch.multinomial (same distribution); the LM head's log-softmax is kept for "
+    "backward (logit_graph_mb) instead of recomputed; a micro-batch whose rows all have advantage 0 (a group "
+    "of equal rewards: zero gradient) gets no backward (ours.no_backward_rows) and, with the policy default "
+    "score-zero-advantage = false, no forward either (ours.unscored_rows); TRL runs forward + backward over "
+    "every row",
     "trl: GRPOTrainer, one optimizer step timed on_step_begin -> on_step_end (generate + rewards + "
     "forward/backward over gradient_accumulation_steps micro-batches + clip + AdamW)",
     "same model (fp32 weights), prompts (tasks.make_tasks(ID_FAMILIES[0], 'train')), G, temperature, "
@@ -121,6 +124,7 @@ def ours_worker(c: dict) -> dict:
     t0 = time.perf_counter()
     pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
                                 logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
+                                logit_graph_mb=c.get("logit_graph_mb", 0.0),
                                 share_prefix=c.get("share_prefix", True), seed=c["seed"]))
     pol.model.generation_config.min_new_tokens = c["max_new_tokens"]      # exactly max_new_tokens tokens
     load_s = time.perf_counter() - t0
@@ -130,7 +134,7 @@ def ours_worker(c: dict) -> dict:
     objective = ObjectiveConfig(mode=c["mode"], norm_constant=c["max_new_tokens"])
     trainer = Trainer(pol, objective)
     verifier = Verifier()
-    steps, gen, train, tokens, rewards, no_backward = [], [], [], [], [], []
+    steps, gen, train, tokens, rewards, no_backward, unscored = [], [], [], [], [], [], []
     cpu: dict[str, list] = {"step": [], "generate": []}
     for k in range(c["warmup"] + c["steps"]):
         t0, p0 = time.perf_counter(), time.process_time()
@@ -151,12 +155,14 @@ def ours_worker(c: dict) -> dict:
             tokens.append(batch.num_completion_tokens)
             rewards.append(float(np.mean([x for g in groups for x in g.rewards])))
             no_backward.append(int(metrics.get("train/no_backward_rows", 0)))
+            unscored.append(int(metrics.get("train/unscored_rows", 0)))
         if not np.isfinite(metrics.get("train/loss", 0.0)):
             raise RuntimeError(f"non-finite loss at step {k}: {metrics}")
     return {"side": "ours", "step_s": steps, "generate_s": gen, "train_s": train, "load_s": load_s,
             "step_cpu_s": cpu["step"], "generate_cpu_s": cpu["generate"],
             "train_cpu_s": [s - g for s, g in zip(cpu["step"], cpu["generate"])],
             "completion_tokens": tokens, "reward_mean": rewards, "no_backward_rows": no_backward,
+            "unscored_rows": unscored,
             "threads": torch.get_num_threads(), "autocast": str(pol.autocast), "rss_after_load_mb": round(rss_loaded),
             "peak_rss_mb": round(_peak_rss_mb())}
 
@@ -260,6 +266,7 @@ def memory_worker(c: dict) -> dict:
 
     pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
                                 logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
+                                logit_graph_mb=c.get("logit_graph_mb", 0.0),
                                 share_prefix=c.get("share_prefix", True), seed=c["seed"]))
     rss_loaded = _peak_rss_mb()
     sampling = SamplingParams(temperature=c["temperature"], max_new_tokens=c["max_new_tokens"])
@@ -312,15 +319,17 @@ def _median(xs):
 def run_bench_step(model: str = "smollm2", prompts: int = 8, group_size: int = 8, max_new_tokens: int = 64,
                    temperature: float = 0.7, dtype: str = "auto", micro_batch: int = 8, logit_chunk: int = 32,
                    mode: str = "F-TIS", lr: float = 1e-5, repeats: int = 2, warmup: int = 1, steps: int = 1,
-                   threads: int = 0, seed: int = 0, grad_checkpointing: bool = True,
+                   threads: int = 0, seed: int = 0, grad_checkpointing: bool = False,
                    trl_gradient_checkpointing: bool = False, share_prefix: bool = True,
+                   logit_graph_mb: float = 256.0,
                    memory_sweep: bool = False, sides: tuple[str, ...] = ("ours", "trl"),
                    log=None) -> dict:
     """Alternate fresh-subprocess runs of each side ``repeats`` times -> one result dict."""
     c = dict(model=model, prompts=prompts, group_size=group_size, max_new_tokens=max_new_tokens,
              temperature=temperature, dtype=dtype, micro_batch=micro_batch, logit_chunk=logit_chunk, mode=mode,
              lr=lr, warmup=warmup, steps=steps, threads=threads, seed=seed, grad_checkpointing=grad_checkpointing,
-             trl_gradient_checkpointing=trl_gradient_checkpointing, share_prefix=share_prefix)
+             trl_gradient_checkpointing=trl_gradient_checkpointing, share_prefix=share_prefix,
+             logit_graph_mb=logit_graph_mb)
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     for r in range(repeats):
         for side in (sides if r % 2 == 0 else sides[::-1]):
@@ -338,7 +347,7 @@ def run_bench_step(model: str = "smollm2", prompts: int = 8, group_size: int = 8
         "max_new_tokens": max_new_tokens, "temperature": temperature, "dtype": dtype, "micro_batch": micro_batch,
         "logit_chunk": logit_chunk, "mode": mode, "repeats": repeats, "warmup_steps": warmup,
         "timed_steps_per_run": steps, "threads": runs[sides[0]][0]["threads"],
-        "grad_checkpointing": grad_checkpointing, "share_prefix": share_prefix,
+        "grad_checkpointing": grad_checkpointing, "share_prefix": share_prefix, "logit_graph_mb": logit_graph_mb,
         "trl_gradient_checkpointing": trl_gradient_checkpointing,
     }
     for s in sides:
@@ -357,6 +366,7 @@ def run_bench_step(model: str = "smollm2", prompts: int = 8, group_size: int = 8
         }
         if "no_backward_rows" in runs[s][0]:         # ours: rows of all-equal-reward groups (zero gradient)
             result[s]["no_backward_rows"] = [x for run in runs[s] for x in run["no_backward_rows"]]
+            result[s]["unscored_rows"] = [x for run in runs[s] for x in run.get("unscored_rows", [])]
         for k in ("autocast", "bf16", "gradient_checkpointing", "optim"):
             if k in runs[s][0]:
                 result[s][k] = runs[s][0][k]
@@ -395,6 +405,9 @@ def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--micro-batch", type=int, default=8,
                     help="our micro_batch = TRL's per_device_train_batch_size (rows per forward/backward)")
     ap.add_argument("--logit-chunk", type=int, default=32)
+    ap.add_argument("--logit-graph-mb", type=float, default=256.0,
+                    help="our policy key logit-graph-mb: LM-head log-softmax MiB a micro-batch keeps for backward "
+                         "(no recompute; 8 rows x 64 tokens of SmolLM2: 96 MiB); 0 = recompute every chunk")
     ap.add_argument("--mode", default="F-TIS", help="our objective mode (alone, F-TIS, ...)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--repeats", type=int, default=2, help="fresh subprocesses per side, order alternated")
@@ -402,8 +415,11 @@ def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=1, help="timed steps per subprocess")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per side (0 = torch default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grad-checkpointing", dest="grad_checkpointing", action="store_true", default=False,
+                    help="ours with decoder gradient checkpointing (the policy key grad-checkpointing: ~0.4 GB less "
+                         "peak memory here, ~15 %% slower update); off by default, as on TRL's side")
     ap.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false",
-                    help="ours without decoder gradient checkpointing (faster on short rows, ~1 GB more)")
+                    help="ours without decoder gradient checkpointing (the default)")
     ap.add_argument("--no-share-prefix", dest="share_prefix", action="store_false",
                     help="ours scoring every row as prompt+completion (no shared prompt pass; policy key share-prefix)")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
@@ -421,7 +437,7 @@ def run_cli(a: argparse.Namespace) -> int:
         temperature=a.temperature, dtype=a.dtype, micro_batch=a.micro_batch, logit_chunk=a.logit_chunk,
         mode=a.mode, lr=a.lr, repeats=a.repeats, warmup=a.warmup, steps=a.steps, threads=a.threads, seed=a.seed,
         grad_checkpointing=a.grad_checkpointing, trl_gradient_checkpointing=a.trl_gradient_checkpointing,
-        share_prefix=a.share_prefix,
+        share_prefix=a.share_prefix, logit_graph_mb=a.logit_graph_mb,
         memory_sweep=a.memory_sweep,
         sides=tuple(s for s in a.sides.split(",") if s), log=log)), flush=True)
     return 0

@@ -44,7 +44,17 @@ class PolicyConfig:
     weight_decay: float = knob("weight-decay", 0.0, "AdamW weight decay, >= 0.")
     max_grad_norm: float = knob("max-grad-norm", 1.0, "gradient clipping norm, > 0 (inf disables).")
     micro_batch: int = knob("micro-batch", 8, "completions per forward/backward, >= 1; memory scales with it.")
+    score_zero_advantage: bool = knob("score-zero-advantage", False, """
+        also run the forward pass of training micro-batches whose rows all have advantage 0 (groups of
+        equal rewards: no gradient), so that they count in the off-policy diagnostics
+        (``offpolicy/<source>/...``, which ``source-adapt`` reads). Off (default): such micro-batches
+        are skipped (``train/unscored_rows``); loss, gradient and weights are the same either way.""")
     logit_chunk: int = knob("logit-chunk", 32, "completion positions per LM-head chunk, >= 1; see scoring.py.")
+    logit_graph_mb: float = knob("logit-graph-mb", 256.0, """
+        MiB of LM-head log-softmax values (rows x completion positions x vocabulary, fp32) a training
+        micro-batch may keep for the backward pass, >= 0. Within it the LM head's chunks are not
+        recomputed in backward (SmolLM2, 8 rows x 64 tokens: 96 MiB); a larger micro-batch recomputes
+        each chunk (activation checkpointing: one chunk of logits in memory). 0 = always recompute.""")
     grad_checkpointing: bool = knob("grad-checkpointing", False, """
         recompute each decoder layer's activations in the backward pass instead of keeping them
         (transformers' gradient checkpointing; TRL's default). SmolLM2-135M, 8 x 8 x 64-token step:
@@ -113,6 +123,7 @@ class PolicyConfig:
         need(self.max_grad_norm > 0, "max_grad_norm", "must be > 0 (inf disables)")
         need(self.micro_batch >= 1, "micro_batch", "must be >= 1")
         need(self.logit_chunk >= 1, "logit_chunk", "must be >= 1")
+        need(self.logit_graph_mb >= 0, "logit_graph_mb", "must be >= 0")
         need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "must be 'auto', 'fp32' or 'bf16'")
         need(self.weights_dtype in WEIGHT_DTYPES, "weights_dtype", "must be 'fp32', 'bf16' or 'fp16'")
         need(self.optimizer in OPTIMIZERS, "optimizer", "must be 'adamw', 'adamw-8bit' or 'paged-adamw-8bit'")

@@ -14,7 +14,7 @@ log-probs in two decoder passes:
    read-only) and causally to its own earlier completion tokens.
 
 Completion token 0 is predicted by the prompt's last hidden state, token t >= 1 by the completion
-pass at t-1; the LM head then runs in checkpointed chunks exactly as in ``scoring.py``.
+pass at t-1; the LM head then runs in chunks exactly as in ``scoring.py``.
 
 Masks are explicit 4D tensors ((B,1,q,kv), boolean for ``sdpa``, additive for ``eager``), which
 transformers uses as given: the prompt pass is causal with padding keys masked (a pad query still sees
@@ -177,7 +177,8 @@ def shared_prefix_hidden(decoder: torch.nn.Module, prompt_ids: Sequence[Sequence
 
 def shared_token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                           completion_ids: Sequence[Sequence[int]], sampling: SamplingParams, pad_id: int,
-                          grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None,
+                          head_graph_mb: float = 0.0) -> torch.Tensor:
     """Padded (B,T) log-probs of each completion token: the same values and gradients as
     ``scoring.token_logprobs``, each distinct prompt computed once. Positions past a completion hold 0."""
     lm = unwrap_causal_lm(model)
@@ -197,5 +198,5 @@ def shared_token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[
     with torch.set_grad_enabled(grad), _layers_keep_cache(decoder), torch.autocast(
             device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         h = shared_prefix_hidden(decoder, prompt_ids, completion_ids, pad_id, impl, device)  # (B,T,H)
-        lp = chunked_logprobs(head, h, targets, sampling, chunk, grad)           # (B,T)
+        lp = chunked_logprobs(head, h, targets, sampling, chunk, grad, head_graph_mb)  # (B,T)
     return torch.where(tmask, lp, torch.zeros_like(lp))

@@ -1,10 +1,12 @@
 """Teacher-forced per-token log-probs without materialising batch x length x vocab logits.
 
 The decoder runs once per micro-batch of rows; the LM head and the sampling-distribution log-softmax
-run over chunks of completion positions. With gradients, each chunk is wrapped in activation
-checkpointing, so backward recomputes its (rows, chunk, V) logits instead of keeping them: peak
-memory is one chunk of logits, not the whole batch's (SmolLM2-135M, 8x8x64 tokens: a plain pass
-needs 11-15 GB).
+run over chunks of completion positions. With gradients, the graph keeps one (rows, chunk, V)
+log-softmax per chunk while the micro-batch's (rows x positions x V) fp32 values fit in
+``head_graph_mb`` MiB (the ``logit-graph-mb`` key: no LM-head recompute in backward); beyond that,
+each chunk is wrapped in activation checkpointing, so backward recomputes its logits instead of
+keeping them: peak memory is then one chunk of logits, not the whole batch's (SmolLM2-135M, 8x8x64
+tokens in one pass: 11-15 GB).
 """
 
 from __future__ import annotations
@@ -57,14 +59,23 @@ def _chunk_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tenso
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                      # (b,c)
 
 
+def keeps_head_graph(head: torch.nn.Module, rows: int, positions: int, head_graph_mb: float) -> bool:
+    """Whether a micro-batch's LM-head log-softmax values (rows x positions x vocabulary, fp32) fit in
+    ``head_graph_mb`` MiB, so the graph keeps them instead of recomputing each chunk in backward."""
+    vocab = head.weight.shape[0] if hasattr(head, "weight") else 0
+    return head_graph_mb > 0 and vocab > 0 and rows * positions * vocab * 4 <= head_graph_mb * 2 ** 20
+
+
 def chunked_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams,
-                     chunk: int, grad: bool) -> torch.Tensor:
+                     chunk: int, grad: bool, head_graph_mb: float = 0.0) -> torch.Tensor:
     """(B,T,H) hidden states, (B,T) targets -> (B,T) float log-probs, the LM head run over ``chunk``
-    positions at a time; with gradient each chunk is checkpointed (its logits recomputed in backward)."""
+    positions at a time; with gradient each chunk is checkpointed (its logits recomputed in backward)
+    unless the whole (B,T,V) log-softmax fits in ``head_graph_mb`` MiB (``keeps_head_graph``)."""
     outs = []
+    recompute = grad and not keeps_head_graph(head, h.shape[0], h.shape[1], head_graph_mb)
     for s in range(0, h.shape[1], chunk):
         hc, tc = h[:, s:s + chunk], targets[:, s:s + chunk]
-        if grad:
+        if recompute:
             outs.append(checkpoint(_chunk_logprobs, head, hc, tc, sampling, use_reentrant=False))
         else:
             outs.append(_chunk_logprobs(head, hc, tc, sampling))
@@ -74,19 +85,20 @@ def chunked_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tens
 def token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                    completion_ids: Sequence[Sequence[int]], sampling: SamplingParams, pad_id: int,
                    grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None,
-                   share_prefix: bool = False) -> torch.Tensor:
+                   share_prefix: bool = False, head_graph_mb: float = 0.0) -> torch.Tensor:
     """Padded (B,T) log-probs of each completion token under ``model`` and ``sampling``.
 
     Positions past a completion's end hold 0. Runs as one micro-batch: callers split rows.
     share_prefix: rows with the same prompt compute it once (``prefix.shared_token_logprobs``: same
         values and gradients) when some prompt repeats and the model supports it.
+    head_graph_mb: see ``chunked_logprobs`` (0 = always recompute the LM head's chunks in backward).
     """
     if share_prefix:
         from .prefix import shared_token_logprobs, supports_shared_prefix, worth_sharing
 
         if worth_sharing(prompt_ids) and supports_shared_prefix(model):
             return shared_token_logprobs(model, prompt_ids, completion_ids, sampling, pad_id, grad, chunk,
-                                         autocast_dtype)
+                                         autocast_dtype, head_graph_mb)
     lm = unwrap_causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
     input_ids, attn, target_pos, tmask = pad_rows(prompt_ids, completion_ids, pad_id)
@@ -103,5 +115,5 @@ def token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
             device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         hidden = decoder(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B,L,H)
         h = hidden.gather(1, target_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B,T,H)
-        lp = chunked_logprobs(head, h, targets, sampling, chunk, grad)           # (B,T)
+        lp = chunked_logprobs(head, h, targets, sampling, chunk, grad, head_graph_mb)  # (B,T)
     return torch.where(tmask.to(device), lp, torch.zeros_like(lp))
