@@ -130,5 +130,3 @@ def _register_derived() -> None:
         from . import derived  # noqa: F401
     with contextlib.suppress(ImportError):
         from . import sized  # noqa: F401
-    with contextlib.suppress(ImportError):
-        from . import sized  # noqa: F401
