@@ -97,6 +97,32 @@ def test_shared_prefix_equals_unshared(adapter, gc):
     assert_same(ref, loss_and_grads(pol.model, pol.trainable, token_logprobs, P, C, pad, share_prefix=True))
     # the decoder layers' flags are restored afterwards
     assert not any("_can_checkpoint_with_cache" in m.__dict__ for m in pol.model.modules())
+    # the LM head's log-softmax kept in the graph (logit-graph-mb) instead of recomputed per chunk: the same
+    for fn in (token_logprobs, shared_token_logprobs):
+        assert_same(ref, loss_and_grads(pol.model, pol.trainable, fn, P, C, pad, head_graph_mb=256.0))
+
+
+def test_the_lm_head_graph_is_kept_only_within_its_budget(monkeypatch):
+    """logit-graph-mb bounds the (rows x positions x vocabulary) fp32 values kept for backward; beyond it
+    each chunk is checkpointed (recomputed in backward), and without gradient nothing is checkpointed."""
+    from ftis_fed.policies import scoring
+
+    pol = tiny("full", False)
+    head = unwrap_causal_lm(pol.model).get_output_embeddings()
+    V = head.weight.shape[0]
+    assert scoring.keeps_head_graph(head, 4, 8, 4 * 8 * V * 4 / 2 ** 20)
+    assert not scoring.keeps_head_graph(head, 4, 9, 4 * 8 * V * 4 / 2 ** 20)
+    assert not scoring.keeps_head_graph(head, 1, 1, 0.0)                    # 0 = always recompute
+    calls = []
+    real = scoring.checkpoint
+    monkeypatch.setattr(scoring, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, t = torch.randn(2, 6, head.weight.shape[1]), torch.randint(0, V, (2, 6))
+    scoring.chunked_logprobs(head, h, t, SP, chunk=3, grad=True, head_graph_mb=1024.0)
+    assert calls == []
+    scoring.chunked_logprobs(head, h, t, SP, chunk=3, grad=True, head_graph_mb=0.0)
+    assert calls == [1, 1]
+    scoring.chunked_logprobs(head, h, t, SP, chunk=3, grad=False, head_graph_mb=0.0)
+    assert calls == [1, 1]
 
 
 def test_hook_dispatches_only_when_a_prompt_repeats(monkeypatch):
