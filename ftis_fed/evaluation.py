@@ -46,14 +46,6 @@ def solved_share(prompts: Sequence[Prompt], replies: Sequence[str], verifier: Ve
     return sum(verifier.check(p.task_id, r, p.reference, p.text)[0] for p, r in zip(prompts, replies)) / len(prompts)
 
 
-def pass_at_1(policy: GreedyGenerator, prompts: Sequence[Prompt], verifier: Verifier,
-              max_new_tokens: int = 32, batch_size: int = 64) -> float:
-    """Share of ``prompts`` whose greedy reply solves the task (a rule's format bonus does not count)."""
-    if not prompts:
-        raise ValueError("prompts is empty: pass@1 needs at least one prompt")
-    return solved_share(prompts, greedy_replies(policy, prompts, max_new_tokens, batch_size), verifier)
-
-
 def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], verifier: Verifier | None = None,
              max_new_tokens: int | Mapping[str, int] = 32, batch_size: int = 64) -> dict[str, float]:
     """Greedy pass@1 on every named set.
