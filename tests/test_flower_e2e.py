@@ -65,7 +65,9 @@ def rows(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def normal_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
-    proc = run_sim(tmp, {"num-rounds": 2})
+    # score-zero-advantage: the per-source diagnostics below count every received sample (by default the
+    # micro-batches of equal-reward groups are not scored: tests/test_prefix.py)
+    proc = run_sim(tmp, {"num-rounds": 2, "score-zero-advantage": True})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return tmp / "out", proc.stdout + proc.stderr
 
@@ -86,7 +88,7 @@ def test_batches_cross_between_participants_and_verify(normal_run):
         assert r["offpolicy/received"] == 2 and r["offpolicy/accepted"] == 2       # receivers verified both
         for p in peers:                                                         # and trained on them
             assert r[f"offpolicy/{p}/samples"] == 32
-        assert r["train/own_samples"] == 32 and r["train/peer_samples"] == 64
+        assert r["train/own_samples"] == 32 and r["train/peer_samples"] == 64 and r["train/unscored_rows"] == 0
         assert abs(r["train/loss"]) < 1e6 and r["train/grad_norm"] == r["train/grad_norm"]  # finite
         assert abs(r[f"offpolicy/{me}/ratio_mean"] - 1.0) < 1e-3                   # own samples on-policy
 

@@ -102,6 +102,31 @@ def test_shared_prefix_equals_unshared(adapter, gc):
         assert_same(ref, loss_and_grads(pol.model, pol.trainable, fn, P, C, pad, head_graph_mb=256.0))
 
 
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_sparse_tied_embedding_gradient_equals_the_dense_one(adapter):
+    """The tied input embedding returns sparse row gradients (full fine-tuning on CPU); autograd sums them
+    into the LM head's dense gradient: the same log-probs, loss and gradients as the dense embedding
+    backward, on shared and unshared scoring, and the parameter's gradient stays dense."""
+    from ftis_fed.policies.hf import sparse_tied_embedding_gradient
+
+    pol = tiny(adapter, False)
+    emb = unwrap_causal_lm(pol.model).get_input_embeddings()
+    assert emb.sparse == (adapter == "full")                                 # LoRA: the embedding is frozen
+    P, C = rows(pol.vocab_size)
+    pad = pol.tokenizer.pad_token_id
+    for fn in (token_logprobs, shared_token_logprobs):
+        emb.sparse = adapter == "full"
+        got = loss_and_grads(pol.model, pol.trainable, fn, P, C, pad)
+        assert all(not p.grad.is_sparse for p in pol.trainable)
+        emb.sparse = False
+        assert_same(loss_and_grads(pol.model, pol.trainable, fn, P, C, pad), got)
+    untied = build_policy(PolicyConfig(model="tiny-llama"))
+    lm = unwrap_causal_lm(untied.model)
+    lm.get_input_embeddings().sparse = False
+    lm.lm_head.weight = torch.nn.Parameter(lm.lm_head.weight.detach().clone())
+    assert not sparse_tied_embedding_gradient(lm) and not lm.get_input_embeddings().sparse
+
+
 def test_the_lm_head_graph_is_kept_only_within_its_budget(monkeypatch):
     """logit-graph-mb bounds the (rows x positions x vocabulary) fp32 values kept for backward; beyond it
     each chunk is checkpointed (recomputed in backward), and without gradient nothing is checkpointed."""

@@ -120,6 +120,23 @@ def use_checkpointing(cfg: PolicyConfig, prompt_ids: Sequence[Sequence[int]],
     return len(prompt_ids) * longest > cfg.grad_checkpointing_tokens
 
 
+def sparse_tied_embedding_gradient(model: torch.nn.Module) -> bool:
+    """On CPU, let the input embedding of a model whose LM head shares its weight return a sparse
+    gradient (the rows of the tokens seen) instead of a dense vocabulary x hidden one.
+
+    The dense path allocates, zero-fills and adds one (V, H) tensor per embedding call (SmolLM2: 113 MB,
+    twice per shared-prefix micro-batch; fresh pages are expensive on a CPU VM). Autograd sums the sparse
+    rows into the LM head's dense gradient of the same parameter before accumulating, so the parameter's
+    gradient stays dense (clipping and fused AdamW unchanged) and equals the dense computation (tests).
+    Untied embeddings keep the dense gradient (fused AdamW refuses sparse ones). Returns whether applied."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    ok = (type(emb) is torch.nn.Embedding and head is not None and getattr(head, "weight", None) is emb.weight
+          and emb.weight.requires_grad and emb.weight.device.type == "cpu")
+    if ok:
+        emb.sparse = True
+    return ok
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token rows for generation: (input_ids, attention_mask), both (N, max_len) long."""
     P = max(len(r) for r in rows)
@@ -173,6 +190,7 @@ class HFPolicy(Policy):
                               lora_dropout=self.cfg.lora_dropout, target_modules="all-linear",
                               task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
+        sparse_tied_embedding_gradient(unwrap_causal_lm(model))         # full fine-tuning on CPU only
         return model
 
     def _autocast_dtype(self) -> torch.dtype | None:
