@@ -127,6 +127,31 @@ def test_sparse_tied_embedding_gradient_equals_the_dense_one(adapter):
     assert not sparse_tied_embedding_gradient(lm) and not lm.get_input_embeddings().sparse
 
 
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_fused_lm_head_backward_equals_autograd(adapter, monkeypatch):
+    """TargetLogProbs (kept log-probs reused in place in backward, one weight-gradient accumulation) gives
+    the same log-probs, loss and gradients as the autograd path (per-chunk recompute), shared and unshared
+    scoring; it applies only without top-k/top-p filters."""
+    from ftis_fed.policies import scoring
+
+    plain = SamplingParams(temperature=0.7, max_new_tokens=16)
+    pol = tiny(adapter, False)
+    head = unwrap_causal_lm(pol.model).get_output_embeddings()
+    P, C = rows(pol.vocab_size)
+    pad = pol.tokenizer.pad_token_id
+    used = []
+    real = scoring.TargetLogProbs.apply
+    monkeypatch.setattr(scoring.TargetLogProbs, "apply", lambda *a: used.append(1) or real(*a))
+    for fn in (token_logprobs, shared_token_logprobs):
+        ref = loss_and_grads(pol.model, pol.trainable, fn, P, C, pad, sampling=plain)              # recompute
+        assert not used
+        assert_same(ref, loss_and_grads(pol.model, pol.trainable, fn, P, C, pad, sampling=plain, head_graph_mb=256.0))
+        assert used
+        used.clear()
+    assert scoring.fused_head_ok(head, torch.zeros(1, 1, head.weight.shape[1]), plain)
+    assert not scoring.fused_head_ok(head, torch.zeros(1, 1, head.weight.shape[1]), SP)      # top-p: autograd
+
+
 def test_the_lm_head_graph_is_kept_only_within_its_budget(monkeypatch):
     """logit-graph-mb bounds the (rows x positions x vocabulary) fp32 values kept for backward; beyond it
     each chunk is checkpointed (recomputed in backward), and without gradient nothing is checkpointed."""

@@ -76,12 +76,28 @@ class RecordingSampler(LogitsProcessor):
         self.sampling = sampling
         self.prompt_len = prompt_len
         self.recorded: list[torch.Tensor] = []                                   # each (B,)
+        self._buffers: dict[str, torch.Tensor] = {}                              # (B,V) work tensors, reused
+
+    def _buffer(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A (B,V) work tensor kept across decode steps: one allocation per generate call instead of one
+        per step (fresh multi-MB tensors are page-faulted memory on every step)."""
+        b = self._buffers.get(name)
+        if b is None or b.shape != like.shape or b.device != like.device:
+            b = self._buffers[name] = torch.empty(like.shape, dtype=dtype, device=like.device)
+        return b
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        lp = processed_logprobs(scores, self.sampling)                           # (B,V)
-        tokens = sample_from_logprobs(lp)                                        # (B,)
+        sp = self.sampling
+        if (not sp.top_k or sp.top_k >= scores.shape[-1]) and sp.top_p >= 1.0:
+            # processed_logprobs without its filters, into a reused buffer (same kernels, same values)
+            lp = torch.log_softmax(scores.float() / sp.temperature, -1,
+                                   out=self._buffer("lp", scores, torch.float32))            # (B,V)
+        else:
+            lp = processed_logprobs(scores, sp)                                  # (B,V)
+        tokens = sample_from_logprobs(lp, self._buffer("cdf", lp, torch.float64),
+                                      self._buffer("onehot", lp, lp.dtype))         # (B,)
         self.recorded.append(lp.gather(-1, tokens[:, None]).squeeze(-1).float())
-        return torch.full_like(lp, float("-inf")).scatter_(-1, tokens[:, None], 0.0)
+        return self._buffer("onehot", lp, lp.dtype).fill_(float("-inf")).scatter_(-1, tokens[:, None], 0.0)
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
         """(B, T) recorded log-probs of the generated part of ``sequences`` (``generate`` replaces the
@@ -92,13 +108,17 @@ class RecordingSampler(LogitsProcessor):
         return torch.stack(self.recorded[:T], dim=1) if T else torch.zeros((sequences.shape[0], 0))
 
 
-def sample_from_logprobs(lp: torch.Tensor) -> torch.Tensor:
+def sample_from_logprobs(lp: torch.Tensor, cdf: torch.Tensor | None = None,
+                         probs: torch.Tensor | None = None) -> torch.Tensor:
     """(B,V) log-probs -> (B,) token ids drawn from exp(lp) (inverse CDF, one uniform per row).
 
     The cumulative sum is in float64 and the uniform is scaled by its total, so rounding cannot pick a
     token past the mass; a token with probability 0 spans an empty interval and is never drawn
-    (``searchsorted(..., right=True)`` returns the first index whose cumulative mass exceeds the draw)."""
-    cdf = lp.exp().double().cumsum_(-1)                                          # (B,V)
+    (``searchsorted(..., right=True)`` returns the first index whose cumulative mass exceeds the draw).
+    cdf, probs: optional (B,V) float64 / lp-dtype buffers to compute it in."""
+    if cdf is None:
+        cdf = torch.empty(lp.shape, dtype=torch.float64, device=lp.device)
+    torch.cumsum(cdf.copy_(torch.exp(lp, out=probs)), -1, out=cdf)              # (B,V)
     u = torch.rand((lp.shape[0], 1), dtype=torch.float64, device=lp.device) * cdf[:, -1:]   # (B,1)
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=lp.shape[-1] - 1)  # (B,)
     bad = ~torch.isfinite(lp.gather(-1, tokens[:, None]).squeeze(-1))

@@ -66,13 +66,68 @@ def keeps_head_graph(head: torch.nn.Module, rows: int, positions: int, head_grap
     return head_graph_mb > 0 and vocab > 0 and rows * positions * vocab * 4 <= head_graph_mb * 2 ** 20
 
 
+class TargetLogProbs(torch.autograd.Function):
+    """(B,T,H) hidden, (V,H) head weight, (B,T) targets -> (B,T) log-probs of the targets under
+    log_softmax(h W^T / temperature), in chunks of positions, with a hand-written backward.
+
+    The same function as ``_chunk_logprobs`` over the chunks without filters (top-k/top-p) and without
+    bias, and what the autograd graph of that path keeps (one (B,T,V) fp32 tensor of log-probs), but its
+    backward reuses that tensor in place (softmax = exp(log-probs), then the gradient of each target's
+    log-prob, ``g * (onehot - softmax) / temperature``) and accumulates the head's weight gradient of all
+    chunks into one tensor with ``addmm_``: no per-chunk (b,c,V) gradient tensors, zero-filled scatter
+    buffers or (V,H) weight gradients to allocate and add. Tests: the same values and gradients as the
+    autograd path."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk: int) -> torch.Tensor:
+        outs, kept = [], []
+        for s in range(0, h.shape[1], chunk):
+            z = torch.matmul(h[:, s:s + chunk], weight.t()).div_(temperature)   # (b,c,V)
+            z.sub_(torch.logsumexp(z, -1, keepdim=True))                          # log-probs, in place
+            outs.append(z.gather(-1, targets[:, s:s + chunk, None]).squeeze(-1))  # (b,c)
+            kept.append(z)
+        ctx.save_for_backward(h, weight, targets)
+        ctx.kept, ctx.temperature, ctx.chunk = kept, temperature, chunk
+        return torch.cat(outs, dim=1)                                             # (B,T)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        h, weight, targets = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = [] if need_h else None
+        dw = torch.zeros_like(weight) if need_w else None                        # (V,H)
+        for i, s in enumerate(range(0, h.shape[1], ctx.chunk)):
+            gc = g[:, s:s + ctx.chunk, None].to(weight.dtype)                    # (b,c,1)
+            d = ctx.kept[i].exp_().mul_(-gc)                                      # -g * softmax
+            d.scatter_add_(-1, targets[:, s:s + ctx.chunk, None], gc).div_(ctx.temperature)  # d logits
+            ctx.kept[i] = None
+            if need_h:
+                dh.append(torch.matmul(d, weight))                                # (b,c,H)
+            if need_w:
+                hc = h[:, s:s + ctx.chunk]
+                dw.addmm_(d.reshape(-1, d.shape[-1]).t(), hc.reshape(-1, hc.shape[-1]))
+        return (torch.cat(dh, dim=1) if need_h else None), dw, None, None, None
+
+
+def fused_head_ok(head: torch.nn.Module, h: torch.Tensor, sampling: SamplingParams) -> bool:
+    """Whether ``TargetLogProbs`` computes this LM head exactly: a plain fp32 ``nn.Linear`` without bias,
+    no top-k / top-p filter, no autocast."""
+    return (type(head) is torch.nn.Linear and head.bias is None and head.weight.dtype == torch.float32
+            and h.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type)
+            and (not sampling.top_k or sampling.top_k >= head.weight.shape[0]) and sampling.top_p >= 1.0)
+
+
 def chunked_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams,
                      chunk: int, grad: bool, head_graph_mb: float = 0.0) -> torch.Tensor:
     """(B,T,H) hidden states, (B,T) targets -> (B,T) float log-probs, the LM head run over ``chunk``
     positions at a time; with gradient each chunk is checkpointed (its logits recomputed in backward)
-    unless the whole (B,T,V) log-softmax fits in ``head_graph_mb`` MiB (``keeps_head_graph``)."""
+    unless the whole (B,T,V) log-softmax fits in ``head_graph_mb`` MiB (``keeps_head_graph``): then the graph
+    keeps it, through ``TargetLogProbs`` where that applies (``fused_head_ok``)."""
     outs = []
     recompute = grad and not keeps_head_graph(head, h.shape[0], h.shape[1], head_graph_mb)
+    if grad and not recompute and fused_head_ok(head, h, sampling):
+        return TargetLogProbs.apply(h, head.weight, targets, float(sampling.temperature), chunk).float()
     for s in range(0, h.shape[1], chunk):
         hc, tc = h[:, s:s + chunk], targets[:, s:s + chunk]
         if recompute:
