@@ -124,7 +124,7 @@ def ours_worker(c: dict) -> dict:
     t0 = time.perf_counter()
     pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
                                 logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
-                                logit_graph_mb=c.get("logit_graph_mb", 0.0),
+                                logit_graph_mb=c.get("logit_graph_mb", 256.0),
                                 share_prefix=c.get("share_prefix", True), seed=c["seed"]))
     pol.model.generation_config.min_new_tokens = c["max_new_tokens"]      # exactly max_new_tokens tokens
     load_s = time.perf_counter() - t0
@@ -266,7 +266,7 @@ def memory_worker(c: dict) -> dict:
 
     pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
                                 logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
-                                logit_graph_mb=c.get("logit_graph_mb", 0.0),
+                                logit_graph_mb=c.get("logit_graph_mb", 256.0),
                                 share_prefix=c.get("share_prefix", True), seed=c["seed"]))
     rss_loaded = _peak_rss_mb()
     sampling = SamplingParams(temperature=c["temperature"], max_new_tokens=c["max_new_tokens"])
