@@ -98,6 +98,9 @@ class TargetLogProbs(torch.autograd.Function):
         dh = [] if need_h else None
         dw = torch.zeros_like(weight) if need_w else None                        # (V,H)
         for i, s in enumerate(range(0, h.shape[1], ctx.chunk)):
+            if ctx.kept[i] is None:
+                raise RuntimeError("TargetLogProbs: a second backward through the same graph (retain_graph) "
+                                   "is not supported: the kept log-probs are consumed in place")
             gc = g[:, s:s + ctx.chunk, None].to(weight.dtype)                    # (b,c,1)
             d = ctx.kept[i].exp_().mul_(-gc)                                      # -g * softmax
             d.scatter_add_(-1, targets[:, s:s + ctx.chunk, None], gc).div_(ctx.temperature)  # d logits
