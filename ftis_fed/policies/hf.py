@@ -21,6 +21,7 @@ The backend does not optimise: ``ftis_fed.training.Trainer`` steps ``trainable_p
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -265,6 +266,28 @@ class HFPolicy(Policy):
             out.append(Rollout(p, np.asarray(prompt_ids[pi], dtype=np.int64), c_ids, c_lp, texts))
         return out
 
+    def _shares_prefills(self) -> bool:
+        """Whether a prefilled, repeated KV cache is exact for this architecture (``prefix.MODEL_TYPES``,
+        checked by tests/test_prefix.py)."""
+        from .prefix import MODEL_TYPES
+
+        return getattr(unwrap_causal_lm(self.model).config, "model_type", None) in MODEL_TYPES
+
+    def _prefilled_cache(self, ids: torch.Tensor, repeats: int, mask: torch.Tensor | None = None):
+        """The KV cache of ``ids`` (U,L), each row's entries repeated ``repeats`` times (U*repeats rows).
+        With ``mask`` (left padding), positions come from it exactly as ``generate`` derives them."""
+        from transformers import DynamicCache
+
+        kwargs = {}
+        if mask is not None:
+            pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)                           # (U,L)
+            kwargs = {"attention_mask": mask.to(self.device), "position_ids": pos.to(self.device)}
+        cache = DynamicCache(config=unwrap_causal_lm(self.model).config)
+        self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True, logits_to_keep=1,
+                   **kwargs)
+        cache.batch_repeat_interleave(repeats)                                              # (U*repeats, ...)
+        return cache
+
     def _shared_prompt_cache(self, input_ids: torch.Tensor, attn: torch.Tensor, group_size: int):
         """The KV cache of every row's first P-1 prompt positions, computed once per prompt and repeated
         for its ``group_size`` rows (rows are grouped: prompt k owns rows k*G .. k*G+G-1), or None when
@@ -272,22 +295,11 @@ class HFPolicy(Policy):
         ``prefix.MODEL_TYPES`` (checked by tests/test_prefix.py). ``generate`` then runs only the last
         prompt position and the decode steps; positions come from the mask exactly as ``generate``
         derives them (left padding), so the rows see the same keys/values as an unshared prefill."""
-        from transformers import DynamicCache
-
-        from .prefix import MODEL_TYPES
-
         P = input_ids.shape[1]
-        config = unwrap_causal_lm(self.model).config
-        if group_size < 2 or P < 2 or getattr(config, "model_type", None) not in MODEL_TYPES:
+        if group_size < 2 or P < 2 or not self._shares_prefills():
             return None                                  # nothing to share, or an architecture not checked
-        ids, mask = input_ids[::group_size, : P - 1], attn[::group_size, : P - 1]          # (U,P-1)
-        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)                               # (U,P-1)
-        cache = DynamicCache(config=config)
-        self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                   position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
-                   logits_to_keep=1)
-        cache.batch_repeat_interleave(group_size)                                           # (U*G, ...)
-        return cache
+        return self._prefilled_cache(input_ids[::group_size, : P - 1], group_size,
+                                     mask=attn[::group_size, : P - 1])                     # (U,P-1) each
 
     @torch.no_grad()
     def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int = 64) -> list[str]:
@@ -320,35 +332,17 @@ class HFPolicy(Policy):
         are computed once (one row) and repeated for every row; positions come from the mask as
         ``generate`` derives them (cumulative sum), so each row's rest sits at positions L, L+1, ... exactly
         as in a left-padded batch: the same computation as ``left_pad`` rows, with the prefix done once."""
-        from transformers import DynamicCache
-
-        from .prefix import MODEL_TYPES
-
-        config = unwrap_causal_lm(self.model).config
-        if len(rows) < 2 or getattr(config, "model_type", None) not in MODEL_TYPES:
+        if len(rows) < 2 or not self._shares_prefills():
             return None
-        first, L = list(rows[0]), min(len(r) for r in rows) - 1     # every row keeps >= 1 token of its own
-        for r in rows[1:]:
-            n = 0
-            while n < L and r[n] == first[n]:
-                n += 1
-            L = n
+        rows = [list(r) for r in rows]
+        L = min(len(os.path.commonprefix(rows)), min(len(r) for r in rows) - 1)  # each row keeps >= 1 own token
         if L < 2:
             return None
-        rest = [list(r)[L:] for r in rows]
-        R = max(len(r) for r in rest)
-        input_ids = torch.full((len(rows), L + R), self.tokenizer.pad_token_id, dtype=torch.long)   # (n,L+R)
-        attn = torch.zeros_like(input_ids)
-        input_ids[:, :L] = torch.tensor(first[:L], dtype=torch.long)
-        attn[:, :L] = 1
-        for i, r in enumerate(rest):
-            input_ids[i, L + R - len(r):] = torch.tensor(r, dtype=torch.long)
-            attn[i, L + R - len(r):] = 1
-        cache = DynamicCache(config=config)
-        self.model(input_ids=input_ids[:1, :L].to(self.device), past_key_values=cache, use_cache=True,
-                   logits_to_keep=1)
-        cache.batch_repeat_interleave(len(rows))                                  # (n, ...)
-        return input_ids, attn, cache
+        prefix = torch.tensor(rows[0][:L], dtype=torch.long)[None]                          # (1,L)
+        rest_ids, rest_attn = left_pad([r[L:] for r in rows], self.tokenizer.pad_token_id)   # (n,R)
+        input_ids = torch.cat([prefix.expand(len(rows), -1), rest_ids], dim=1)              # (n,L+R)
+        attn = torch.cat([torch.ones_like(input_ids[:, :L]), rest_attn], dim=1)
+        return input_ids, attn, self._prefilled_cache(prefix, len(rows))
 
     # ------------------------------------------------------------------ score
     def score(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool = False) -> list[torch.Tensor]:
