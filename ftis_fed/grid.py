@@ -238,16 +238,19 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def participant_rows(rows: Iterable[dict], phase: str) -> list[dict]:
+    """The rows of ``phase`` (``eval`` / ``train``) written by participants (not ``_federation``)."""
+    return [r for r in rows if r.get("phase") == phase and not str(r.get("participant", "")).startswith("_")]
+
+
 def final_eval(rows: Iterable[dict]) -> dict[str, dict]:
     """participant -> its evaluation row of the last evaluated round after training (round >= 1; the
     evaluation before round 1 is never a cell's result)."""
     last: dict[str, dict] = {}
-    for r in rows:
-        if (r.get("phase") == "eval" and int(r.get("round", 0)) >= 1
-                and not str(r.get("participant", "")).startswith("_")):
-            p = r["participant"]
-            if p not in last or int(r["round"]) >= int(last[p]["round"]):
-                last[p] = r
+    for r in participant_rows(rows, "eval"):
+        p = r["participant"]
+        if int(r.get("round", 0)) >= 1 and (p not in last or int(r["round"]) >= int(last[p]["round"])):
+            last[p] = r
     return last
 
 
@@ -267,11 +270,9 @@ def cell_defects(rows: Sequence[dict]) -> list[str]:
         if bad:
             out.append(f"round {r.get('round')}: " + ", ".join(f"{k}={v}" for k, v in sorted(bad.items())))
     rounds = sorted({int(r["round"]) for r in fed})
-    trained = {(r["participant"], int(r["round"])) for r in rows
-               if r.get("phase") == "train" and not str(r.get("participant", "")).startswith("_")
-               and _num(r.get("train/samples")) > 0}
-    for p in sorted({r["participant"] for r in rows if r.get("phase") == "eval"
-                     and not str(r.get("participant", "")).startswith("_")}):
+    trained = {(r["participant"], int(r["round"])) for r in participant_rows(rows, "train")
+               if _num(r.get("train/samples")) > 0}
+    for p in sorted({r["participant"] for r in participant_rows(rows, "eval")}):
         missing = [k for k in rounds if (p, k) not in trained]
         if missing or not rounds:
             out.append(f"{p} did not train in round(s) {missing or 'any'}")
@@ -282,9 +283,8 @@ def initial_eval(out: Path) -> dict[str, dict]:
     """participant -> its evaluation row before round 1, from the first finished cell in ``out``
     (any grouping or method: the models before training are the same) that has one; {} if none."""
     for done in sorted((out / "cells").glob("*/done.json")):
-        rows = [r for r in read_rows(done.parent / "run" / "metrics.jsonl")
-                if r.get("phase") == "eval" and int(r.get("round", -1)) == 0
-                and not str(r.get("participant", "")).startswith("_")]
+        rows = [r for r in participant_rows(read_rows(done.parent / "run" / "metrics.jsonl"), "eval")
+                if int(r.get("round", -1)) == 0]
         if rows:
             return {r["participant"]: r for r in rows}
     return {}
@@ -361,8 +361,7 @@ def train_diagnostics(cells: Sequence[Cell], out: Path) -> list[dict]:
     for c in cells:
         if not (out / "cells" / c.name / "done.json").exists():
             continue
-        rows = [r for r in read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")
-                if r.get("phase") == "train" and not str(r.get("participant", "")).startswith("_")]
+        rows = participant_rows(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"), "train")
         for p in sorted({r["participant"] for r in rows}):
             for k in DIAGNOSTICS:
                 vs = [_num(r.get(k)) for r in rows if r["participant"] == p]
