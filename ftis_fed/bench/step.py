@@ -105,6 +105,17 @@ def _autocast_bf16(dtype: str) -> bool:
     return dtype == "bf16" or torch.cuda.is_available() or cpu_has_bf16()
 
 
+def _our_policy(c: dict):
+    """Our side's ``HFPolicy`` with the bench config's policy settings (the ours and memory workers)."""
+    from ..policies import PolicyConfig
+    from ..policies.hf import HFPolicy
+
+    return HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
+                                 logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
+                                 logit_graph_mb=c.get("logit_graph_mb", 256.0),
+                                 share_prefix=c.get("share_prefix", True), seed=c["seed"]))
+
+
 # ----------------------------------------------------------------------------- workers (one per subprocess)
 
 def ours_worker(c: dict) -> dict:
@@ -115,17 +126,12 @@ def ours_worker(c: dict) -> dict:
 
     from ..batch import CompletionBatch, SamplingParams
     from ..objective import ObjectiveConfig
-    from ..policies import PolicyConfig
-    from ..policies.hf import HFPolicy
     from ..rewards import Verifier
     from ..rollouts import scored_groups
     from ..training import Trainer, samples_from_batches
 
     t0 = time.perf_counter()
-    pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
-                                logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
-                                logit_graph_mb=c.get("logit_graph_mb", 256.0),
-                                share_prefix=c.get("share_prefix", True), seed=c["seed"]))
+    pol = _our_policy(c)
     pol.model.generation_config.min_new_tokens = c["max_new_tokens"]      # exactly max_new_tokens tokens
     load_s = time.perf_counter() - t0
     rss_loaded = _peak_rss_mb()
@@ -260,14 +266,9 @@ def memory_worker(c: dict) -> dict:
 
     from ..batch import SamplingParams
     from ..objective import ObjectiveConfig
-    from ..policies import PolicyConfig
-    from ..policies.hf import HFPolicy
     from ..training import Trainer, TrainSample
 
-    pol = HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
-                                logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
-                                logit_graph_mb=c.get("logit_graph_mb", 256.0),
-                                share_prefix=c.get("share_prefix", True), seed=c["seed"]))
+    pol = _our_policy(c)
     rss_loaded = _peak_rss_mb()
     sampling = SamplingParams(temperature=c["temperature"], max_new_tokens=c["max_new_tokens"])
     g = torch.Generator().manual_seed(c["seed"])
