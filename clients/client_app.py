@@ -21,7 +21,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.worker import call, ensure_worker, existing_worker, kill_worker
-from ftis_fed.config import absolute_paths, federation_from_run_config, participant_spec
+from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec
 from ftis_fed.flower_io import action_of, content_to_request, reply_to_content
 
 app = ClientApp()

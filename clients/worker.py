@@ -91,7 +91,7 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
         spec_path.write_text(json.dumps({**payload, "socket": str(sock), "keyfile": str(keyfile)}))
         os.chmod(spec_path, 0o600)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        from ftis_fed.devices import worker_env
+        from ftis_fed.policies.devices import worker_env
 
         env = worker_env(os.environ)                             # the launcher's GPUs, not Ray's mask
         root = str(Path(__file__).resolve().parent.parent)          # the folder holding clients/, ftis_fed/
@@ -153,13 +153,13 @@ class Worker:
     def __init__(self, spec: dict[str, Any]):
         import torch
 
-        from ftis_fed.config import federation_from_run_config, participant_spec
+        from ftis_fed.config.federation import federation_from_run_config, participant_spec
         from ftis_fed.participant import Participant
 
         self.run_config, self.node_config = spec["run_config"], spec["node_config"]
         fed = federation_from_run_config(self.run_config)
         pspec = participant_spec(self.run_config, self.node_config, fed)
-        from ftis_fed.devices import CUDA_ENV, VISIBLE_ENV, worker_device
+        from ftis_fed.policies.devices import CUDA_ENV, VISIBLE_ENV, worker_device
 
         parent_cvd = os.environ.get(CUDA_ENV, "<unset>")
         seen = dict(os.environ)
@@ -167,7 +167,8 @@ class Worker:
         os.environ.update(pinned)                                # before anything initialises CUDA
         if (pspec.policy.backend == "vllm" and chosen.startswith("cuda") and not pspec.policy.gpu_memory_share
                 and "partition-id" in self.node_config):        # simulation: share the card with its peers
-            from ftis_fed.devices import count_visible, run_memory_share
+            from ftis_fed.config.federation import run_memory_share
+            from ftis_fed.policies.devices import count_visible
 
             share = run_memory_share(self.run_config, pspec.name, count_visible(seen))
             pspec = dataclasses.replace(pspec, policy=dataclasses.replace(pspec.policy, gpu_memory_share=share))

@@ -19,8 +19,8 @@ A message carries its batches as one ``ConfigRecord`` under ``BATCHES_RECORD`` i
     RecordDict {"ftis-batches": ConfigRecord {"frames": [frame, frame, ...]}}
 
 A client puts its own frame(s) there; the server relays the frames of all other participants the
-same way, byte for byte (it cannot alter them unnoticed: see ``ftis_fed.signing``). Nothing here
-verifies anything: pass the frames to ``ftis_fed.inbox.Inbox.accept_many``.
+same way, byte for byte (it cannot alter them unnoticed: see ``ftis_fed.trust.signing``). Nothing here
+verifies anything: pass the frames to ``ftis_fed.trust.inbox.Inbox.accept_many``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from .batch import BatchValidationError
+from ftis_fed.wire.batch import BatchValidationError
 
 BATCHES_RECORD = "ftis-batches"
 FRAMES_KEY = "frames"

@@ -28,21 +28,21 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import CompletionBatch
-from .config import FederationConfig, ParticipantSpec
-from .evaluation import evaluate as evaluate_policy
-from .engine.validation import requested_variants
-from .inbox import Inbox, InboxConfig
-from .policies import build_policy
-from .rewards import Verifier
-from .attacks import hostile_frames, parse_kinds
-from .receive import ReceiverContext, receive
-from .rollouts import scored_groups
-from .source_weights import SourceAdapter
-from .signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
+from ftis_fed.wire.batch import CompletionBatch
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.learn.evaluation import evaluate as evaluate_policy
+from ftis_fed.engine.validation import requested_variants
+from ftis_fed.trust.inbox import Inbox, InboxConfig
+from ftis_fed.policies import build_policy
+from ftis_fed.tasks.rewards import Verifier
+from ftis_fed.trust.attacks import hostile_frames, parse_kinds
+from ftis_fed.trust.receive import ReceiverContext, receive
+from ftis_fed.learn.rollouts import scored_groups
+from ftis_fed.learn.source_weights import SourceAdapter
+from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
                       sign_challenge)
-from .training import Trainer, samples_from_batches
-from .wire import send_options
+from ftis_fed.learn.training import Trainer, samples_from_batches
+from ftis_fed.wire.codec import send_options
 
 
 def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:

@@ -5,7 +5,7 @@ signing attacker, against the same federation without it (same seeds, prompts an
     python -m sims.byzantine --kinds forge,inflate --num-rounds 3 --out outputs/byzantine
 
 The attacker (participant ``p3``, SmolLM2 full fine-tuning, ``byzantine = <kinds>``) generates
-honestly, then sends what ``ftis_fed.attacks`` makes of its batch: forged references + rewards 1,
+honestly, then sends what ``ftis_fed.trust.attacks`` makes of its batch: forged references + rewards 1,
 inflated rewards, implausible log-probs, and a flood of re-signed copies. The honest participants
 are the default federation's ``smol-full``, ``smol-lora`` and ``smol-qlora``.
 
@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from ftis_fed.grid import final_eval, read_rows
+from ftis_fed.commands.experiment import final_eval, read_rows
 
 ATTACKER = "mallory"
 
@@ -44,7 +44,7 @@ def run(app: Path, out: Path, name: str, items: list[str]) -> None:
     if (folder / "done.json").exists():
         print(f"[byzantine] {name}: done earlier, kept", flush=True)
         return
-    cmd = [sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(app), "--run-config",
+    cmd = [sys.executable, "-m", "ftis_fed.commands.cli", "sim", "--app", str(app), "--run-config",
            f'output-dir="{folder}"']
     for item in items:
         cmd += ["--run-config", item]
@@ -98,7 +98,7 @@ def report(out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kinds", default="all", help="attacks (ftis_fed.attacks.KINDS, comma-separated, or all)")
+    ap.add_argument("--kinds", default="all", help="attacks (ftis_fed.trust.attacks.KINDS, comma-separated, or all)")
     ap.add_argument("--num-rounds", type=int, default=3)
     ap.add_argument("--out", default="outputs/byzantine")
     ap.add_argument("--app", default=".")

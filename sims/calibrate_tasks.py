@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from ftis_fed.evaluation import TextGenerator
-from ftis_fed.rewards import FORMATS, Verifier
+from ftis_fed.learn.evaluation import TextGenerator
+from ftis_fed.tasks.rewards import FORMATS, Verifier
 from ftis_fed.tasks.families import FAMILIES
 from ftis_fed.tasks.suite import make_tasks
 

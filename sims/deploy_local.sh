@@ -28,7 +28,7 @@ export PATH="$PY:$PATH" FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDE
 export FTIS_DEPLOY_LOCAL="$B"             # marks every process started here (cleanup finds them by it)
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 echo "[deploy] workdir $B, SuperLink 127.0.0.1:$PORT (TLS, SuperNode auth $([ "$SUPERNODE_AUTH" = 1 ] && echo on || echo off)), $N participants, $ROUNDS rounds"
-keys() { (cd "$APP" && python -m ftis_fed.cli keys "$@"); }
+keys() { (cd "$APP" && python -m ftis_fed.commands.cli keys "$@"); }
 
 # --- the models, built into the shared cache before anything waits on them -----------------------
 # (the first use of tiny-arith trains it for a few minutes; a SuperNode building it would miss the
@@ -67,7 +67,7 @@ for ((i = 0; i < N; i++)); do n=${names[$i]}; cp "$B"/public/*.pub "$B/$n/keys/p
 mkdir -p "$B/server-keys/public" && cp "$B"/public/*.pub "$B/server-keys/public/"
 if [ -n "${REVOKE:-}" ]; then
   for d in "$B/server-keys" "${names[@]/#/$B/}"; do
-    [ -d "$d/public" ] && (cd "$APP" && python -m ftis_fed.cli keys revoke "$REVOKE" --dir "$d" \
+    [ -d "$d/public" ] && (cd "$APP" && python -m ftis_fed.commands.cli keys revoke "$REVOKE" --dir "$d" \
       --note "sims/deploy_local.sh REVOKE" >/dev/null)
   done
   echo "[deploy] revoked $REVOKE's key in every revoked.txt"

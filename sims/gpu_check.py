@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from ftis_fed.devices import CUDA_ENV, VISIBLE_ENV, launcher_env, worker_env  # noqa: E402
+from ftis_fed.policies.devices import CUDA_ENV, VISIBLE_ENV, launcher_env, worker_env  # noqa: E402
 
 NO_CUDA = "no CUDA"
 PROMPTS = ["What is 17 + 25? Answer with a number.", "Name three colours of the rainbow.",
@@ -70,7 +70,7 @@ _CHILD = ("import json, os, torch; print(json.dumps({'cvd': os.environ.get('CUDA
 _RAY_PROBE = r"""
 import json, os, subprocess, sys
 import ray
-from ftis_fed.devices import worker_env
+from ftis_fed.policies.devices import worker_env
 n, child = int(sys.argv[1]), sys.argv[2]
 ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False)
 
@@ -152,7 +152,7 @@ def check_qlora(a) -> dict:
         import bitsandbytes as bnb
     except ImportError:
         return {"skipped": "bitsandbytes not installed"}
-    from ftis_fed.batch import SamplingParams
+    from ftis_fed.wire.batch import SamplingParams
     from ftis_fed.policies import PolicyConfig, Prompt, build_policy
 
     sp = SamplingParams(temperature=0.7, max_new_tokens=12)
@@ -221,7 +221,7 @@ def _tokens_per_s(pol, prompts, group, sp) -> tuple[float, int]:
 
 
 def check_throughput(a) -> dict:
-    from ftis_fed.batch import SamplingParams
+    from ftis_fed.wire.batch import SamplingParams
     from ftis_fed.policies import PolicyConfig, Prompt, build_policy
 
     sp = SamplingParams(temperature=1.0, max_new_tokens=a.gen_tokens)
@@ -259,7 +259,7 @@ def _free_port() -> int:
 def check_federation(a) -> dict:
     if a.dry and not a.federation:
         return {"skipped": "dry run without --federation (minutes on a CPU)"}
-    from ftis_fed.launch import simulate
+    from ftis_fed.commands.sim import simulate
 
     preset = a.preset or ("gpu-offline" if cuda() else "quick")
     tmp = Path(tempfile.mkdtemp(prefix="ftis-gpu-check-"))

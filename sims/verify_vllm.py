@@ -114,7 +114,7 @@ def rows(rollouts):
 def train_samples(rollouts):
     """TrainSamples for one F-TIS step: each completion, advantage +1 for the first half of the group
     and -1 for the rest (the step only has to move the weights; rewards don't matter here)."""
-    from ftis_fed.training import TrainSample
+    from ftis_fed.learn.training import TrainSample
 
     out = []
     for r in rollouts:
@@ -132,7 +132,7 @@ def prefix_cache_check(pol, prompts, args) -> dict:
     current weights), perturb the weights, push them *without* resetting the cache, generate again
     with the same prompts: the recorded log-probs disagree with the trainer, because the cached
     prompt KV still comes from the old weights. Then reset and generate: they agree again."""
-    from ftis_fed.batch import SamplingParams
+    from ftis_fed.wire.batch import SamplingParams
 
     trainer = pol.trainer
     sp = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -160,7 +160,7 @@ def tied_head_check(pol, prompts, args) -> dict:
     (tied) input embedding, load the weights with vLLM's plain ``reload_weights`` RPC: on CPU the LM
     head keeps its prepacked GEMM of the old embedding, so the engine disagrees with the trainer.
     Then refresh through the extension (reload + rebuild tied heads): they agree."""
-    from ftis_fed.batch import SamplingParams
+    from ftis_fed.wire.batch import SamplingParams
     from ftis_fed.policies.vllm_policy import merged_weights
     from safetensors.torch import save_file
 
@@ -186,12 +186,12 @@ def tied_head_check(pol, prompts, args) -> dict:
 
 
 def run_mode(mode: str, args) -> dict:
-    from ftis_fed.batch import SamplingParams
-    from ftis_fed.objective import ObjectiveConfig
+    from ftis_fed.wire.batch import SamplingParams
+    from ftis_fed.learn.objective import ObjectiveConfig
     from ftis_fed.policies.base import Prompt
     from ftis_fed.policies.config import PolicyConfig
     from ftis_fed.policies.vllm_policy import VLLMPolicy
-    from ftis_fed.training import Trainer
+    from ftis_fed.learn.training import Trainer
 
     res: dict = {"refresh": mode}
     cfg = PolicyConfig(model=args.model, backend="vllm", adapter="full" if mode == "full" else "lora",

@@ -10,11 +10,11 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from ftis_fed.config import participant_names, validate_run_config
-from ftis_fed.engine import Engine
-from ftis_fed.signing import generate_keypair, key_paths, load_key_directory
+from ftis_fed.config.federation import participant_names, validate_run_config
+from ftis_fed.engine.core import Engine
+from ftis_fed.trust.signing import generate_keypair, key_paths, load_key_directory
 
-from .grid_transport import GridTransport
+from strategies.grid_transport import GridTransport
 
 app = ServerApp()
 

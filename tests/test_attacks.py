@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ftis_fed.attacks import LOGPROB_FLOOR, corrupt, hostile_frames, parse_kinds, wrong_answer
-from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
-from ftis_fed.inbox import Inbox, InboxConfig
-from ftis_fed.signing import ReplayGuard, generate_keypair, key_paths, load_key_directory, load_private_key
+from ftis_fed.trust.attacks import LOGPROB_FLOOR, corrupt, hostile_frames, parse_kinds, wrong_answer
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
+from ftis_fed.trust.inbox import Inbox, InboxConfig
+from ftis_fed.trust.signing import ReplayGuard, generate_keypair, key_paths, load_key_directory, load_private_key
 
 
 def _batch(seq: int = 1) -> CompletionBatch:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config import ParticipantSpec, federation_from_run_config
+from ftis_fed.config.federation import ParticipantSpec, federation_from_run_config
 from ftis_fed.participant import Participant
 from ftis_fed.policies.config import PolicyConfig
-from ftis_fed.rewards import Verifier, is_integer_answer
-from ftis_fed.signing import generate_keypair
-from ftis_fed.symbolic import DIFFERENT, EQUAL, TIMEOUT, SymbolicChecker, default_checker
+from ftis_fed.tasks.rewards import Verifier, is_integer_answer
+from ftis_fed.trust.signing import generate_keypair
+from ftis_fed.tasks.symbolic import DIFFERENT, EQUAL, TIMEOUT, SymbolicChecker, default_checker
 from ftis_fed.tasks.benchmarks import load_math500
 from ftis_fed.tasks.resolve import TaskRefused, TaskResolver
 

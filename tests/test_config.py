@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config import (KEYS, MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS,
+from ftis_fed.config.federation import (KEYS, MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS,
                              RUN_KNOBS, check_model, config_reference, federation_from_run_config,
                              offline_model_names, participant_names, participant_spec, pyproject_disagreements,
                              validate_run_config)
@@ -43,7 +43,7 @@ def test_a_disagreement_between_pyproject_and_the_declarations_is_named(change, 
 
 def test_configuration_doc_is_current():
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    assert doc == config_reference(), "regenerate: python -m ftis_fed.config > docs/configuration.md"
+    assert doc == config_reference(), "regenerate: python -m ftis_fed.config.federation > docs/configuration.md"
     for key, k in RUN_KNOBS.items():
         assert f"| `{key}` |" in doc and k.help, key
     for key in PER_PARTICIPANT_KEYS:
@@ -62,7 +62,7 @@ def test_participant_limit_is_one_number_that_holds():
     validate_run_config(tiny)
     with pytest.raises(ValueError, match=rf"p{MAX_PARTICIPANTS}-model: at most {MAX_PARTICIPANTS} participants"):
         validate_run_config({**tiny, f"p{MAX_PARTICIPANTS}-model": "tiny-llama"})
-    from ftis_fed.launch import layered_overrides
+    from ftis_fed.commands.sim import layered_overrides
 
     with pytest.raises(ValueError, match=rf"p{MAX_PARTICIPANTS}-model .*at most {MAX_PARTICIPANTS} participants"):
         layered_overrides(ROOT, [f'p{MAX_PARTICIPANTS}-model="smollm2"'])
@@ -214,7 +214,7 @@ def test_presets_exist():
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_is_a_valid_federation(name):
-    from ftis_fed.launch import expand_run_config, merged_run_config, parse_overrides
+    from ftis_fed.commands.sim import expand_run_config, merged_run_config, parse_overrides
 
     items = expand_run_config(ROOT, [], preset=name)
     cfg = merged_run_config(ROOT, parse_overrides(items))
@@ -232,7 +232,7 @@ def test_every_preset_is_a_valid_federation(name):
 
 
 def test_run_config_layers_later_wins_and_unknown_keys_are_named(tmp_path):
-    from ftis_fed.launch import expand_run_config
+    from ftis_fed.commands.sim import expand_run_config
 
     f = tmp_path / "mine.toml"
     f.write_text('num-rounds = 7\nscheme = "pipelined"\n')

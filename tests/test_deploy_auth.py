@@ -154,7 +154,7 @@ def wait_for(pred, timeout: float, what: str, step: float = 0.5):
 
 
 def generate_keys(keys_dir: Path, name: str, connection: str = "tls") -> str:
-    r = subprocess.run([sys.executable, "-m", "ftis_fed.cli", "keys", "generate", name, "--dir", str(keys_dir),
+    r = subprocess.run([sys.executable, "-m", "ftis_fed.commands.cli", "keys", "generate", name, "--dir", str(keys_dir),
                         "--connection", connection], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout

@@ -1,4 +1,4 @@
-"""Device selection, GPU pass-through past Ray's masking, and memory-share arithmetic (ftis_fed/devices.py)."""
+"""Device selection, GPU pass-through past Ray's masking, and memory-share arithmetic (ftis_fed/policies/devices.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from ftis_fed.devices import (ALL, CUDA_ENV, VISIBLE_ENV, DeviceError, count_visible, launcher_env, memory_shares,
+from ftis_fed.policies.devices import (ALL, CUDA_ENV, VISIBLE_ENV, DeviceError, count_visible, launcher_env, memory_shares,
                               parse_device, pin_env, select_device, worker_device, worker_env)
 
 
@@ -87,7 +87,7 @@ def test_count_visible_asks_a_child_process():
 _ACTOR_PROBE = r"""
 import json, os, subprocess, sys
 import ray
-from ftis_fed.devices import worker_env
+from ftis_fed.policies.devices import worker_env
 
 ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False)
 
@@ -165,7 +165,8 @@ def test_run_memory_share_splits_a_card_between_the_run_s_participants():
     import tomllib
     from pathlib import Path
 
-    from ftis_fed.devices import DeviceError, run_memory_share
+    from ftis_fed.config.federation import run_memory_share
+    from ftis_fed.policies.devices import DeviceError
 
     cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     rc = dict(cfg["tool"]["flwr"]["app"]["config"])

@@ -14,15 +14,18 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
-from ftis_fed.config import FederationConfig
-from ftis_fed.engine import (SCHEDULES, AdmissionError, Delivered, Engine, InProcessTransport, TooFewSupernodes,
-                             check_reply, register_schedule)
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
+from ftis_fed.config.federation import FederationConfig
+from ftis_fed.engine.core import AdmissionError, Engine, TooFewSupernodes
+from ftis_fed.engine.inprocess import InProcessTransport
+from ftis_fed.engine.schedules import SCHEDULES, register_schedule
+from ftis_fed.engine.transport import Delivered
+from ftis_fed.engine.validation import check_reply
 from ftis_fed.engine.boundary import Boundary
 from ftis_fed.flower_io import content_to_reply, reply_to_content
-from ftis_fed.metrics import FEDERATION
-from ftis_fed.signing import KeyDirectory, fingerprint, sign_batch, sign_challenge
-from ftis_fed.wire import parse_header
+from ftis_fed.metrics.writer import FEDERATION
+from ftis_fed.trust.signing import KeyDirectory, fingerprint, sign_batch, sign_challenge
+from ftis_fed.wire.codec import parse_header
 
 RUN = "engine-test"
 NAMES = ("alice", "bob", "carol")
@@ -326,7 +329,7 @@ def test_hello_with_someone_elses_public_fingerprint_but_not_their_key_is_refuse
 
 def test_a_revoked_participant_is_refused_at_hello(tmp_path):
     """A key listed in revoked.txt cannot join, even with a valid proof of possession."""
-    from ftis_fed.signing import RevocationList
+    from ftis_fed.trust.signing import RevocationList
 
     (tmp_path / "revoked.txt").write_text(f"{fingerprint(DIRECTORY['carol'])}  # carol: key leaked\n")
     keys = KeyDirectory(dict(DIRECTORY.items()), revocations=RevocationList(tmp_path / "revoked.txt"))

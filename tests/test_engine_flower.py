@@ -9,7 +9,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 import clients.client_app as client_app
-from ftis_fed.engine import check_reply
+from ftis_fed.engine.validation import check_reply
 from ftis_fed.flower_io import action_of, content_to_reply, message_type, request_to_content
 
 SIM = {"partition-id": 0, "num-partitions": 2}

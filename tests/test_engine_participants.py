@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from ftis_fed.config import FederationConfig, ParticipantSpec
-from ftis_fed.engine import Engine, InProcessTransport
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.engine.core import Engine
+from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.participant import Participant
 from ftis_fed.policies.config import PolicyConfig
-from ftis_fed.signing import generate_keypair, load_key_directory
+from ftis_fed.trust.signing import generate_keypair, load_key_directory
 from ftis_fed.tasks.suite import TaskSpec
 
 

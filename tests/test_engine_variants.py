@@ -12,15 +12,17 @@ import json
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
-from ftis_fed.config import FederationConfig
-from ftis_fed.engine import Engine, InProcessTransport, check_reply
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
+from ftis_fed.config.federation import FederationConfig
+from ftis_fed.engine.core import Engine
+from ftis_fed.engine.inprocess import InProcessTransport
+from ftis_fed.engine.validation import check_reply
 from ftis_fed.engine.core import wire_metrics
 from ftis_fed.engine.relay import text_variants, texts_differ
 from ftis_fed.engine.validation import BadReply, requested_variants
-from ftis_fed.metrics import FEDERATION
-from ftis_fed.signing import KeyDirectory, fingerprint, sign_batch, sign_challenge
-from ftis_fed.wire import WireOptions, parse_header
+from ftis_fed.metrics.writer import FEDERATION
+from ftis_fed.trust.signing import KeyDirectory, fingerprint, sign_batch, sign_challenge
+from ftis_fed.wire.codec import WireOptions, parse_header
 
 RUN = "variants-test"
 NAMES = ("alice", "bob", "carol")

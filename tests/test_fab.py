@@ -39,14 +39,14 @@ def test_every_file_of_the_packages_goes_into_the_fab():
     kept = set(get_filtered_fab_paths(files, config))
     dropped = sorted(p for p in files if p != "pyproject.toml" and p not in kept)
     assert not dropped, (f"files Flower leaves out of the app bundle (so missing in every flwr run): {dropped}; "
-                         "ship data as .py/.json instead (see ftis_fed/wiredict.py)")
+                         "ship data as .py/.json instead (see ftis_fed/wire/dictionary.py)")
 
 
 def test_the_wire_dictionary_loads_from_a_fab_copy(tmp_path):
     fab, _ = build_fab_from_files(_package_files())
     zipfile.ZipFile(io.BytesIO(fab)).extractall(tmp_path)
     assert (tmp_path / "ftis_fed" / "wiredict.py").exists()
-    code = ("import ftis_fed, ftis_fed.wiredict as w; assert ftis_fed.__file__.startswith(%r), ftis_fed.__file__; "
+    code = ("import ftis_fed, ftis_fed.wire.dictionary as w; assert ftis_fed.__file__.startswith(%r), ftis_fed.__file__; "
             "print(w.dictionary(w.DEFAULT).dict_id())" % str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

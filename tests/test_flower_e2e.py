@@ -36,7 +36,7 @@ def run_sim(tmp: Path, extra: dict, timeout: int = 900) -> subprocess.CompletedP
     env = {**os.environ, "FLWR_HOME": str(tmp / "flwr-home"), "FTIS_FED_RUNTIME": str(tmp / "rt")}
     cfg = {**TINY, "output-dir": str(tmp / "out"), **extra}
     overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
-    cmd = [sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(ROOT), "--address", f"127.0.0.1:{free_port()}",
+    cmd = [sys.executable, "-m", "ftis_fed.commands.cli", "sim", "--app", str(ROOT), "--address", f"127.0.0.1:{free_port()}",
            "--run-config", overrides]
     try:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)

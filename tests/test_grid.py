@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from ftis_fed import grid
-from ftis_fed.grid import Cell, plan, run_grid, write_summary
+from ftis_fed.commands import experiment as grid
+from ftis_fed.commands.experiment import Cell, plan, run_grid, write_summary
 
 
 def _accuracy(cell: Cell, participant: str) -> tuple[float, float]:
@@ -67,7 +67,7 @@ def test_horizontal_cells_of_a_preset_with_another_partition_are_valid_runs(tmp_
     import tomllib
     from pathlib import Path
 
-    from ftis_fed.config import validate_run_config
+    from ftis_fed.config.federation import validate_run_config
 
     root = Path(__file__).resolve().parents[1]
     defaults = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]

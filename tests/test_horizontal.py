@@ -10,12 +10,13 @@ import json
 
 import pytest
 
-from ftis_fed.config import FederationConfig, ParticipantSpec, federation_from_run_config, validate_run_config
-from ftis_fed.engine import Engine, InProcessTransport
-from ftis_fed.objective import ObjectiveConfig
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec, federation_from_run_config, validate_run_config
+from ftis_fed.engine.core import Engine
+from ftis_fed.engine.inprocess import InProcessTransport
+from ftis_fed.learn.objective import ObjectiveConfig
 from ftis_fed.participant import Participant
 from ftis_fed.policies.config import PolicyConfig
-from ftis_fed.signing import generate_keypair, load_key_directory
+from ftis_fed.trust.signing import generate_keypair, load_key_directory
 from ftis_fed.tasks.suite import TaskSpec
 
 

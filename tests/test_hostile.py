@@ -1,6 +1,6 @@
 """Hostile but validly signed batches against the REAL receive path.
 
-Real Ed25519 keys (``ftis_fed.signing``), real wire encoding, ``receive`` (inbox -> task truth ->
+Real Ed25519 keys (``ftis_fed.trust.signing``), real wire encoding, ``receive`` (inbox -> task truth ->
 re-scoring), and a real tokenizer and chat template (``tiny-llama``: SmolLM2's tokenizer on a tiny
 random model, built offline into the model cache). One test per case of issue 10, each with the
 outcome it must have: rejected with a named reason, or corrected, or bounded.
@@ -17,17 +17,17 @@ import pytest
 import zstandard as zstd
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ftis_fed import wire
-from ftis_fed.batch import CompletionBatch, make_group
-from ftis_fed.config import FederationConfig, ParticipantSpec
-from ftis_fed.inbox import Inbox, InboxConfig
+from ftis_fed.wire import codec as wire
+from ftis_fed.wire.batch import CompletionBatch, make_group
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import PolicyConfig, build_policy
-from ftis_fed.receive import UNVERIFIED, ReceiverContext, receive
-from ftis_fed.reverify import ReverifyConfig
-from ftis_fed.rewards import RewardRule, Verifier, answers_match, default_rules, extract_boxed
-from ftis_fed.signing import KeyDirectory, generate_keypair, sign_body
+from ftis_fed.trust.receive import UNVERIFIED, ReceiverContext, receive
+from ftis_fed.trust.reverify import ReverifyConfig
+from ftis_fed.tasks.rewards import RewardRule, Verifier, answers_match, default_rules, extract_boxed
+from ftis_fed.trust.signing import KeyDirectory, generate_keypair, sign_body
 from ftis_fed.tasks.suite import TaskSpec, task_at
-from ftis_fed.wire import WireOptions, encode_body
+from ftis_fed.wire.codec import WireOptions, encode_body
 
 RUN = "run-h"
 KEYS = {p: Ed25519PrivateKey.generate() for p in ("alice", "bob", "carol")}
@@ -375,7 +375,7 @@ def test_a_failing_peer_batch_leaves_the_others_trained_on(policy, tmp_path):
         return [1.0 if answers_match(text.strip(), kw["reference"][0]) else 0.0]
 
     me.verifier = Verifier(rules={**default_rules(), "add30": RewardRule(fn=fragile)})
-    from ftis_fed.signing import load_private_key
+    from ftis_fed.trust.signing import load_private_key
     keys = {p: load_private_key(tmp_path / "keys" / "private" / f"{p}.key") for p in ("alice", "bob")}
 
     def signed_by(b):
@@ -418,7 +418,7 @@ def test_task_ids_resolve_to_the_receivers_own_tasks():
 
 
 def test_bounds_come_from_the_run_config_not_the_header():
-    from ftis_fed.bounds import ReceiveBounds
+    from ftis_fed.trust.bounds import ReceiveBounds
 
     b = ReceiveBounds.from_run(FED, 49152)
     assert (b.vocab_size, b.max_new_tokens, b.max_groups, b.max_group_size) == (49152, 32, 2, 4)

@@ -7,11 +7,11 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, RecordDict
 
-from ftis_fed.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
+from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
 from ftis_fed.flower_io import frames_from_record, get_frames, put_frames, record_nbytes
-from ftis_fed.inbox import Inbox, InboxConfig
-from ftis_fed.signing import KeyDirectory, ReplayGuard, sign_batch, sign_body
-from ftis_fed.wire import WireOptions, encode_body
+from ftis_fed.trust.inbox import Inbox, InboxConfig
+from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, sign_batch, sign_body
+from ftis_fed.wire.codec import WireOptions, encode_body
 
 KEYS = {p: Ed25519PrivateKey.generate() for p in ("alice", "bob")}
 DIRECTORY = KeyDirectory({p: k.public_key() for p, k in KEYS.items()})

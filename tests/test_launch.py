@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed import launch
+from ftis_fed.commands import sim as launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def free_port() -> int:
 
 def sim(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLWR_HOME": str(tmp / "flwr-home"), "PYTHONPATH": str(ROOT)}     # this checkout's code
-    return subprocess.run([sys.executable, "-m", "ftis_fed.cli", "sim", "--app", str(ROOT), *args], env=env,
+    return subprocess.run([sys.executable, "-m", "ftis_fed.commands.cli", "sim", "--app", str(ROOT), *args], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tmp)
 
 

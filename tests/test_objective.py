@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ftis_fed.objective import (LOGP_GEN_FLOOR, MODES, LossInputs, ObjectiveConfig, aggregate,
+from ftis_fed.learn.objective import (LOGP_GEN_FLOOR, MODES, LossInputs, ObjectiveConfig, aggregate,
                                 compute_advantages, count_denominators, filter_mask, finalize_stats, ftis_loss,
                                 kl_estimate, log_ratios, merge_stats, sanitize_generator_logprobs)
 
@@ -497,8 +497,8 @@ def test_kl_estimate_clamps_each_token_symmetrically():
 
 import numpy as np  # noqa: E402
 
-from ftis_fed.batch import CompletionBatch, SamplingParams, make_group  # noqa: E402
-from ftis_fed.training import (advantage_group_metrics, completion_ended, samples_from_batches,  # noqa: E402
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group  # noqa: E402
+from ftis_fed.learn.training import (advantage_group_metrics, completion_ended, samples_from_batches,  # noqa: E402
                                sender_eos_id)
 
 

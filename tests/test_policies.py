@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
-from ftis_fed.objective import ObjectiveConfig
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
+from ftis_fed.learn.objective import ObjectiveConfig
 from ftis_fed.policies import PolicyConfig, Prompt, build_policy, processed_logprobs
-from ftis_fed.training import Trainer, ftis_step, samples_from_batches
+from ftis_fed.learn.training import Trainer, ftis_step, samples_from_batches
 
 PROMPTS = [Prompt("add/0", "What is 3 + 4? Reply with just the number.", "7"),
            Prompt("add/1", "What is 12 + 35? Reply with just the number.", "47")]
@@ -332,8 +332,8 @@ def test_grad_checkpointing_gives_the_same_gradients(adapter):
 def test_subtraction_specialist_is_a_specialist():
     """smollm2-sub30 (built on first use, ~5 min) beats the base on held-out subtraction problems
     (measured: 33 % vs 12.5 % greedy, docs/models.md)."""
-    from ftis_fed.evaluation import TextGenerator, evaluate
-    from ftis_fed.rewards import Verifier
+    from ftis_fed.learn.evaluation import TextGenerator, evaluate
+    from ftis_fed.tasks.rewards import Verifier
     from ftis_fed.tasks.suite import make_tasks
 
     sets = {f: make_tasks(f, "eval", 48, 0) for f in ("add30", "sub30")}
@@ -345,7 +345,7 @@ def test_subtraction_specialist_is_a_specialist():
 def test_adamw_uses_the_fused_kernel_with_the_same_update():
     """make_optimizer('adamw') takes torch's fused AdamW for CPU float parameters; three steps give the
     same weights as the single-tensor AdamW (and a non-float parameter list falls back)."""
-    from ftis_fed.training import fused_adamw_ok, make_optimizer
+    from ftis_fed.learn.training import fused_adamw_ok, make_optimizer
 
     cfg = PolicyConfig(model="tiny-llama", lr=1e-2, weight_decay=0.1)
     torch.manual_seed(0)

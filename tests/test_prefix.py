@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from ftis_fed.batch import SamplingParams
-from ftis_fed.objective import LossInputs, ObjectiveConfig, count_denominators, ftis_loss
+from ftis_fed.wire.batch import SamplingParams
+from ftis_fed.learn.objective import LossInputs, ObjectiveConfig, count_denominators, ftis_loss
 from ftis_fed.policies import PolicyConfig, build_policy, prefix
 from ftis_fed.policies.prefix import prompt_index, shared_token_logprobs, supports_shared_prefix, worth_sharing
-from ftis_fed.policies.scoring import token_logprobs, unwrap_causal_lm
-from ftis_fed.training import Trainer, TrainSample, row_order
+from ftis_fed.policies.logprobs import token_logprobs
+from ftis_fed.policies.scoring import unwrap_causal_lm
+from ftis_fed.learn.training import Trainer, TrainSample, row_order
 
 SP = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16)
 #: fp32: the two computations differ only in summation order (measured ~1e-6 relative on the whole

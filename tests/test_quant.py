@@ -6,11 +6,11 @@ import pytest
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from ftis_fed.batch import CompletionBatch, SamplingParams, make_group  # noqa: E402
-from ftis_fed.objective import ObjectiveConfig  # noqa: E402
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group  # noqa: E402
+from ftis_fed.learn.objective import ObjectiveConfig  # noqa: E402
 from ftis_fed.policies import PolicyConfig, Prompt, build_policy  # noqa: E402
 from ftis_fed.policies.hf import cpu_has_bf16  # noqa: E402
-from ftis_fed.training import Trainer, samples_from_batches  # noqa: E402
+from ftis_fed.learn.training import Trainer, samples_from_batches  # noqa: E402
 
 SP = SamplingParams(temperature=0.7, max_new_tokens=12)
 PROMPTS = [Prompt("add/0", "What is 3 + 4? Reply with just the number.", "7"),

@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from ftis_fed.config import FederationConfig
-from ftis_fed.metrics import FEDERATION, MetricsWriter
-from ftis_fed.report import open_sinks, parse_report_to, scalars
+from ftis_fed.config.federation import FederationConfig
+from ftis_fed.metrics.writer import FEDERATION, MetricsWriter
+from ftis_fed.metrics.sinks import open_sinks, parse_report_to, scalars
 
 
 def test_parse_report_to_like_trl():

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
-from ftis_fed.reverify import ReverifyConfig, recompute_rewards, reverify
-from ftis_fed.rewards import Verifier
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
+from ftis_fed.trust.reverify import ReverifyConfig, recompute_rewards, reverify
+from ftis_fed.tasks.rewards import Verifier
 from ftis_fed.tasks.suite import make_tasks
 
 
@@ -142,7 +142,7 @@ def test_rescoring_past_its_deadline_drops_the_batch_with_a_reason():
     """The deadline is checked after every completion: past it, ``time_budget``; before it, no effect."""
     import time
 
-    from ftis_fed.batch import BatchValidationError
+    from ftis_fed.wire.batch import BatchValidationError
 
     replies, truth, _ = honest_and_inflated()
     batch = build_batch(replies, truth)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftis_fed.rewards import (
+from ftis_fed.tasks.rewards import (
     RewardRule,
     Verifier,
     accuracy_reward,
@@ -228,7 +228,7 @@ def test_linear_extract_boxed_equals_the_obvious_definition(parts):
 
 
 def test_comparisons_have_hard_limits():
-    from ftis_fed.rewards import MAX_ANSWER_CHARS, MAX_NESTING, MAX_NUMBER_CHARS
+    from ftis_fed.tasks.rewards import MAX_ANSWER_CHARS, MAX_NESTING, MAX_NUMBER_CHARS
 
     assert parse_number("1" * MAX_NUMBER_CHARS) == int("1" * MAX_NUMBER_CHARS)
     assert parse_number("1" * (MAX_NUMBER_CHARS + 1)) is None

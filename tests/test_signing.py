@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ftis_fed.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
-from ftis_fed.inbox import Inbox, InboxConfig
-from ftis_fed.keys import generate_supernode_keypair, generate_tls, load_supernode_public_key, supernode_fingerprint
-from ftis_fed.signing import (
+from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
+from ftis_fed.trust.inbox import Inbox, InboxConfig
+from ftis_fed.trust.deploy_keys import generate_supernode_keypair, generate_tls, load_supernode_public_key, supernode_fingerprint
+from ftis_fed.trust.signing import (
     KeyDirectory,
     ReplayGuard,
     RevocationList,
@@ -31,7 +31,7 @@ from ftis_fed.signing import (
     sign_body,
     verify_frame,
 )
-from ftis_fed.wire import (HEADER_FIELDS, WireOptions, decode_payload, encode_body, header_offset, parse_header,
+from ftis_fed.wire.codec import (HEADER_FIELDS, WireOptions, decode_payload, encode_body, header_offset, parse_header,
                            send_options)
 
 

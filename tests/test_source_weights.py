@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from ftis_fed.config import federation_from_run_config
-from ftis_fed.source_weights import SourceAdaptConfig, SourceAdapter, source_weight
-from ftis_fed.training import TrainSample
+from ftis_fed.config.federation import federation_from_run_config
+from ftis_fed.learn.source_weights import SourceAdaptConfig, SourceAdapter, source_weight
+from ftis_fed.learn.training import TrainSample
 
 
 def _s(source, adv, local=False):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.rewards import Verifier
+from ftis_fed.tasks.rewards import Verifier
 from ftis_fed.tasks import benchmarks
 from ftis_fed.tasks.benchmarks import load_gsm8k, load_math500, read_rows
 from ftis_fed.tasks.families import FAMILIES, ID_FAMILIES, INSTRUCTION, OOD_FAMILIES
@@ -271,7 +271,7 @@ class ScriptedReplier:
 
 
 def test_evaluate_counts_greedy_pass_at_1_per_set():
-    from ftis_fed.evaluation import evaluate, heldout_sets
+    from ftis_fed.learn.evaluation import evaluate, heldout_sets
 
     sets = heldout_sets("all", 10, seed=0, gsm8k=str(FIXTURES / "gsm8k"), math500=str(FIXTURES / "math500"))
     assert set(sets) == {"id", *OOD_FAMILIES, "gsm8k", "math500"}
@@ -295,7 +295,7 @@ def test_evaluate_counts_greedy_pass_at_1_per_set():
 
 def test_text_generator_greedy_is_deterministic_and_batch_independent():
     """A real (random-init) model end to end: left padding must not change greedy replies."""
-    from ftis_fed.evaluation import TextGenerator, evaluate
+    from ftis_fed.learn.evaluation import TextGenerator, evaluate
 
     gen = TextGenerator("tiny-llama", batch_size=4)
     prompts = eval_sets(4, seed=0, ood_families=())["id"] + make_tasks("word_add", "eval", 2)
@@ -311,7 +311,7 @@ def test_text_generator_greedy_is_deterministic_and_batch_independent():
 @pytest.mark.slow
 def test_smollm2_greedy_accuracy_matches_calibration():
     """SmolLM2-135M-Instruct on the ID held-out set stays in the calibrated band (docs/tasks.md)."""
-    from ftis_fed.evaluation import run_eval_cli
+    from ftis_fed.learn.evaluation import run_eval_cli
 
     out = run_eval_cli("smollm2", "id", 64, print_json=False)
     assert 0.05 <= out["eval/id/accuracy"] <= 0.6

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ftis_fed.batch import SamplingParams
+from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.policies import vllm_policy as vp
 from ftis_fed.policies.config import PolicyConfig
 

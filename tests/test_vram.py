@@ -1,4 +1,4 @@
-"""The VRAM estimator (ftis_fed/vram.py) against real models: parameter counts of the Qwen2.5
+"""The VRAM estimator (ftis_fed/policies/vram.py) against real models: parameter counts of the Qwen2.5
 shapes (transformers' own Qwen2 class, meta device, no download), and bytes measured on the CPU from
 SmolLM2-135M loaded for real: weights by dtype, AdamW state of full and LoRA training, NF4 weights,
 8-bit AdamW state, and the activations autograd keeps."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_fed.vram import (NF4_BYTES, QWEN25_0_5B, QWEN25_1_5B, QWEN25_3B, SMOLLM2_135M, ModelShape, Setup,
+from ftis_fed.policies.vram import (NF4_BYTES, QWEN25_0_5B, QWEN25_1_5B, QWEN25_3B, SMOLLM2_135M, ModelShape, Setup,
                            activation_elements_per_token_layer, estimate, optimizer_bytes, table, weight_bytes)
 
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessorList
 
-from ftis_fed.batch import CompletionBatch, SamplingParams, make_group
-from ftis_fed.objective import ObjectiveConfig
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
+from ftis_fed.learn.objective import ObjectiveConfig
 from ftis_fed.participant import checkpoint_due
 from ftis_fed.policies import PolicyConfig, Prompt, build_policy
 from ftis_fed.policies.hf import RecordingSampler, left_pad, sampling_generation_config, unwrap_causal_lm, use_checkpointing
 from ftis_fed.policies.models import resolve_model
-from ftis_fed.training import Trainer, samples_from_batches
+from ftis_fed.learn.training import Trainer, samples_from_batches
 
 PROMPTS = [Prompt("a/0", "What is 2 + 3?", "5"), Prompt("a/1", "What is 4 + 4?", "8")]
 SP = SamplingParams(temperature=0.8, max_new_tokens=8)
@@ -222,7 +222,7 @@ def test_checkpoint_cadence():
 def test_models_fetch_uses_the_cache_and_fails_clearly_offline(tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants
 
-    from ftis_fed.cli import main
+    from ftis_fed.commands.cli import main
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -10,8 +10,8 @@ import zstandard as zstd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftis_fed.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
-from ftis_fed.wire import (
+from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
+from ftis_fed.wire.codec import (
     FLAG_ZSTD,
     LOGP_ESCAPE,
     PAPER_OPTIONS,
@@ -286,7 +286,7 @@ def test_bench_runs_on_synthetic_rollouts():
 def test_stricter_limits_apply_to_an_already_parsed_header():
     """A receiver parses with loose limits to verify the signature, then holds the authenticated
     header to its own run's bounds before decompressing (``check_header_limits``)."""
-    from ftis_fed.wire import check_header_limits
+    from ftis_fed.wire.codec import check_header_limits
 
     h = parse_header(_GOOD)
     check_header_limits(h, WireLimits())

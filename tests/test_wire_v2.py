@@ -11,11 +11,11 @@ import zstandard as zstd
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ftis_fed import wire, wiredict
-from ftis_fed.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group, prompt_ids_digest
+from ftis_fed.wire import codec as wire, dictionary as wiredict
+from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group, prompt_ids_digest
 from ftis_fed.engine.relay import texts_differ
 from ftis_fed.engine.validation import BadReply, ReplyLimits, check_variants
-from ftis_fed.wire import (
+from ftis_fed.wire.codec import (
     FLAG_FP_HEX,
     FLAG_PROMPT_DIGEST,
     FLAG_TEXTS,
@@ -94,7 +94,7 @@ def test_common_sampling_values_take_two_bytes():
 
 def v2_head(*, flags=FLAG_PROMPT_DIGEST, width=2, bits=8, dict_id=0, counts=(1, 1, 0, 1), raw_len=0,
             payload_len=None, strings=("alice", "run-1", "m", "tok"), digest=bytes(8), varint_override=None) -> bytes:
-    """A v2 header laid out by hand (module docstring of ftis_fed.wire), to build hostile frames."""
+    """A v2 header laid out by hand (module docstring of ftis_fed.wire.codec), to build hostile frames."""
     v = wire._uvarint
     fields = [v(1), v(1), v(49152), wire._real(0.7), wire._real(1.0), v(0), v(16), *map(v, counts), v(raw_len),
               v(raw_len if payload_len is None else payload_len)]

@@ -13,9 +13,9 @@ import statistics
 
 import torch
 
-from ..batch import SamplingParams
-from ..objective import LossInputs, ObjectiveConfig, ftis_loss
-from .common import interleaved_times, median_ratio
+from ftis_fed.wire.batch import SamplingParams
+from ftis_fed.learn.objective import LossInputs, ObjectiveConfig, ftis_loss
+from ftis_fed.bench.common import interleaved_times, median_ratio
 
 
 def plain_grpo_loss(logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, eps: float = 0.2) -> torch.Tensor:
@@ -29,8 +29,8 @@ def plain_grpo_loss(logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, e
 
 def run(model: str = "smollm2", rows: int = 16, prompt_len: int = 40, completion_len: int = 64,
         repeats: int = 5, seed: int = 0) -> dict:
-    from ..policies import PolicyConfig
-    from ..policies.hf import HFPolicy
+    from ftis_fed.policies import PolicyConfig
+    from ftis_fed.policies.hf import HFPolicy
 
     torch.manual_seed(seed)
     pol = HFPolicy(PolicyConfig(model=model, micro_batch=rows, dtype="fp32"))

@@ -88,8 +88,8 @@ def _set_threads(n: int) -> None:
 
 
 def _prompts(n: int, seed: int):
-    from ..tasks.families import ID_FAMILIES
-    from ..tasks.suite import make_tasks
+    from ftis_fed.tasks.families import ID_FAMILIES
+    from ftis_fed.tasks.suite import make_tasks
 
     return make_tasks(ID_FAMILIES[0], "train", n, seed)
 
@@ -98,7 +98,7 @@ def _autocast_bf16(dtype: str) -> bool:
     """Whether our policy autocasts to bf16 for ``dtype`` here (TRL's ``bf16`` flag mirrors it)."""
     import torch
 
-    from ..policies.hf import cpu_has_bf16
+    from ftis_fed.policies.hf import cpu_has_bf16
 
     if dtype == "fp32":
         return False
@@ -107,8 +107,8 @@ def _autocast_bf16(dtype: str) -> bool:
 
 def _our_policy(c: dict):
     """Our side's ``HFPolicy`` with the bench config's policy settings (the ours and memory workers)."""
-    from ..policies import PolicyConfig
-    from ..policies.hf import HFPolicy
+    from ftis_fed.policies import PolicyConfig
+    from ftis_fed.policies.hf import HFPolicy
 
     return HFPolicy(PolicyConfig(model=c["model"], dtype=c["dtype"], micro_batch=c["micro_batch"],
                                  logit_chunk=c["logit_chunk"], grad_checkpointing=c["grad_checkpointing"],
@@ -124,11 +124,11 @@ def ours_worker(c: dict) -> dict:
     import numpy as np
     import torch
 
-    from ..batch import CompletionBatch, SamplingParams
-    from ..objective import ObjectiveConfig
-    from ..rewards import Verifier
-    from ..rollouts import scored_groups
-    from ..training import Trainer, samples_from_batches
+    from ftis_fed.wire.batch import CompletionBatch, SamplingParams
+    from ftis_fed.learn.objective import ObjectiveConfig
+    from ftis_fed.tasks.rewards import Verifier
+    from ftis_fed.learn.rollouts import scored_groups
+    from ftis_fed.learn.training import Trainer, samples_from_batches
 
     t0 = time.perf_counter()
     pol = _our_policy(c)
@@ -181,8 +181,8 @@ def trl_worker(c: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from ..policies.models import resolve_model
-    from ..rewards import Verifier
+    from ftis_fed.policies.models import resolve_model
+    from ftis_fed.tasks.rewards import Verifier
 
     n_rows = c["prompts"] * c["group_size"]
     if n_rows % c["micro_batch"]:
@@ -264,9 +264,9 @@ def memory_worker(c: dict) -> dict:
     import numpy as np
     import torch
 
-    from ..batch import SamplingParams
-    from ..objective import ObjectiveConfig
-    from ..training import Trainer, TrainSample
+    from ftis_fed.wire.batch import SamplingParams
+    from ftis_fed.learn.objective import ObjectiveConfig
+    from ftis_fed.learn.training import Trainer, TrainSample
 
     pol = _our_policy(c)
     rss_loaded = _peak_rss_mb()

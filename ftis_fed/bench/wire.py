@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..batch import CompletionBatch, SamplingParams, prompt_ids_digest
-from ..rewards import RewardRule, Verifier
-from ..rollouts import scored_groups
-from ..signing import KeyDirectory, sign_batch, sign_body, verify_frame
-from ..wire import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header, send_options
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, prompt_ids_digest
+from ftis_fed.tasks.rewards import RewardRule, Verifier
+from ftis_fed.learn.rollouts import scored_groups
+from ftis_fed.trust.signing import KeyDirectory, sign_batch, sign_body, verify_frame
+from ftis_fed.wire.codec import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header, send_options
 
 if TYPE_CHECKING:                       # policies import torch: only the model sources need it
-    from ..policies.base import Prompt, Rollout
+    from ftis_fed.policies.base import Prompt, Rollout
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class RolloutSet:
 
 def arithmetic_prompts(n: int, seed: int = 0) -> list[Prompt]:
     """n simple addition questions (reference = the sum)."""
-    from ..policies.base import Prompt
+    from ftis_fed.policies.base import Prompt
 
     rng = random.Random(seed)
     out = []
@@ -68,7 +68,7 @@ def arithmetic_prompts(n: int, seed: int = 0) -> list[Prompt]:
 def task_prompts(n: int, seed: int = 0) -> list[Prompt]:
     """n prompts of the default run's task suite (round 1 of participant 0 of 3, as ``ftis-fed sim``
     generates them: the chat template and questions a participant really sends)."""
-    from ..tasks.suite import TaskSpec
+    from ftis_fed.tasks.suite import TaskSpec
 
     return TaskSpec(prompts_per_round=n).prompts_for_round(0, 3, 1)[:n]
 
@@ -79,7 +79,7 @@ PROMPT_SETS = {"arithmetic": arithmetic_prompts, "task": task_prompts}
 def policy_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
                     model: str = "smollm2") -> RolloutSet:
     """Rollouts from the project's policy API (the path a participant takes)."""
-    from ..policies import PolicyConfig, build_policy
+    from ftis_fed.policies import PolicyConfig, build_policy
 
     policy = build_policy(PolicyConfig(model=model, seed=seed))
     rolls = policy.generate(prompts, group_size, sampling, seed)
@@ -92,8 +92,8 @@ def transformers_rollouts(prompts, group_size: int, sampling: SamplingParams, se
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..policies.base import Rollout, tokenizer_fingerprint
-    from ..policies.models import resolve_model
+    from ftis_fed.policies.base import Rollout, tokenizer_fingerprint
+    from ftis_fed.policies.models import resolve_model
 
     path = resolve_model(model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -129,7 +129,7 @@ def transformers_rollouts(prompts, group_size: int, sampling: SamplingParams, se
 def synthetic_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
                        vocab_size: int = 49152) -> RolloutSet:
     """Random rollouts (Zipf-like ids, exponential -log-probs): no model, for smoke tests only."""
-    from ..policies.base import Rollout
+    from ftis_fed.policies.base import Rollout
 
     rng = np.random.default_rng(seed)
     rolls = []
@@ -168,8 +168,8 @@ def load_rollouts(path) -> RolloutSet:
     """Read a RolloutSet written by :func:`save_rollouts` (float32 log-probs come back bit-exact)."""
     from pathlib import Path
 
-    from ..policies.base import Rollout
-    from ..prompt import Prompt
+    from ftis_fed.policies.base import Rollout
+    from ftis_fed.tasks.prompt import Prompt
 
     data = json.loads(Path(path).read_text())
     if data.get("format") != ROLLOUTS_FORMAT:
@@ -211,7 +211,7 @@ def section_breakdown(batch: CompletionBatch, level: int = 19) -> dict:
     """Bytes per completion token of each part, zstd-compressed on its own (what pays where)."""
     import zstandard as zstd
 
-    from ..wire import _planes, _uvarints, quantize_logprobs
+    from ftis_fed.wire.codec import _planes, _uvarints, quantize_logprobs
 
     z = zstd.ZstdCompressor(level=level)
     gs = batch.groups
@@ -289,7 +289,7 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
     names = list(sizes)
     frame_v1_texts = sign_batch(batch, key, WireOptions(texts=True, version=1))
     decoded = decode_payload(*verify_frame(frame, {batch.sender: key.public_key()})).validate()
-    from ..flower_io import frames_to_record, record_nbytes
+    from ftis_fed.flower_io import frames_to_record, record_nbytes
 
     result = {
         "bench": "wire", "source": source, "model": rs.model_id, "prompt_set": prompt_set, "prompts": len(prompts),

@@ -13,8 +13,8 @@ import inspect
 import logging
 from typing import Callable, Mapping
 
-from .transport import Address, Delivered, Failure, Transport
-from .validation import BadReply, Reply, ReplyLimits, check_reply, requested_variants
+from ftis_fed.engine.transport import Address, Delivered, Failure, Transport
+from ftis_fed.engine.validation import BadReply, Reply, ReplyLimits, check_reply, requested_variants
 
 log = logging.getLogger("ftis_fed.engine")
 

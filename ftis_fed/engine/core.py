@@ -34,21 +34,21 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..atomic import atomic_write
-from ..batch import BatchValidationError
-from ..config import FederationConfig, to_jsonable
-from ..inbox import Inbox, InboxConfig
-from ..metrics import FEDERATION, MetricsWriter, summarize_sources
-from ..report import open_sinks, parse_report_to
-from ..signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge, verify_frame
-from ..wire import decode_payload, parse_header
-from .boundary import Boundary
-from .progress import PhaseProgress, phase_summary
-from .relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
+from ftis_fed.atomic import atomic_write
+from ftis_fed.wire.batch import BatchValidationError
+from ftis_fed.config.federation import FederationConfig, to_jsonable
+from ftis_fed.trust.inbox import Inbox, InboxConfig
+from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, summarize_sources
+from ftis_fed.metrics.sinks import open_sinks, parse_report_to
+from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge, verify_frame
+from ftis_fed.wire.codec import decode_payload, parse_header
+from ftis_fed.engine.boundary import Boundary
+from ftis_fed.engine.progress import PhaseProgress, phase_summary
+from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
                     texts_differ)
-from .schedules import get_schedule
-from .transport import Address, Failure, Transport
-from .validation import Reply, ReplyLimits, max_frame_bytes_for
+from ftis_fed.engine.schedules import get_schedule
+from ftis_fed.engine.transport import Address, Failure, Transport
+from ftis_fed.engine.validation import Reply, ReplyLimits, max_frame_bytes_for
 
 LogFn = Callable[..., None]
 

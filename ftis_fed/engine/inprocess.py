@@ -20,7 +20,7 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Protocol
 
-from .transport import Address, Delivered, Failure
+from ftis_fed.engine.transport import Address, Delivered, Failure
 
 
 class Handles(Protocol):

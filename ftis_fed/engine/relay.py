@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..batch import CompletionBatch
+from ftis_fed.wire.batch import CompletionBatch
 
 
 @dataclass(frozen=True)

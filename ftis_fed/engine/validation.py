@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..batch import DEFAULT_MAX_TOKENS, BatchValidationError
-from ..wire import FLAG_TEXTS, WireHeader, WireLimits, parse_header
+from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError
+from ftis_fed.wire.codec import FLAG_TEXTS, WireHeader, WireLimits, parse_header
 
 #: fields every reply of an action carries: exactly these, no more
 REPLY_FIELDS: dict[str, frozenset[str]] = {

@@ -8,7 +8,7 @@ A backend generates, scores and exposes its trainable parameters; it does not op
       per-token log-probs under its current weights and the given sampling parameters (with or
       without gradient); ``retokenize``: a peer's texts in this backend's tokenizer;
   (c) ``trainable_parameters`` / ``train_mode`` / ``weights_changed``: what the optimizer in
-      ``ftis_fed.training.Trainer`` steps, and the hooks around a step (a generation engine that
+      ``ftis_fed.learn.training.Trainer`` steps, and the hooks around a step (a generation engine that
       holds its own copy of the weights, e.g. vLLM, refreshes it in ``weights_changed``);
   (d) ``trainable_state`` / ``load_trainable_state``: the trainable weights, for the Trainer's
       checkpoint (resume).
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from ..batch import SamplingParams
-from ..prompt import Prompt  # noqa: F401  (re-exported: part of the policy interface)
+from ftis_fed.wire.batch import SamplingParams
+from ftis_fed.tasks.prompt import Prompt  # noqa: F401  (re-exported: part of the policy interface)
 
 if TYPE_CHECKING:
-    from .config import PolicyConfig
+    from ftis_fed.policies.config import PolicyConfig
 
 
 @dataclass

@@ -1,17 +1,17 @@
 """PolicyConfig: what model a participant runs and how it trains. Every field is a run/node-config
 key declared with ``knob``; participants in simulation read ``p<i>-<key>`` from the run config,
-SuperNodes read ``<key>`` from their node config (see ``ftis_fed.config``)."""
+SuperNodes read ``<key>`` from their node config (see ``ftis_fed.config.federation``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..knobs import knob
+from ftis_fed.config.knobs import knob
 
 
 #: ``weights-dtype`` values -> the torch dtype name the model is loaded in
 WEIGHT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-#: ``optimizer`` values (built by ``ftis_fed.training.make_optimizer``)
+#: ``optimizer`` values (built by ``ftis_fed.learn.training.make_optimizer``)
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
 
 
@@ -97,7 +97,7 @@ class PolicyConfig:
         hides them from actors that ask for none); see docs/gpu.md.""", per_participant=True)
     gpu_memory_share: float = knob("gpu-memory-share", 0.0, """
         this participant's share of its GPU's memory for a vLLM engine, in [0, 0.9]; 0 = derived
-        from the number of participants on the same device (``ftis_fed.devices.memory_shares``).""",
+        from the number of participants on the same device (``ftis_fed.policies.devices.memory_shares``).""",
         per_participant=True)
     seed: int = knob("policy-seed", 0, "torch seed for the initialisation of adapters.")
     name: str = knob("model-id", "", """
@@ -128,7 +128,7 @@ class PolicyConfig:
         need(self.weights_dtype in WEIGHT_DTYPES, "weights_dtype", "must be 'fp32', 'bf16' or 'fp16'")
         need(self.optimizer in OPTIMIZERS, "optimizer", "must be 'adamw', 'adamw-8bit' or 'paged-adamw-8bit'")
         need(self.grad_checkpointing_tokens >= 0, "grad_checkpointing_tokens", "must be >= 0 (0 = off)")
-        from ..devices import DeviceError, parse_device
+        from ftis_fed.policies.devices import DeviceError, parse_device
 
         try:
             parse_device(self.device)

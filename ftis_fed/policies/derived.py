@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .models import OFFLINE_MODELS, resolve_model
+from ftis_fed.policies.store import OFFLINE_MODELS, resolve_model
 
 BPE_BASE_IDS = 252  # 17 special tokens + 235 byte-level base symbols precede the first merge
 
@@ -67,7 +67,7 @@ def build_sft(out: Path, base: str, families: tuple[str, ...], steps: int, lr: f
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..tasks.suite import task_at
+    from ftis_fed.tasks.suite import task_at
 
     torch.manual_seed(seed)
     src = resolve_model(base)

@@ -15,7 +15,7 @@ generation setting a call leaves unset (``None``) from it (``repetition_penalty`
 kept as ``hub_generation_config`` and written back by ``export``), and each generate call sets
 sampling explicitly (``sampling_generation_config``).
 
-The backend does not optimise: ``ftis_fed.training.Trainer`` steps ``trainable_parameters()``.
+The backend does not optimise: ``ftis_fed.learn.training.Trainer`` steps ``trainable_parameters()``.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..batch import SamplingParams
-from . import quant as quantization
-from .base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
-from .config import WEIGHT_DTYPES, PolicyConfig
-from .models import resolve_model
-from .scoring import token_logprobs, unwrap_causal_lm
+from ftis_fed.wire.batch import SamplingParams
+import ftis_fed.policies.quant as quantization
+from ftis_fed.policies.base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
+from ftis_fed.policies.config import WEIGHT_DTYPES, PolicyConfig
+from ftis_fed.policies.models import resolve_model
+from ftis_fed.policies.logprobs import token_logprobs
+from ftis_fed.policies.scoring import unwrap_causal_lm
 
 
 def cpu_has_bf16() -> bool:
@@ -269,7 +270,7 @@ class HFPolicy(Policy):
     def _shares_prefills(self) -> bool:
         """Whether a prefilled, repeated KV cache is exact for this architecture (``prefix.MODEL_TYPES``,
         checked by tests/test_prefix.py)."""
-        from .prefix import MODEL_TYPES
+        from ftis_fed.policies.prefix import MODEL_TYPES
 
         return getattr(unwrap_causal_lm(self.model).config, "model_type", None) in MODEL_TYPES
 
@@ -355,7 +356,7 @@ class HFPolicy(Policy):
         return out
 
     def score_padded(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool) -> torch.Tensor:
-        """(b,T) log-probs for one micro-batch (see scoring.token_logprobs). With gradient and
+        """(b,T) log-probs for one micro-batch (see logprobs.token_logprobs). With gradient and
         ``grad-checkpointing-tokens`` > 0, checkpointing is switched on for this micro-batch when its
         padded tokens exceed the threshold (``use_checkpointing``)."""
         if grad and self.cfg.grad_checkpointing_tokens > 0:

@@ -37,8 +37,8 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..batch import SamplingParams
-from .scoring import chunked_logprobs, unwrap_causal_lm
+from ftis_fed.wire.batch import SamplingParams
+from ftis_fed.policies.scoring import chunked_logprobs, unwrap_causal_lm
 
 #: attention implementations whose mask argument we build (4D: boolean for sdpa, additive for eager).
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -180,7 +180,7 @@ def shared_token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[
                           grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None,
                           head_graph_mb: float = 0.0) -> torch.Tensor:
     """Padded (B,T) log-probs of each completion token: the same values and gradients as
-    ``scoring.token_logprobs``, each distinct prompt computed once. Positions past a completion hold 0."""
+    ``logprobs.token_logprobs``, each distinct prompt computed once. Positions past a completion hold 0."""
     lm = unwrap_causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
     B = len(completion_ids)

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from .models import OFFLINE_MODELS, resolve_model
+from ftis_fed.policies.store import OFFLINE_MODELS, resolve_model
 
 #: SmolLM2's 30 layers -> the 20 the shallow model keeps: the first 14 and the last two whole, every
 #: third one in between (late-middle layers are the most redundant ones in Llama-style models; keeping
@@ -76,7 +76,7 @@ def _remapped(base: str, src_layers: Sequence[int], zero: Sequence[int] = ()):
 def _examples(tok, families: Sequence[str], seed: int, start: int, batch: int):
     """``batch`` chat-formatted train-split problems -> padded ids (B,L), attention (B,L), reply mask (B,L)
     (True where the *next* token is a reply token: the positions whose prediction the CE loss scores)."""
-    from ..tasks.suite import task_at
+    from ftis_fed.tasks.suite import task_at
 
     rows = []
     for j in range(batch):
@@ -189,7 +189,7 @@ def build_shallow_sft(out: Path, base: str = "smollm2-l20", **kw) -> None:
     train split (``SHALLOW_SFT``, overridable by keyword): makes the small model *competent* on the
     task, not only a language model close to its teacher. The loss touches the reply tokens only, so a
     step costs a fraction of a distillation step (no teacher, no full-vocabulary KL)."""
-    from .derived import build_sft
+    from ftis_fed.policies.derived import build_sft
 
     args = {**SHALLOW_SFT, **kw}
     build_sft(out, base, tuple(args["families"]), steps=args["steps"], lr=args["lr"], batch=args["batch"],

@@ -45,7 +45,7 @@ The trainer (``trainer=``) is the transformers backend that holds the trainable 
   optional ``cfg`` (a ``PolicyConfig``: model path, LoRA rank, seed, dtype), ``model_id``,
   ``tokenizer_fp``, ``vocab_size``. Any other attribute is forwarded to the trainer.
 
-The optimizer is ``ftis_fed.training.Trainer``'s; after each of its steps (and after a checkpoint
+The optimizer is ``ftis_fed.learn.training.Trainer``'s; after each of its steps (and after a checkpoint
 load) it calls ``weights_changed()``, which pushes the new weights into the engine (``refresh``).
 """
 
@@ -61,9 +61,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..batch import SamplingParams
-from ..devices import ENGINE_FRACTION
-from .base import Policy, Prompt, Rollout, tokenizer_fingerprint
+from ftis_fed.wire.batch import SamplingParams
+from ftis_fed.policies.devices import ENGINE_FRACTION
+from ftis_fed.policies.base import Policy, Prompt, Rollout, tokenizer_fingerprint
 
 #: The message every missing-vLLM path raises (tests match on it).
 VLLM_MISSING_MESSAGE = (
@@ -221,7 +221,7 @@ class VLLMPolicy(Policy):
         if trainer is None:
             if cfg is None:
                 raise ValueError("VLLMPolicy needs a PolicyConfig (cfg) or a trainer")
-            from .hf import HFPolicy
+            from ftis_fed.policies.hf import HFPolicy
 
             trainer = HFPolicy(cfg)
         self.trainer = trainer
@@ -239,7 +239,7 @@ class VLLMPolicy(Policy):
         if model_path is None:
             if self.cfg is None:
                 raise ValueError("VLLMPolicy needs model_path when the trainer has no cfg")
-            from .models import resolve_model
+            from ftis_fed.policies.models import resolve_model
 
             model_path = resolve_model(self.cfg.model)
         self.model_path = str(model_path)

@@ -1,10 +1,10 @@
 """Tasks: procedural families (``families``), instances / splits / partitions (``suite``), and
 GSM8K / MATH-500 loaders (``benchmarks``). See docs/tasks.md."""
 
-from .benchmarks import load_gsm8k, load_math500
-from .resolve import TaskRefused, TaskResolver
-from .families import FAMILIES, ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Family, Problem, get_family
-from .suite import (
+from ftis_fed.tasks.benchmarks import load_gsm8k, load_math500
+from ftis_fed.tasks.resolve import TaskRefused, TaskResolver
+from ftis_fed.tasks.families import FAMILIES, ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Family, Problem, get_family
+from ftis_fed.tasks.suite import (
     SCHEMES,
     SPLITS,
     TaskSpec,

@@ -32,8 +32,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from ..prompt import Prompt
-from ..answers import extract_boxed, gsm8k_reference
+from ftis_fed.tasks.prompt import Prompt
+from ftis_fed.tasks.answers import extract_boxed, gsm8k_reference
 
 GSM8K_INSTRUCTION = "Solve the problem step by step. End your reply with the final answer as '#### <number>'."
 MATH500_INSTRUCTION = "Solve the problem. Put your final answer within \\boxed{}."

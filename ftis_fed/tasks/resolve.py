@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..prompt import Prompt
-from .families import FAMILIES
-from .suite import task_at
+from ftis_fed.tasks.prompt import Prompt
+from ftis_fed.tasks.families import FAMILIES
+from ftis_fed.tasks.suite import task_at
 
 #: Longest task id a receiver parses (procedural ids are < 40 characters).
 MAX_TASK_ID_CHARS = 128

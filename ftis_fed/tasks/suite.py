@@ -40,10 +40,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..knobs import knob
-from ..prompt import Prompt
-from .benchmarks import BENCHMARKS, train_pool
-from .families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
+from ftis_fed.config.knobs import knob
+from ftis_fed.tasks.prompt import Prompt
+from ftis_fed.tasks.benchmarks import BENCHMARKS, train_pool
+from ftis_fed.tasks.families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
 
 SPLITS = ("train", "eval")
 SCHEMES = ("auto", "iid", "expertise", "dirichlet", "shared")

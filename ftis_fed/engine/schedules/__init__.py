@@ -3,20 +3,20 @@
 A schedule is one function ``run_round(engine, rnd, stats)`` that decides who is asked what in
 one round, using the engine's steps (``engine.generate``, ``engine.relay``, ``engine.verify``,
 ``engine.pending``); the engine does the rest (admission, deadlines, dropouts, budgets, metrics,
-evaluation, state). Adding one: a new module here with ``@register_schedule("name")``, its import
-below, and a test in ``tests/test_engine.py``.
+evaluation, state). Adding one: a new module here with its ``run_round`` function, its entry in
+``SCHEDULES`` below, and a test in ``tests/test_engine.py``; code outside the package (a plugin, a
+test) adds one with ``register_schedule``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:                                   # pragma: no cover
-    from ..core import Engine, RoundStats
+from ftis_fed.engine.schedules import pipelined, sync
 
-RoundFn = Callable[["Engine", int, "RoundStats"], None]
+RoundFn = Callable[["Engine", int, "RoundStats"], None]          # engine.core's (not imported: core imports this)
 
-SCHEDULES: dict[str, RoundFn] = {}
+SCHEDULES: dict[str, RoundFn] = {"sync": sync.sync_round, "pipelined": pipelined.pipelined_round}
 
 
 def register_schedule(name: str) -> Callable[[RoundFn], RoundFn]:
@@ -34,5 +34,3 @@ def get_schedule(name: str) -> RoundFn:
     except KeyError:
         raise ValueError(f"scheme={name!r}: no such schedule (registered: {', '.join(sorted(SCHEDULES))})") from None
 
-
-from . import pipelined, sync  # noqa: E402,F401  (registration)

@@ -5,10 +5,6 @@ frames, and replies with its new frame, which the server verifies and keeps for 
 
 from __future__ import annotations
 
-from . import register_schedule
-
-
-@register_schedule("pipelined")
 def pipelined_round(engine, rnd: int, stats) -> None:
     relay = engine.pending
     replies = engine.relay("exchange", relay, rnd, stats)

@@ -4,10 +4,6 @@ frames of the same round (``learn``)."""
 
 from __future__ import annotations
 
-from . import register_schedule
-
-
-@register_schedule("sync")
 def sync_round(engine, rnd: int, stats) -> None:
     frames = engine.generate(rnd, stats)
     engine.relay("learn", frames, rnd, stats)

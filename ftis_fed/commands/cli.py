@@ -1,0 +1,66 @@
+"""The ``ftis-fed`` command line: benchmarks, evaluation, keys, models, and run launchers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bench(sub) -> None:
+    p = sub.add_parser("bench", help="side-by-side benchmarks (one JSON line each)")
+    b = p.add_subparsers(dest="bench", required=True)
+    lp = b.add_parser("loss", help="F-TIS vs plain GRPO: loss + backward time ratio")
+    lp.add_argument("--model", default="smollm2")
+    lp.add_argument("--rows", type=int, default=16)
+    lp.add_argument("--completion-len", type=int, default=64)
+    lp.add_argument("--repeats", type=int, default=5)
+    lp.set_defaults(func=lambda a: __import__("ftis_fed.bench.loss", fromlist=["main"]).main(a))
+    from ftis_fed.bench import step, wire
+
+    step.add_cli(b)
+    wire.add_cli(b)
+
+
+def _eval(sub) -> None:
+    p = sub.add_parser("eval", help="greedy pass@1 of a model on held-out ID / OOD sets (one JSON line)")
+    p.add_argument("--model", default="smollm2", help="offline name, local folder or hub id")
+    p.add_argument("--split", default="id", choices=["id", "ood", "all"])
+    p.add_argument("--n", type=int, default=64, help="prompts per set")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--gsm8k", default=None, help="GSM8K file/folder (official JSONL or parquet layout)")
+    p.add_argument("--math500", default=None, help="MATH-500 file/folder (HuggingFaceH4 layout)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"])
+
+    def run(a):
+        from ftis_fed.learn.evaluation import run_eval_cli
+
+        run_eval_cli(a.model, a.split, n=a.n, seed=a.seed, max_new_tokens=a.max_new_tokens, gsm8k=a.gsm8k,
+                     math500=a.math500, dtype=a.dtype)
+
+    p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ftis-fed", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _bench(sub)
+    _eval(sub)
+    from ftis_fed.commands import experiment as grid, models as hub, sim as launch
+    from ftis_fed.trust import deploy_keys
+
+    deploy_keys.add_cli(sub)
+    hub.add_cli(sub)
+    launch.add_cli(sub)
+    grid.add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

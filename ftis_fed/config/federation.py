@@ -1,0 +1,708 @@
+"""Every knob of a run, built from the Flower run config (and a SuperNode's node config) in one place.
+
+Each run-config key is declared once, as a dataclass field made with ``ftis_fed.config.knobs.knob`` (key,
+default, help): ``FederationConfig`` below, ``ObjectiveConfig``, ``TaskSpec``, ``ReverifyConfig``,
+``PolicyConfig`` and ``ParticipantSpec``. The key tables here, the error names, the reference in
+``docs/configuration.md`` (``python -m ftis_fed.config.federation``) and the check of ``pyproject.toml``'s
+``[tool.flwr.app.config]`` (``tests/test_config.py``: same keys, same defaults) derive from those
+declarations. ``validate_run_config`` checks a whole run config before anything starts. Participants:
+
+- simulation: participant ``i`` (Flower partition id ``i``) reads ``p<i>-<key>`` (e.g. ``p2-quant``)
+  and falls back to the run-wide ``<key>``;
+- deployment: a SuperNode's ``--node-config`` gives ``participant``, ``model``, ``adapter``, ...,
+  ``keys-dir`` and ``state-dir`` for its own participant (unprefixed), falling back to the run config.
+
+At most ``MAX_PARTICIPANTS`` simulated participants (``p0`` ... ``p7``: each is declared in
+``pyproject.toml``, since Flower rejects run-config keys the app does not declare).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Collection, Mapping
+
+from ftis_fed.wire.batch import SamplingParams
+from ftis_fed.config.knobs import Knob, knob, knobs
+from ftis_fed.learn.objective import MODES, ObjectiveConfig
+from ftis_fed.policies.config import PolicyConfig
+from ftis_fed.trust.reverify import ReverifyConfig
+from ftis_fed.learn.source_weights import SourceAdaptConfig
+from ftis_fed.tasks.suite import TaskSpec
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """The schedule and the shared settings of a run: every field a run-config key (``knob``), plus
+    the objective's, the task suite's and the re-verification's keys in their own dataclasses."""
+
+    num_rounds: int = knob("num-rounds", 3, "rounds to run, >= 1.")
+    scheme: str = knob("scheme", "sync", """
+        ``sync`` (the paper: phase 1 every participant generates and returns a signed batch; phase 2
+        each receives its peers' batches of the same round and updates) or ``pipelined`` (one
+        exchange per round: each participant generates, then trains on its new batch and its peers'
+        batches of the previous round, which arrive with the same message).""")
+    min_participants: int = knob("min-participants", 2, """
+        participants that must be connected before round 1 and reply in a round for it to count as
+        complete, >= 1 (in simulation at most the participants declared).""")
+    wait_for_participants_s: float = knob("wait-for-participants-s", 300.0, """
+        how long to wait for them to connect and answer hello (their first message, which loads
+        their model), > 0.""")
+    round_timeout_s: float = knob("round-timeout-s", 900.0, """
+        per phase; a participant that has not replied by then is treated as dropped for that round
+        (the round finishes with the replies it has), > 0.""")
+    group_size: int = knob("group-size", 4, "G, completions per prompt, >= 2.")
+    temperature: float = knob("temperature", 0.7, """
+        sampling temperature every participant generates (and scores) with, finite and > 0.""")
+    top_p: float = knob("top-p", 1.0, "nucleus sampling threshold, in (0, 1]; 1 disables it.")
+    top_k: int = knob("top-k", 0, "top-k sampling, >= 0; 0 disables it.")
+    max_new_tokens: int = knob("max-new-tokens", 24, """
+        the generation budget per completion, >= 1 (also Dr. GRPO's length-normalisation
+        constant).""")
+    local_budget: int = knob("local-budget", 0, "own completions a participant trains on per round (0 = all).")
+    peer_budget: int = knob("peer-budget", 0, """
+        peers' completions the server relays to a participant per round, whole signed batches only
+        (0 = all).""")
+    wire_texts: str = knob("wire-texts", "auto", """
+        ``auto`` (send completion texts only when tokenizers differ in the run), ``always`` or
+        ``never``.""")
+    max_batch_tokens: int = knob("max-batch-tokens", 1 << 20, "larger batches are rejected (``too_large``), >= 1.")
+    eval_every: int = knob("eval-every", 3, """
+        greedy pass@1 on held-out ID/OOD sets before round 1, every k rounds and after the last
+        (0 = never).""")
+    eval_initial: bool = knob("eval-initial", True, """
+        evaluate before round 1 too (when eval-every > 0); false skips it, e.g. in ``ftis-fed grid``,
+        where every cell starts from the same models and one cell's round-0 evaluation serves all.""")
+    eval_size: int = knob("eval-size", 24, """
+        prompts in the held-out ID set (the eval split of task-families), >= 1; checked at start
+        against the distinct problems the families have.""")
+    eval_ood_size: int = knob("eval-ood-size", 8, "prompts per OOD family set (five families), >= 0; 0 = eval-size.")
+    eval_max_new_tokens: int = knob("eval-max-new-tokens", 16, "generation budget of the greedy evaluation, >= 1.")
+    run_name: str = knob("run-name", "ftis-fed", "the run id batches are signed for (kept across a resume), non-empty.")
+    output_dir: str = knob("output-dir", "outputs/default", """
+        results folder (metrics, plots, server state, participants' checkpoints in simulation);
+        relative paths are resolved against the SuperLink's working directory (``ftis-fed sim``
+        makes them absolute against the directory it is run from).""")
+    resume: bool = knob("resume", False, "continue from output-dir's saved state instead of starting fresh.")
+    checkpoint_every: int = knob("checkpoint-every", 1, """
+        participants write their resume state (trainable weights, optimizer, counters; atomically)
+        after every k-th round's update and after the last round, >= 0; 0 = after the last round
+        only. 1 (default) makes every round resumable; for large full fine-tunes (a 1.5B model's
+        state is ~18 GB in fp32) a larger k trades rounds redone after a stop for disk traffic. A
+        resume continues from the last written state: rounds after it are redone.""")
+    export_final: bool = knob("export-final", True, """
+        after the last round's update every participant exports its trained model with
+        ``save_pretrained`` into ``<state-dir>/export/``: the peft adapter folder for LoRA (4-bit
+        QLoRA included: the adapter, base model not merged) or the full model folder, with its
+        tokenizer and the model's own generation_config.json; transformers (+ peft) and vLLM load
+        it.""")
+    keys_dir: str = knob("keys-dir", "", """
+        folder with ``public/<participant>.pub`` (and, on each node, its own
+        ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
+    threads: int = knob("threads", 0, "torch threads per participant process, >= 0 (0 = cores / participants).")
+    worker_idle_timeout_s: float = knob("worker-idle-timeout-s", 1800.0, """
+        a participant process with no request for this long exits (the end-of-run message normally
+        stops it first), > 0.""")
+    seed: int = knob("seed", 0, "base seed of sampling (round and participant are mixed in), >= 0.")
+    progress_every_s: float = knob("progress-every-s", 15.0, """
+        while a phase runs, the server logs every this many seconds which participants replied and
+        which it still waits for (one plain line, also fine in a log file), >= 0; 0 = off.""")
+    report_to: str = knob("report-to", "none", """
+        the server's metrics rows also to ``tensorboard`` (``<output-dir>/tensorboard``) and/or
+        ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
+        TRL; ``none`` = only metrics.jsonl/.csv. Optional extras: ``pip install
+        'ftis-fed[tensorboard]'`` / ``'ftis-fed[wandb]'``; a missing package stops the run at start.""")
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    task: TaskSpec = field(default_factory=TaskSpec)
+    reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
+    source_adapt: SourceAdaptConfig = field(default_factory=SourceAdaptConfig)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, f: str, limit: str) -> None:
+            if not ok:
+                raise ValueError(f"{_key_of(f)}={getattr(self, f)!r}: {limit}")
+
+        need(self.num_rounds >= 1, "num_rounds", "must be >= 1")
+        from ftis_fed.engine.schedules import SCHEDULES          # registered round schedules (one file each)
+
+        need(self.scheme in SCHEDULES, "scheme", f"must be a registered schedule: {', '.join(sorted(SCHEDULES))}")
+        need(self.min_participants >= 1, "min_participants", "must be >= 1")
+        need(self.wait_for_participants_s > 0, "wait_for_participants_s", "must be > 0")
+        need(self.round_timeout_s > 0, "round_timeout_s", "must be > 0")
+        need(self.group_size >= 2, "group_size", "must be >= 2 (a group-relative advantage needs 2)")
+        need(self.local_budget >= 0, "local_budget", "must be >= 0 (0 = all)")
+        need(self.peer_budget >= 0, "peer_budget", "must be >= 0 (0 = all)")
+        need(self.wire_texts in ("auto", "always", "never"), "wire_texts", "must be auto, always or never")
+        need(self.max_batch_tokens >= 1, "max_batch_tokens", "must be >= 1")
+        need(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = never)")
+        need(self.eval_size >= 1, "eval_size", "must be >= 1")
+        need(self.eval_ood_size >= 0, "eval_ood_size", "must be >= 0 (0 = eval_size)")
+        need(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
+        need(bool(self.run_name), "run_name", "must be non-empty")
+        need(self.threads >= 0, "threads", "must be >= 0 (0 = auto)")
+        need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
+        need(self.seed >= 0, "seed", "must be >= 0")
+        need(self.progress_every_s >= 0, "progress_every_s", "must be >= 0 (0 = off)")
+        from ftis_fed.metrics.sinks import parse_report_to
+
+        parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
+        need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
+        self.sampling  # validates temperature / top-p / top-k / max-new-tokens
+        self._resolve_horizontal()
+        if self.task.source != "procedural":                    # the train file must load now, not mid-run
+            self.task.train_pool()
+        if self.task.source == "math500" or self.task.math500_data:
+            from ftis_fed.tasks.symbolic import require_math_verify
+
+            try:
+                require_math_verify()
+            except ImportError as e:
+                raise ValueError(f"math500-data={self.task.math500_data!r}: {e}") from None
+        if self.eval_every > 0:                                 # the held-out sets must exist: fail now, not mid-run
+            try:
+                self.eval_sets()
+            except ValueError as e:
+                trained = (f"task-families={','.join(self.task.families)}" if self.task.source == "procedural"
+                           else f"task-source={self.task.source}")
+                raise ValueError(f"eval-size={self.eval_size} / eval-ood-size={self.eval_ood_size} with "
+                                 f"{trained}: {e}") from None
+
+    def _resolve_horizontal(self) -> None:
+        """``task-scheme = auto`` -> ``shared`` with horizontal groups, else ``iid``; horizontal groups
+        with another explicit scheme, or with the pipelined schedule, are a config error."""
+        horizontal = self.objective.advantage_groups == "horizontal"
+        if self.task.scheme == "auto":
+            object.__setattr__(self, "task", dataclasses.replace(self.task, scheme="shared" if horizontal else "iid"))
+        if not horizontal:
+            return
+        if self.task.scheme != "shared":
+            raise ValueError(f"task-scheme={self.task.scheme!r} with advantage-groups='horizontal': horizontal "
+                             "groups mix every participant's completions of the same prompt, so participants must "
+                             "get the same prompts: set task-scheme=shared (or auto, the default)")
+        if self.scheme != "sync":
+            raise ValueError(f"scheme={self.scheme!r} with advantage-groups='horizontal': horizontal groups need the "
+                             "sync schedule (pipelined trains on peers' batches of the previous round next to its "
+                             "own of this round, so no prompt's group would mix): set scheme=sync")
+
+    def completions_per_prompt(self, num_participants: int) -> int:
+        """Completions each participant generates per prompt: ``group-size`` G (vertical), or its share
+        ceil(G / N) of the mixed group with N participants (horizontal; the mixed group then has
+        N * ceil(G / N) >= G completions, G itself when N divides it). ValueError when horizontal
+        ``alone`` would train on groups of one completion (no group-relative signal)."""
+        if isinstance(num_participants, bool) or int(num_participants) != num_participants or num_participants < 1:
+            raise ValueError(f"num_participants={num_participants!r}: must be an integer >= 1")
+        if self.objective.advantage_groups != "horizontal":
+            return self.group_size
+        share = -(-self.group_size // int(num_participants))
+        if share < 2 and MODES[self.objective.mode].local_only:
+            raise ValueError(f"group-size={self.group_size} with advantage-groups='horizontal' and "
+                             f"loss-mode={self.objective.mode!r} "
+                             f"over {num_participants} participants: each generates ceil(G/N)={share} completion per "
+                             f"prompt and trains on its own only, so no group has a signal: set group-size >= "
+                             f"{int(num_participants) + 1}")
+        return share
+
+    def eval_sets(self) -> dict:
+        """The held-out sets every participant evaluates on. ``id``: the held-out part of what is
+        trained on (the families' eval split, GSM8K test, or MATH-500's eval split; ``eval-size``
+        items, an error if there are fewer). OOD: the procedural OOD families (``eval-ood-size``
+        each) when training on procedural tasks or when no other benchmark file is given; a
+        benchmark not trained on whose file is given (``gsm8k``: its test file; ``math500``: all of
+        it), at most ``eval-ood-size`` (0: ``eval-size``) items."""
+        from ftis_fed.tasks.benchmarks import eval_pool
+        from ftis_fed.tasks.suite import eval_sets
+
+        t, n_ood = self.task, self.eval_ood_size or self.eval_size
+        others = {b: path for b, path in (("gsm8k", t.gsm8k_data), ("math500", t.math500_data))
+                  if path and b != t.source}
+        if t.source == "procedural":
+            sets = eval_sets(self.eval_size, seed=t.seed, id_families=t.families, n_ood=self.eval_ood_size or None)
+        else:
+            held = eval_pool(t.source, t.benchmark_path, int(t.math500_eval_percent), True)
+            if len(held) < self.eval_size:
+                raise ValueError(f"the {t.source} held-out set has {len(held)} items, fewer than {self.eval_size}")
+            sets = {"id": list(held[:self.eval_size])}
+            if not others:
+                sets.update({k: v for k, v in eval_sets(1, t.seed, id_families=t.families,
+                                                        n_ood=self.eval_ood_size or None).items() if k != "id"})
+        for b, path in others.items():
+            sets[b] = list(eval_pool(b, path, int(t.math500_eval_percent), False)[:n_ood])
+        return sets
+
+    @property
+    def sampling(self) -> SamplingParams:
+        try:
+            return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
+        except ValueError as e:
+            raise ValueError(str(e).replace("sampling.", "").replace("_", "-")) from None
+
+
+@dataclass(frozen=True)
+class ParticipantSpec:
+    """One participant: who it is, what it runs (``policy``: its PolicyConfig), which task partition
+    it generates from (``partition_id`` of ``num_partitions``), where its keys and state live."""
+
+    name: str = knob("participant", help="""
+        its id (names its key files), ``[A-Za-z0-9][A-Za-z0-9._-]*`` ('' = ``p<i>``).""",
+        run=False, per_participant=True)
+    policy: PolicyConfig
+    partition_id: int
+    num_partitions: int
+    keys_dir: str = knob("keys-dir", help="""
+        public keys of the run in ``public/``, its own key in ``private/`` (node config; simulation:
+        the run-wide keys-dir).""", run=False)
+    state_dir: str = knob("state-dir", help="""
+        where its checkpoint (trainable weights, optimizer, counters) goes (node config; simulation:
+        output-dir/participants/<participant>).""", run=False)
+    fault: str = knob("fault", "", """
+        fault injection for tests: '' or ``<raise|exit|hang>:<generate|learn|evaluate>:<round>``.""",
+        run=False, per_participant=True)
+    local_budget: int = knob("local-budget", 0, "this participant's local-budget (default: the run-wide value).",
+                             run=False, per_participant=True)
+    peer_budget: int = knob("peer-budget", 0, "this participant's peer-budget (default: the run-wide value).",
+                            run=False, per_participant=True)
+    byzantine: str = knob("byzantine", "", """
+        a validly signing ATTACKER, for security experiments only: '' (honest) or attacks from
+        ``ftis_fed.trust.attacks`` (``forge``, ``inflate``, ``logprobs``, ``flood``, comma-separated, or
+        ``all``); see docs/security.md.""", run=False, per_participant=True)
+
+    def __post_init__(self) -> None:
+        if self.local_budget < 0 or self.peer_budget < 0:
+            raise ValueError(f"local-budget={self.local_budget}, peer-budget={self.peer_budget}: must be >= 0")
+        if self.fault:
+            parts = self.fault.split(":")
+            if (len(parts) != 3 or parts[0] not in ("raise", "exit", "hang")
+                    or parts[1] not in ("generate", "learn", "evaluate") or not parts[2].isdigit()):
+                raise ValueError(f"fault={self.fault!r}: must be '' or <raise|exit|hang>:<generate|learn|evaluate>:<round>")
+        if self.byzantine:
+            from ftis_fed.trust.attacks import parse_kinds
+
+            parse_kinds(self.byzantine)
+
+
+# ----------------------------------------------------------------------------- key tables (derived)
+
+#: participants a simulation can declare: p0 ... p{MAX_PARTICIPANTS - 1}, each declared in pyproject.toml
+MAX_PARTICIPANTS = 8
+
+#: run-config key -> (section, field). section '' = FederationConfig itself.
+KEYS: dict[str, tuple[str, str]] = {k.key: (k.section, k.field) for k in knobs(FederationConfig)}
+#: participant key -> PolicyConfig field.
+POLICY_KEYS: dict[str, str] = {k.key: k.field for k in knobs(PolicyConfig)}
+#: every key a participant resolves (from p<i>-<key>, its node config or the run-wide value).
+PARTICIPANT_KEYS: tuple[str, ...] = (*(k.key for k in knobs(ParticipantSpec)), *POLICY_KEYS)
+#: keys declared per simulated participant as p<i>-<key>.
+PER_PARTICIPANT_KEYS: tuple[str, ...] = tuple(k.key for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig))
+                                              if k.per_participant)
+
+
+def run_knobs() -> dict[str, Knob]:
+    """Every run-wide key (declared unprefixed in ``[tool.flwr.app.config]``) -> its declaration."""
+    out: dict[str, Knob] = {}
+    for k in (*knobs(FederationConfig), *knobs(PolicyConfig), *knobs(ParticipantSpec)):
+        if k.run:
+            if k.key in out:
+                raise RuntimeError(f"run-config key {k.key!r} is declared twice: {out[k.key].cls.__name__}."
+                                   f"{out[k.key].field} and {k.cls.__name__}.{k.field}")
+            out[k.key] = k
+    return out
+
+
+RUN_KNOBS = run_knobs()
+
+
+def inherit_value(key: str) -> Any:
+    """The ``p<i>-<key>`` value that means "the run-wide value": '' for strings, -1 for numbers."""
+    like = RUN_KNOBS[key].default if key in RUN_KNOBS else ""
+    if isinstance(like, bool) or not isinstance(like, (int, float)):
+        return ""
+    return -1.0 if isinstance(like, float) else -1
+
+
+def toml_default(k: Knob) -> Any:
+    """A declaration's default as written in ``[tool.flwr.app.config]`` (lists: comma-separated, ''
+    = the declared default)."""
+    return "" if isinstance(k.default, tuple) else k.default
+
+
+def declared_keys() -> set[str]:
+    """Every key ``[tool.flwr.app.config]`` must declare (and may: Flower rejects any other)."""
+    return set(RUN_KNOBS) | {f"p{i}-{k}" for i in range(MAX_PARTICIPANTS) for k in PER_PARTICIPANT_KEYS}
+
+
+def pyproject_disagreements(app_config: Mapping[str, Any]) -> list[str]:
+    """Every way ``[tool.flwr.app.config]`` (``app_config``) differs from the declarations: a key
+    missing, a key not declared, a default or a TOML type that differs, a participant slot beyond the
+    default federation that does not mean "the run-wide value". Empty when they agree."""
+    out = []
+    for key, k in RUN_KNOBS.items():
+        want = toml_default(k)
+        if key not in app_config:
+            out.append(f"{key}: declared by {k.cls.__name__}.{k.field} (default {want!r}) but missing")
+        elif type(app_config[key]) is not type(want) or app_config[key] != want:
+            out.append(f"{key}: {app_config[key]!r} in pyproject.toml, {want!r} declared by {k.cls.__name__}.{k.field}")
+    n = len(participant_names(app_config))
+    for i in range(MAX_PARTICIPANTS):
+        for key in PER_PARTICIPANT_KEYS:
+            pk, want = f"p{i}-{key}", inherit_value(key)
+            if pk not in app_config:
+                out.append(f"{pk}: missing (p0 ... p{MAX_PARTICIPANTS - 1} are each declared)")
+            elif type(app_config[pk]) is not type(want):
+                out.append(f"{pk}: {app_config[pk]!r} is not a {type(want).__name__} like {want!r}")
+            elif i >= n and app_config[pk] != want:
+                out.append(f"{pk}: {app_config[pk]!r} after the last participant; must be {want!r}")
+    out += [f"{key}: in pyproject.toml but not declared" for key in app_config if key not in declared_keys()]
+    return out
+
+
+def _key_of(field_name: str) -> str:
+    for k, (sec, f) in KEYS.items():
+        if f == field_name and sec == "":
+            return k
+    return field_name
+
+
+def _coerce(value: Any, like: Any, key: str) -> Any:
+    """A run-config value (bool/int/float/str) converted to the type of the field's default."""
+    if isinstance(like, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"{key}={value!r}: must be true or false")
+    if isinstance(like, int):
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"{key}={value!r}: must be an integer")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}={value!r}: must be an integer") from None
+    if isinstance(like, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{key}={value!r}: must be a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}={value!r}: must be a number (inf allowed)") from None
+    if isinstance(like, tuple):
+        items = value if isinstance(value, (list, tuple)) else [s.strip() for s in str(value).split(",")]
+        return tuple(s for s in items if s)
+    return str(value)
+
+
+def federation_from_run_config(run_config: Mapping[str, Any]) -> FederationConfig:
+    """FederationConfig from a Flower run config; unknown keys are ignored here (participant keys,
+    Flower's own), bad values raise ValueError naming the key and the limit."""
+    sections: dict[str, dict[str, Any]] = {"": {}, "objective": {}, "task": {}, "reverify": {}, "source_adapt": {}}
+    defaults = {"": FederationConfig(), "objective": ObjectiveConfig(), "task": TaskSpec(),
+                "reverify": ReverifyConfig(), "source_adapt": SourceAdaptConfig()}
+    for key, value in run_config.items():
+        if key in KEYS:
+            sec, f = KEYS[key]
+            like = getattr(defaults[sec], f)
+            if isinstance(like, tuple) and not str(value).strip():
+                continue                                    # "" = the default list
+            sections[sec][f] = _coerce(value, like, key)
+    max_new = sections[""].get("max_new_tokens", FederationConfig.max_new_tokens)
+    sections["objective"].setdefault("norm_constant", max_new)
+    try:
+        objective = ObjectiveConfig(**sections["objective"])
+        task = TaskSpec(**sections["task"])
+        reverify = ReverifyConfig(**sections["reverify"])
+        source_adapt = SourceAdaptConfig(**sections["source_adapt"])
+    except ValueError as e:
+        raise ValueError(_rename_fields(str(e))) from None
+    return FederationConfig(**sections[""], objective=objective, task=task, reverify=reverify,
+                            source_adapt=source_adapt)
+
+
+def _rename_fields(msg: str) -> str:
+    """'objective.trunc_c=...' -> 'trunc-c=...' so errors name the run-config key."""
+    for key, (sec, f) in KEYS.items():
+        if sec:
+            msg = msg.replace(f"{sec}.{f}=", f"{key}=")
+    return msg
+
+
+def _first_set(*values: Any) -> Any:
+    """The first value that is set: not None, not '' and not -1 ("inherit the run-wide value")."""
+    for v in values[:-1]:
+        if v is not None and v != "" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v == -1):
+            return v
+    return values[-1]
+
+
+def participant_names(run_config: Mapping[str, Any]) -> list[str]:
+    """Simulation participants in partition order: p0, p1, ... while ``p<i>-model`` is set."""
+    names = []
+    for i in range(MAX_PARTICIPANTS):
+        if not str(run_config.get(f"p{i}-model", "")).strip():
+            break
+        names.append(str(run_config.get(f"p{i}-participant", "") or f"p{i}"))
+    return names
+
+
+def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, Any],
+                     fed: FederationConfig) -> ParticipantSpec:
+    """This node's participant: from ``p<partition-id>-*`` run-config keys (simulation), or from
+    the node config's unprefixed keys (deployment, ``--node-config "participant=... model=..."``).
+    Bad values raise ValueError naming the key as it was set (``p2-lr=...`` or ``lr=...``)."""
+    deployment = "participant" in node_config
+    if deployment:
+        pid = int(node_config.get("partition-id", 0))
+        n = int(node_config.get("num-partitions", max(fed.min_participants, pid + 1)))
+
+        def get(k: str, default: Any) -> Any:
+            return _first_set(node_config.get(k), run_config.get(k), default)
+
+        def named(k: str) -> str:
+            return k
+    else:
+        if "partition-id" not in node_config:
+            raise ValueError("node config has neither 'participant' (deployment) nor 'partition-id' (simulation)")
+        pid, n = int(node_config["partition-id"]), int(node_config["num-partitions"])
+        names = participant_names(run_config)
+        if pid >= len(names):
+            raise ValueError(f"partition-id={pid}: the run config defines {len(names)} participants "
+                             f"(p0-model ... p{len(names) - 1}-model); set num-supernodes={len(names)}")
+
+        def get(k: str, default: Any) -> Any:
+            return _first_set(run_config.get(f"p{pid}-{k}"), run_config.get(k), default)
+
+        def named(k: str) -> str:
+            return f"p{pid}-{k}" if _first_set(run_config.get(f"p{pid}-{k}"), None) is not None else k
+    base = PolicyConfig()
+    kwargs = {}
+    for key, f in POLICY_KEYS.items():
+        v = get(key, None)
+        if v is not None:
+            kwargs[f] = _coerce(v, getattr(base, f), named(key))
+    try:
+        policy = PolicyConfig(**kwargs)
+    except ValueError as e:
+        msg = str(e)
+        for key, f in POLICY_KEYS.items():
+            msg = msg.replace(f"policy.{f}=", f"{named(key)}=")
+        raise ValueError(msg) from None
+    name = str(get("participant", "") or f"p{pid}")
+    out = Path(fed.output_dir).resolve()
+    keys_dir = str(Path(get("keys-dir", "") or fed.keys_dir or out / "keys").resolve())
+    state_dir = str(Path(get("state-dir", "") or out / "participants" / name).resolve())
+    return ParticipantSpec(name=name, policy=policy, partition_id=pid, num_partitions=n,
+                           keys_dir=keys_dir, state_dir=state_dir, fault=str(get("fault", "")),
+                           byzantine=str(get("byzantine", "")),
+                           local_budget=_coerce(get("local-budget", fed.local_budget), 0, named("local-budget")),
+                           peer_budget=_coerce(get("peer-budget", fed.peer_budget), 0, named("peer-budget")))
+
+
+# ----------------------------------------------------------------------------- validation before a run
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def offline_model_names() -> list[str]:
+    """The registered offline models (``policies.models.OFFLINE_MODELS``, derived ones included)."""
+    from ftis_fed.policies import models            # importing it registers the derived and sized builders
+
+    return sorted(models.OFFLINE_MODELS)
+
+
+def check_model(value: str, key: str = "model", participant: str = "") -> None:
+    """Cheap check that a participant's ``model`` resolves without a hub: a registered offline name,
+    an existing local model folder, or a hub id already in the local Hugging Face cache. Nothing is
+    built or loaded. Raises ValueError, one line naming the key (e.g. ``p3-model``), the value, the
+    participant and the offline names."""
+    names = offline_model_names()
+    if value in names:
+        return
+    offline = f"offline models: {', '.join(names)}"
+    who = f"{key}={value!r}" + (f" (participant {participant})" if participant else "")
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if (path / "config.json").exists() or (path / "adapter_config.json").exists():
+            return
+        raise ValueError(f"{who}: the folder has no config.json (not a model folder); {offline}")
+    if path.exists():
+        raise ValueError(f"{who}: not a model folder (a file); {offline}")
+    if _HUB_ID.match(value) and not value.startswith("."):
+        if _in_hub_cache(value):
+            return
+        offline_mode = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        why = "HF_HUB_OFFLINE is set" if offline_mode else "this run checks models before it starts, offline"
+        raise ValueError(f"{who}: a hub id that is not in the local Hugging Face cache ({why}): "
+                         f"download it first (ftis-fed models fetch {value}) or give a local folder; {offline}")
+    if "/" in value or value.startswith(("~", ".")):
+        raise ValueError(f"{who}: no such model folder; {offline}")
+    raise ValueError(f"{who}: unknown model (not an offline model, a local folder or a hub id); {offline}")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    try:
+        got = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:                                    # malformed id, unreadable cache: not there
+        return False
+    return isinstance(got, str)
+
+
+def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | None = None,
+                        explicit: Collection[str] = ()) -> FederationConfig:
+    """The whole run configuration checked before anything starts (launcher and ServerApp): every key
+    declared, every value within its limits, every simulated participant's spec built and its model
+    resolvable offline. Raises ValueError with one line naming the key, the value and the limit.
+
+    ``check_models``: None = only in simulation (``keys-dir`` = ''), where participants' models are
+    loaded on this machine; in deployment each SuperNode names its own model. ``explicit``: the keys
+    the user set (the launcher knows them): a ``p<i>-model`` among them after the end of the list is
+    an error (it would be ignored); one from pyproject's default federation after a preset's end is not."""
+    declared = declared_keys()
+    for key in run_config:
+        if key not in declared:
+            m = re.match(r"^p(\d+)-(.+)$", key)
+            if m and int(m.group(1)) >= MAX_PARTICIPANTS and m.group(2) in PER_PARTICIPANT_KEYS:
+                raise ValueError(f"{key}: at most {MAX_PARTICIPANTS} participants (p0 ... p{MAX_PARTICIPANTS - 1}; "
+                                 "MAX_PARTICIPANTS in ftis_fed/config/federation.py)")
+            raise ValueError(f"{key}: not a run-config key (see docs/configuration.md)")
+    fed = federation_from_run_config(run_config)
+    names = participant_names(run_config)
+    for i in range(len(names) + 1, MAX_PARTICIPANTS):
+        if f"p{i}-model" in explicit and str(run_config.get(f"p{i}-model", "")).strip():
+            raise ValueError(f"p{i}-model={run_config[f'p{i}-model']!r}: ignored, because p{len(names)}-model is '' "
+                             "(an empty p<i>-model ends the list of participants); number them without gaps")
+    simulation = not fed.keys_dir
+    if simulation and not names:
+        raise ValueError("p0-model='': no participants (set p0-model, p1-model, ...)")
+    if simulation and fed.min_participants > len(names):
+        raise ValueError(f"min-participants={fed.min_participants}: more than the {len(names)} participants "
+                         f"declared (p0-model ... p{len(names) - 1}-model)")
+    from ftis_fed.trust.signing import check_participant
+
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        try:
+            check_participant(name)
+        except ValueError:
+            raise ValueError(f"p{i}-participant={name!r}: must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}} "
+                             "(it names the key files)") from None
+        if name in seen:
+            raise ValueError(f"p{i}-participant={name!r}: the same name as p{seen[name]}; names must be distinct")
+        seen[name] = i
+        try:
+            spec = participant_spec(run_config, {"partition-id": i, "num-partitions": len(names)}, fed)
+        except ValueError as e:
+            head, sep, tail = str(e).partition(": ")
+            raise ValueError(f"{head} (participant {name}){sep}{tail}") from None
+        if check_models if check_models is not None else simulation:
+            check_model(spec.policy.model, f"p{i}-model", name)
+    if simulation:
+        fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
+    return fed
+
+
+def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> tuple[dict, dict]:
+    """Copies with output-dir / keys-dir / state-dir made absolute against this process's working
+    directory (the SuperLink's in simulation), so a participant process started elsewhere agrees."""
+    rc, nc = dict(run_config), dict(node_config)
+    for cfg in (rc, nc):
+        for k in list(cfg):
+            if (k in ("output-dir", "keys-dir", "state-dir", "gsm8k-data", "math500-data")
+                    or k.endswith(("-keys-dir", "-state-dir"))) and cfg[k]:
+                cfg[k] = str(Path(str(cfg[k])).resolve())
+    return rc, nc
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses -> plain dicts (the resolved config saved with every result)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return list(obj)
+    if isinstance(obj, float) and obj == float("inf"):
+        return "inf"
+    return obj
+
+
+# ----------------------------------------------------------------------------- reference (docs/configuration.md)
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+_SECTIONS = {"": "Schedule, generation, budgets, evaluation (`FederationConfig`, ftis_fed/config/federation.py)",
+             "objective": "Objective (`ObjectiveConfig`, ftis_fed/learn/objective.py)",
+             "task": "Tasks (`TaskSpec`, ftis_fed/tasks/suite.py)",
+             "reverify": "Re-verification of claimed rewards (`ReverifyConfig`, ftis_fed/trust/reverify.py)",
+             "source_adapt": "Per-source adaptation, beyond the paper (`SourceAdaptConfig`, ftis_fed/learn/source_weights.py)"}
+
+
+def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
+    """Markdown reference of every key, from the declarations alone (``run_config`` is ignored; kept
+    for callers). ``python -m ftis_fed.config.federation`` prints docs/configuration.md."""
+    lines = ["# Configuration reference", "",
+             "Generated by `python -m ftis_fed.config.federation > docs/configuration.md` from the declarations "
+             "(`knob(...)` fields of the config dataclasses); `tests/test_config.py` checks that this file "
+             "is current and that `pyproject.toml` `[tool.flwr.app.config]` declares every key below with "
+             "the same default. Override any key with `ftis-fed sim --run-config \"key=value ...\"` (or "
+             "`flwr run . --run-config ...`); the whole configuration is checked before a run starts.", ""]
+    fed_knobs = list(knobs(FederationConfig))
+    for section, title in _SECTIONS.items():
+        lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [f"| `{k.key}` | `{_toml(toml_default(k))}` | {_cell(k.help)} |"
+                  for k in fed_knobs if k.section == section and k.run]
+        lines.append("")
+    lines += ["## Every participant's policy (`PolicyConfig`, ftis_fed/policies/config.py)", "",
+              "Run-wide defaults; `p<i>-<key>` overrides them per participant where listed below.", "",
+              "| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{k.key}` | `{_toml(toml_default(k))}` | {_cell(k.help)} |" for k in knobs(PolicyConfig) if k.run]
+    per = [k for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig)) if k.per_participant]
+    lines += ["", "## Participants", "",
+              f"Simulation: up to {MAX_PARTICIPANTS} participants, `p0` ... `p{MAX_PARTICIPANTS - 1}` (all declared "
+              "in `pyproject.toml`: Flower rejects undeclared run-config keys), one simulated SuperNode each. "
+              "Participant i reads `p<i>-<key>` for the keys below (`\"\"` or `-1` = the run-wide value); "
+              "`p<i>-model = \"\"` ends the list, so number them without gaps. Before the run starts each "
+              "participant's settings are built and its `model` must resolve offline (a registered offline "
+              "model, a local model folder, or a hub id already in the local Hugging Face cache).", ""]
+    lines += [f"- `p<i>-{k.key}`: {k.help}" for k in per]
+    node_only = [k for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig)) if not k.run and not k.per_participant]
+    lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
+              "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]
+    lines += [f"- `{k.key}`: {k.help}" for k in node_only]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - documentation generator
+    print(config_reference(), end="")
+
+
+def run_memory_share(run_config: Mapping[str, object], participant: str, cuda_count: int) -> float:
+    """``participant``'s share of its card in a simulation: every declared participant's ``device``
+    resolved against ``cuda_count`` cards, an explicit ``gpu-memory-share`` kept, the others sharing
+    what is left of their card (``memory_shares``); 0.0 on the CPU. Its vLLM engine gets
+    ``ENGINE_FRACTION`` of it."""
+    from ftis_fed.policies.devices import memory_shares, select_device
+
+    fed = federation_from_run_config(run_config)
+    names = participant_names(run_config)
+    devices, explicit, engines = {}, {}, []
+    for pid, name in enumerate(names):
+        spec = participant_spec(run_config, {"partition-id": pid, "num-partitions": len(names)}, fed)
+        devices[name] = select_device(spec.policy.device, cuda_count, key=f"p{pid}-device")
+        explicit[name] = spec.policy.gpu_memory_share
+        if spec.policy.backend == "vllm":
+            engines.append(name)
+    shares = memory_shares(devices, explicit, engines)
+    return shares[participant].share if participant in shares else 0.0

@@ -1,0 +1,67 @@
+"""One declaration per run-config key: a dataclass field made with ``knob``.
+
+    lr: float = knob("lr", 0.0, "AdamW learning rate (> 0; 0 = auto).", per_participant=True)
+
+The field's metadata carries the Flower run-config key (kebab-case), its help text and where the key
+may be set; ``ftis_fed.config.federation`` derives from these declarations the key tables, the error names, the
+reference in ``docs/configuration.md`` and the check against ``pyproject.toml`` (whose
+``[tool.flwr.app.config]`` must declare every run-wide key with the same default, because Flower
+rejects keys a run config does not declare). Standard library only: config classes import it.
+
+Where a key may be set:
+
+- ``run`` (default True): run-wide, ``key = <default>`` in ``[tool.flwr.app.config]``;
+- ``per_participant``: also ``p<i>-<key>`` for every simulated participant i ("" or -1 there = the
+  run-wide value), and unprefixed in a SuperNode's ``--node-config`` (deployment);
+- a knob of ``PolicyConfig`` / ``ParticipantSpec`` with ``run=False`` and no ``per_participant``
+  is a node-config key only (deployment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import MISSING, Field
+from typing import Any, Callable, Iterator, NamedTuple
+
+
+def knob(key: str, default: Any = MISSING, help: str = "", *, default_factory: Callable[[], Any] | Any = MISSING,
+         run: bool = True, per_participant: bool = False) -> Any:
+    """A dataclass field declared as the run-config key ``key`` (see the module docstring)."""
+    if not help:
+        raise ValueError(f"knob {key!r}: every key needs its help text")
+    meta = {"key": key, "help": " ".join(help.split()), "run": run, "per_participant": per_participant}
+    if default_factory is not MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class Knob(NamedTuple):
+    """One declared key: where it lives (``cls.field`` inside ``section`` of FederationConfig)."""
+
+    key: str
+    cls: type
+    field: str
+    section: str
+    default: Any
+    help: str
+    run: bool
+    per_participant: bool
+
+
+def default_of(f: Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
+def knobs(cls: type, section: str = "") -> Iterator[Knob]:
+    """The knobs declared by ``cls``; a field whose default is a config dataclass (``objective``,
+    ``task``, ``reverify`` of FederationConfig) contributes its own knobs under its field name."""
+    for f in dataclasses.fields(cls):
+        if "key" in f.metadata:
+            m = f.metadata
+            yield Knob(m["key"], cls, f.name, section, default_of(f), m["help"], m["run"], m["per_participant"])
+        elif f.default_factory is not MISSING and dataclasses.is_dataclass(f.default_factory):
+            yield from knobs(f.default_factory, f.name)

@@ -1,0 +1,461 @@
+"""The F-TIS objective family as pure tensor functions (read next to docs/method.md).
+
+    L = -(1/N) sum_i norm_i sum_t  w_it * min( R_it * A'_i , clip(R_it, 1-eps, 1+eps) * A'_i )
+
+    w_it  = min( pi_theta / pi_gen , C ), detached          truncated importance weight ("TIS")
+    R_it  = pi_theta / stopgrad(pi_old)                      PPO ratio (== 1 in value on the first epoch)
+    A'_i  = A_i if A_i > 0 or KL_i < g else 0                the filter ("F")
+    KL_i  = estimate of KL(pi_gen || pi_theta) from the sampled tokens' log-ratios (default sum of k1)
+
+Each named mode is an importance-weight rule plus a filter switch (``MODES``):
+
+    alone   own samples only, w = 1 (on-policy GRPO)   noIS / F-noIS   w = 1
+    VIS / F-VIS   R = pi_theta / pi_gen inside the clip  TIS / F-TIS     w = min(ratio, C)
+
+The three pieces are kept apart, as in docs/method.md: ``importance_weights`` (w and R), ``filter_advantages``
+(A'), and ``aggregate`` (length normalisation: per-sequence as in GRPO, a constant as in Dr. GRPO,
+token-mean as in DAPO). ``ftis_loss`` composes them and returns per-source diagnostics measured
+*before* truncation and filtering. All log-ratios are clamped before ``exp``; masked positions are
+selected with ``torch.where`` (never multiplied), so no -inf/NaN reaches the loss or its gradient.
+
+Sender-reported log-probs are sanitised and bounded (docs/method.md, "Sanitisation and clamps"):
+per-token generator log-probs below ``LOGP_GEN_FLOOR`` = log(1e-30) (or non-finite) cannot come from
+an honest sampler; such a sample is *implausible*: its log-probs are floored for the importance
+weight, and the F filter treats it as maximally off-policy (KL = +inf). The KL estimate itself uses
+log-ratios clamped symmetrically to +-log_ratio_clamp per token.
+
+Shapes: B samples (completions), T padded completion length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ftis_fed.config.knobs import knob
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """Knobs of the objective; each field is a Flower run-config key (declared with ``knob``)."""
+
+    mode: str = knob("loss-mode", "F-TIS", "one of ``MODES``: alone, noIS, VIS, TIS, F-noIS, F-VIS, F-TIS (default).")
+    ratio_level: str = knob("ratio-level", "token", """
+        ``token`` (default, the paper) or ``sequence`` (one ratio per completion: exp of the summed
+        log-ratio). Cross-tokenizer samples always use ``sequence``.""")
+    trunc_c: float = knob("trunc-c", 2.0, "C, the truncation cap of the importance weight; > 0, ``inf`` disables.")
+    clip_eps: float = knob("clip-eps", 0.2, "eps of the PPO clip, in [0, 1).")
+    filter_g: float = knob("filter-g", 50.0, """
+        g, the KL threshold above which negative-advantage samples are dropped; > 0, ``inf``
+        disables (50.0 is meaningful for the default summed estimator).""")
+    kl_estimator: str = knob("kl-estimator", "sum-k1", """
+        ``sum-k1`` (default), ``sum-k3``, ``mean-k1``, ``mean-k3``: how the per-sample
+        KL(pi_gen || pi_theta) is estimated from per-token log-ratios d = log pi_gen - log pi_theta
+        (k1 = d, k3 = exp(-d) - 1 + d); the default (docs/method.md) is the sum of k1.""")
+    length_norm: str = knob("length-norm", "sequence", """
+        ``sequence`` (GRPO: each completion's token sum / its length, then mean over completions),
+        ``constant`` (Dr. GRPO: token sum / (N * norm_constant)), ``token`` (DAPO: token sum / number
+        of tokens).""")
+    #: the Dr. GRPO constant (the generation budget), >= 1; set from ``max-new-tokens`` by the run config
+    norm_constant: int = 128
+    log_ratio_clamp: float = knob("log-ratio-clamp", 20.0, """
+        |log-ratio| is clamped to this before exp, and each token's log-ratio entering the KL
+        estimate is clamped to +-this; finite and > 0.""")
+    advantage_groups: str = knob("advantage-groups", "vertical", """
+        ``vertical`` (each sender's G completions of a prompt form a group, the paper's default) or
+        ``horizontal`` (all senders' completions of the same task).""")
+    scale_rewards: str = knob("scale-rewards", "group",
+                              "``group`` (divide by the group std, GRPO) or ``none`` (Dr. GRPO).")
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, field: str, limit: str) -> None:
+            if not ok:
+                raise ValueError(f"objective.{field}={getattr(self, field)!r}: {limit}")
+
+        need(self.mode in MODES, "mode", f"must be one of {sorted(MODES)}")
+        need(self.ratio_level in ("token", "sequence"), "ratio_level", "must be 'token' or 'sequence'")
+        need(self.trunc_c > 0, "trunc_c", "must be > 0 (inf disables truncation)")
+        need(0 <= self.clip_eps < 1, "clip_eps", "must be in [0, 1)")
+        need(self.filter_g > 0, "filter_g", "must be > 0 (inf disables the filter)")
+        need(self.kl_estimator in ("sum-k1", "sum-k3", "mean-k1", "mean-k3"), "kl_estimator",
+             "must be one of sum-k1, sum-k3, mean-k1, mean-k3")
+        need(self.length_norm in ("sequence", "constant", "token"), "length_norm",
+             "must be 'sequence' (GRPO), 'constant' (Dr. GRPO) or 'token' (DAPO)")
+        need(int(self.norm_constant) == self.norm_constant and self.norm_constant >= 1,
+             "norm_constant", "must be an integer >= 1")
+        need(math.isfinite(self.log_ratio_clamp) and self.log_ratio_clamp > 0, "log_ratio_clamp",
+             "must be finite and > 0")
+        need(self.advantage_groups in ("vertical", "horizontal"), "advantage_groups",
+             "must be 'vertical' or 'horizontal'")
+        need(self.scale_rewards in ("group", "none"), "scale_rewards", "must be 'group' or 'none'")
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def compute_advantages(rewards: Tensor, group_index: Tensor, scale: str = "group", eps: float = 1e-4) -> Tensor:
+    """Group-relative advantages A_i = (r_i - mean_g(r)) / (std_g(r) + eps).
+
+    rewards: (B,) float; group_index: (B,) long, samples with equal index form one group.
+    scale: ``group`` divides by the unbiased group std (GRPO / TRL), ``none`` only centres
+    (Dr. GRPO). Singleton groups and all-equal groups get advantage 0.
+    """
+    r = rewards.to(torch.float64)                                                  # (B,)
+    _, inv = torch.unique(group_index, return_inverse=True)                        # (B,)
+    k = int(inv.max()) + 1 if inv.numel() else 0
+    count = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, torch.ones_like(r))   # (K,)
+    mean = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, r) / count            # (K,)
+    centred = r - mean[inv]                                                        # (B,)
+    if scale == "none":
+        adv = centred
+    else:
+        sq = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, centred**2)          # (K,)
+        std = torch.sqrt(sq / (count - 1).clamp(min=1))                            # (K,) unbiased
+        adv = centred / (std[inv] + eps)
+    adv = torch.where(count[inv] > 1, adv, torch.zeros_like(adv))
+    return adv.to(rewards.dtype)
+
+
+# ----------------------------------------------------------------------------- log-ratios & KL
+
+#: Lowest per-token generator log-prob a sender can honestly claim for a token it sampled: log(1e-30).
+#: An honest sampler draws a token of probability < 1e-30 with probability < V * 1e-30 per step
+#: (V = vocabulary size, ~5e4 here): never in practice. Lower (or non-finite) claims mark the sample
+#: implausible (see ``implausible_rows``).
+LOGP_GEN_FLOOR = math.log(1e-30)
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """(B,T) -> (B,) sum over valid positions, selecting with where (no 0 * inf)."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum(-1)
+
+
+def log_ratios(logp: Tensor, logp_gen: Tensor, mask: Tensor, seq_level: Tensor,
+               seq_logp_gen: Tensor | None) -> Tensor:
+    """log(pi_theta / pi_gen), (B,T), *unclamped*; on sequence-level rows the summed log-ratio
+    sum_t logp - seq_logp_gen (default sum_t logp_gen) is the value of every position of the row.
+
+    Inputs are finite (clamped by the caller), so the result is finite. Gradient flows through
+    ``logp`` (VIS needs it); callers clamp before any exp and detach for weights. On a
+    sequence-level row the gradient at position t is d log pi_theta(a_t) (the summed log-ratio's
+    value, each token's own gradient), so the length normalisation scales a sequence-level row's
+    gradient by 1/|a_i| exactly as it does a token-level row's; broadcasting the sum itself would
+    give every token the whole row's gradient, |a_i| times too much.
+    """
+    tok = torch.where(mask, logp - logp_gen, torch.zeros_like(logp))               # (B,T)
+    gen_seq = masked_sum(logp_gen, mask) if seq_logp_gen is None else seq_logp_gen  # (B,)
+    seq = (masked_sum(logp, mask) - gen_seq.to(logp.dtype)).detach()               # (B,)
+    seq_tok = seq[:, None] + torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))  # (B,T)
+    return torch.where(seq_level[:, None], seq_tok, tok)                           # (B,T)
+
+
+def kl_estimate(log_ratio: Tensor, mask: Tensor, seq_level: Tensor, estimator: str, clamp: float) -> Tensor:
+    """(B,) sample estimate of KL(pi_gen || pi_theta) from log-ratios lr = log(pi_theta/pi_gen).
+
+    Each token's lr is clamped to [-clamp, clamp] first (symmetrically: a sender's claimed
+    log-probs can move one token's term by at most ``clamp`` either way). Per token d = -lr;
+    k1 = d, k3 = exp(-d) - 1 + d. ``sum-*`` sums over the completion, ``mean-*`` averages. On
+    sequence-level rows only the summed d is known: its per-token average d/n is clamped, k1 is
+    exact (within the clamp), k3 uses the average.
+    """
+    reduce, k = estimator.split("-")
+    n = mask.sum(-1).clamp(min=1).to(log_ratio.dtype)                              # (B,)
+    lr_tok = log_ratio.clamp(-clamp, clamp)                                        # (B,T)
+    lr_seq_mean = (log_ratio[:, 0] / n).clamp(-clamp, clamp) if log_ratio.shape[1] else torch.zeros_like(n)  # (B,)
+    if k == "k1":
+        per_tok, seq_val = -lr_tok, -lr_seq_mean
+    else:
+        per_tok = torch.expm1(lr_tok) - lr_tok
+        seq_val = torch.expm1(lr_seq_mean) - lr_seq_mean
+    kl = torch.where(seq_level, seq_val * n, masked_sum(per_tok, mask))             # (B,) summed
+    return kl if reduce == "sum" else kl / n
+
+
+# ----------------------------------------------------------------------------- importance weights
+
+WeightFn = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+IMPORTANCE_WEIGHTS: dict[str, WeightFn] = {}
+
+
+def register_weight(name: str):
+    def deco(fn: WeightFn) -> WeightFn:
+        IMPORTANCE_WEIGHTS[name] = fn
+        return fn
+    return deco
+
+
+@register_weight("none")
+def _no_is(logp: Tensor, logp_old: Tensor, log_ratio_gen: Tensor, c: float) -> tuple[Tensor, Tensor]:
+    """w = 1; R = pi_theta / pi_old: the samples are treated as on-policy."""
+    return torch.ones_like(logp), logp - logp_old
+
+
+@register_weight("tis")
+def _truncated_is(logp: Tensor, logp_old: Tensor, log_ratio_gen: Tensor, c: float) -> tuple[Tensor, Tensor]:
+    """w = min(pi_theta / pi_gen, C), detached; R = pi_theta / pi_old."""
+    w = torch.exp(log_ratio_gen.detach()).clamp(max=c)
+    return w, logp - logp_old
+
+
+@register_weight("vis")
+def _vanilla_is(logp: Tensor, logp_old: Tensor, log_ratio_gen: Tensor, c: float) -> tuple[Tensor, Tensor]:
+    """w = 1; R = pi_theta / pi_gen (with gradient) inside the PPO clip."""
+    return torch.ones_like(logp), log_ratio_gen
+
+
+@dataclass(frozen=True)
+class Mode:
+    weight: str        # key of IMPORTANCE_WEIGHTS
+    filtered: bool     # apply the F filter
+    local_only: bool   # drop peers' samples (Alone)
+
+
+MODES: dict[str, Mode] = {
+    "alone": Mode("none", filtered=False, local_only=True),
+    "noIS": Mode("none", filtered=False, local_only=False),
+    "VIS": Mode("vis", filtered=False, local_only=False),
+    "TIS": Mode("tis", filtered=False, local_only=False),
+    "F-noIS": Mode("none", filtered=True, local_only=False),
+    "F-VIS": Mode("vis", filtered=True, local_only=False),
+    "F-TIS": Mode("tis", filtered=True, local_only=False),
+}
+
+
+def importance_weights(mode: str, logp: Tensor, logp_old: Tensor, log_ratio_gen: Tensor,
+                       c: float) -> tuple[Tensor, Tensor]:
+    """(w, log R), both (B,T): the detached weight and the log of the PPO ratio for ``mode``."""
+    return IMPORTANCE_WEIGHTS[MODES[mode].weight](logp, logp_old, log_ratio_gen, c)
+
+
+# ----------------------------------------------------------------------------- filter
+
+def filter_mask(advantages: Tensor, kl: Tensor, g: float) -> Tensor:
+    """(B,) True where the F filter drops the sample: negative advantage and KL_i >= g.
+
+    Positive-advantage samples are always kept, however off-policy; zero-advantage samples carry
+    no gradient either way and are not counted as filtered.
+    """
+    return (advantages < 0) & ~(kl < g)
+
+
+def filter_advantages(advantages: Tensor, dropped: Tensor) -> Tensor:
+    """A'_i = 0 where dropped, else A_i. Dropped samples still count in the normaliser."""
+    return torch.where(dropped, torch.zeros_like(advantages), advantages)
+
+
+# ----------------------------------------------------------------------------- surrogate & norm
+
+def clipped_surrogate(log_r: Tensor, w: Tensor, adv: Tensor, eps: float, clamp: float) -> Tensor:
+    """Per-token loss -w * min(R A, clip(R, 1-eps, 1+eps) A), (B,T); adv is (B,)."""
+    ratio = torch.exp(log_r.clamp(-clamp, clamp))                                  # (B,T)
+    a = adv[:, None]                                                               # (B,1)
+    return -w * torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, rows: Tensor, how: str, norm_constant: int,
+              denominators: tuple[float, float] | None = None) -> Tensor:
+    """Reduce (B,T) per-token losses over valid tokens of the ``rows`` (B,) that take part.
+
+    denominators: (rows, tokens) of the *whole* update when this is one micro-batch of it, so that
+    the micro-batch losses sum exactly to the full-batch loss; default: this batch's own counts.
+    """
+    m = mask & rows[:, None]                                                       # (B,T)
+    tok_sum = masked_sum(per_token, m)                                             # (B,)
+    n_rows, n_tok = denominators or (float(rows.sum()), float(m.sum()))
+    n_rows, n_tok = max(n_rows, 1.0), max(n_tok, 1.0)
+    if how == "sequence":
+        return (tok_sum / m.sum(-1).clamp(min=1)).sum() / n_rows
+    if how == "constant":
+        return tok_sum.sum() / (n_rows * norm_constant)
+    return tok_sum.sum() / n_tok                                                   # token
+
+
+# ----------------------------------------------------------------------------- the loss
+
+@dataclass
+class LossInputs:
+    """One update's samples, padded to (B,T).
+
+    logp: current policy log-probs of the sampled tokens (requires grad).
+    logp_gen: the generator's recorded log-probs (zeros on cross-tokenizer rows).
+    mask: valid completion tokens. advantages: (B,) computed before filtering.
+    source: (B,) long index into ``source_names``; local: (B,) the receiver's own samples.
+    logp_old: log-probs before this update (multi-epoch PPO); default logp.detach().
+    seq_level: (B,) rows that must use a sequence-level ratio (cross-tokenizer); default none.
+    seq_logp_gen: (B,) the generator's summed log-prob per completion (needed on cross-tokenizer
+        rows, where logp_gen has no per-token meaning); default the masked sum of logp_gen.
+    implausible: (B,) rows whose sender claimed an implausible log-prob somewhere the loss cannot
+        see it (a cross-tokenizer row's per-token claims in the sender's tokenizer); default none.
+        ``ftis_loss`` adds the rows it can check itself (see ``sanitize_generator_logprobs``).
+    """
+
+    logp: Tensor
+    logp_gen: Tensor
+    mask: Tensor
+    advantages: Tensor
+    source: Tensor
+    local: Tensor
+    source_names: tuple[str, ...]
+    logp_old: Tensor | None = None
+    seq_level: Tensor | None = None
+    seq_logp_gen: Tensor | None = None
+    implausible: Tensor | None = None
+
+
+@dataclass
+class LossOutput:
+    """loss: scalar with grad. stats: mergeable sums (see ``merge_stats``); metrics: finalised view."""
+
+    loss: Tensor
+    stats: dict[str, float]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return finalize_stats(self.stats)
+
+
+def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
+              denominators: tuple[float, float] | None = None) -> LossOutput:
+    """The whole objective for ``cfg.mode``; see the module docstring for the formula.
+
+    Every weight, KL estimate and filter decision depends on its own row only, so a batch may be
+    split into micro-batches: pass the whole batch's ``denominators`` (``count_denominators``) and
+    the micro-batch losses add up to the full-batch loss exactly.
+    """
+    mode = MODES[cfg.mode]
+    mask = x.mask.bool()
+    logp = torch.where(mask, x.logp, torch.zeros_like(x.logp)).clamp(min=-1e4)     # (B,T)
+    logp_old = logp.detach() if x.logp_old is None else \
+        torch.where(mask, x.logp_old, logp.detach()).clamp(min=-1e4)
+    seq_level = participating_seq_level(x, cfg)                                     # (B,)
+    rows = participating_rows(x, cfg)                                              # (B,)
+    logp_gen, seq_logp_gen, implausible = sanitize_generator_logprobs(x, mask, seq_level, logp.dtype)
+
+    raw = log_ratios(logp, logp_gen, mask, seq_level, seq_logp_gen)               # (B,T)
+    log_ratio_gen = raw.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)           # clamp before exp
+    w, log_r = importance_weights(cfg.mode, logp, logp_old, log_ratio_gen, cfg.trunc_c)
+    kl = kl_estimate(raw.detach(), mask, seq_level, cfg.kl_estimator, cfg.log_ratio_clamp)  # (B,)
+    adv = x.advantages.to(logp.dtype)
+    kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)
+    dropped = filter_mask(adv, kl_filter, cfg.filter_g) & rows if mode.filtered else torch.zeros_like(rows)
+    adv_f = filter_advantages(adv, dropped)
+
+    per_token = clipped_surrogate(log_r, w, adv_f, cfg.clip_eps, cfg.log_ratio_clamp)  # (B,T)
+    loss = aggregate(per_token, mask, rows, cfg.length_norm, cfg.norm_constant, denominators)
+    with torch.no_grad():
+        stats = source_stats(raw.detach(), mask, rows, kl, dropped, x, cfg, implausible)
+        stats["loss/value"] = float(loss.detach())
+    return LossOutput(loss, stats)
+
+
+def sanitize_generator_logprobs(x: LossInputs, mask: Tensor, seq_level: Tensor,
+                                dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The sender's claims made safe to compute with: (logp_gen (B,T), seq_logp_gen (B,) or None,
+    implausible (B,) bool).
+
+    Per token: NaN and -inf become ``LOGP_GEN_FLOOR``, +inf becomes 0, then values are clamped to
+    [LOGP_GEN_FLOOR, 0]; a row with any valid token that was not a finite value >= the floor is
+    implausible. Per completion (``seq_logp_gen``, used on sequence-level rows): NaN and -inf become
+    n * LOGP_GEN_FLOOR (n: the row's valid tokens), +inf becomes 0, then clamped to
+    [n * LOGP_GEN_FLOOR, 0]; a sequence-level row whose value was not finite or below that bound is
+    implausible. ``x.implausible`` adds the rows flagged by whoever built the inputs.
+    """
+    gen = x.logp_gen.to(dtype)
+    bad_tok = mask & ~(torch.isfinite(gen) & (gen >= LOGP_GEN_FLOOR))               # (B,T)
+    gen = torch.nan_to_num(gen, nan=LOGP_GEN_FLOOR, posinf=0.0, neginf=LOGP_GEN_FLOOR)
+    logp_gen = torch.where(mask, gen, torch.zeros_like(gen)).clamp(LOGP_GEN_FLOOR, 0.0)  # (B,T)
+    implausible = bad_tok.any(-1) if bad_tok.shape[1] else torch.zeros_like(seq_level)  # (B,)
+    seq_logp_gen = None
+    if x.seq_logp_gen is not None:
+        floor = LOGP_GEN_FLOOR * mask.sum(-1).clamp(min=1).to(dtype)               # (B,)
+        raw = x.seq_logp_gen.to(dtype)
+        bad_seq = seq_level & ~(torch.isfinite(raw) & (raw >= floor))              # (B,)
+        raw = torch.where(torch.isnan(raw) | (raw == -math.inf), floor, raw)
+        seq_logp_gen = torch.maximum(raw.clamp(max=0.0), floor)                    # (B,)
+        implausible = implausible | bad_seq
+    if x.implausible is not None:
+        implausible = implausible | x.implausible.bool()
+    return logp_gen, seq_logp_gen, implausible
+
+
+def participating_seq_level(x: LossInputs, cfg: ObjectiveConfig) -> Tensor:
+    """(B,) rows using a sequence-level ratio: all of them at ratio_level=sequence, else the
+    cross-tokenizer rows marked in ``x.seq_level``."""
+    if cfg.ratio_level == "sequence":
+        return torch.ones_like(x.local, dtype=torch.bool)
+    return x.seq_level.bool() if x.seq_level is not None else torch.zeros_like(x.local, dtype=torch.bool)
+
+
+def participating_rows(x: LossInputs, cfg: ObjectiveConfig) -> Tensor:
+    """(B,) rows that enter the loss: the receiver's own only for ``alone``, else all."""
+    return x.local.bool() if MODES[cfg.mode].local_only else torch.ones_like(x.local, dtype=torch.bool)
+
+
+def count_denominators(mask: Tensor, rows: Tensor) -> tuple[float, float]:
+    """(rows, tokens) of a whole update, for micro-batched ``ftis_loss`` calls."""
+    return float(rows.sum()), float((mask.bool() & rows[:, None]).sum())
+
+
+def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, dropped: Tensor,
+                 x: LossInputs, cfg: ObjectiveConfig, implausible: Tensor | None = None) -> dict[str, float]:
+    """Mergeable per-source sums: raw ratio statistics before truncation (the ratio saturates at
+    exp(log_ratio_clamp); log-ratio statistics are unclamped), truncated tokens, filtered samples,
+    samples with implausible generator log-probs, KL (the clamped estimate, finite)."""
+    out: dict[str, float] = {}
+    ratio = torch.exp(log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))  # (B,T)
+    for s, name in enumerate(x.source_names):
+        sel = (x.source == s) & rows                                               # (B,)
+        if not bool(sel.any()):
+            continue
+        tok = mask & sel[:, None]                                                  # (B,T)
+        r, lr = ratio[tok], log_ratio[tok]
+        p = f"offpolicy/{name}/"
+        out[p + "samples"] = float(sel.sum())
+        out[p + "tokens"] = float(r.numel())
+        out[p + "filtered"] = float(dropped[sel].sum())
+        out[p + "implausible"] = float(implausible[sel].sum()) if implausible is not None else 0.0
+        out[p + "kl_sum"] = float(kl[sel].sum())
+        out[p + "kl_max"] = float(kl[sel].max())
+        if r.numel():
+            out[p + "ratio_sum"] = float(r.sum())
+            out[p + "ratio_max"] = float(r.max())
+            out[p + "ratio_min"] = float(r.min())
+            out[p + "log_ratio_sum"] = float(lr.sum())
+            out[p + "truncated"] = float((r > cfg.trunc_c).sum())
+    return out
+
+
+def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Combine two ``source_stats`` results (keys ending _max take the max, _min the min, else sum)."""
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out:
+            out[k] = v
+        elif k.endswith("_max"):
+            out[k] = max(out[k], v)
+        elif k.endswith("_min"):
+            out[k] = min(out[k], v)
+        else:
+            out[k] = out[k] + v
+    return out
+
+
+def finalize_stats(stats: dict[str, float]) -> dict[str, float]:
+    """Sums -> means/fractions: ratio_mean, log_ratio_mean, truncated_frac, filtered_frac,
+    implausible_frac, kl_mean."""
+    out = {k: v for k, v in stats.items() if not k.endswith(("_sum", "/filtered", "/truncated", "/implausible"))}
+    for prefix in {k.rsplit("/", 1)[0] for k in stats if k.startswith("offpolicy/")}:
+        g = lambda key: stats.get(f"{prefix}/{key}", 0.0)  # noqa: E731
+        n_tok, n_s = max(g("tokens"), 1.0), max(g("samples"), 1.0)
+        if f"{prefix}/ratio_sum" in stats:
+            out[f"{prefix}/ratio_mean"] = g("ratio_sum") / n_tok
+            out[f"{prefix}/log_ratio_mean"] = g("log_ratio_sum") / n_tok
+            out[f"{prefix}/truncated_frac"] = g("truncated") / n_tok
+        out[f"{prefix}/filtered_frac"] = g("filtered") / n_s
+        out[f"{prefix}/implausible_frac"] = g("implausible") / n_s
+        out[f"{prefix}/kl_mean"] = g("kl_sum") / n_s
+    return out

