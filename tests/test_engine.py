@@ -50,6 +50,7 @@ class Stub:
         self.tamper, self.hang_at, self.raise_at = dict(tamper or {}), hang_at, raise_at
         self.extra_info = dict(extra_info or {})
         self.seq = 0
+        self.run = RUN                                                  # the run id hello names
         self.received: dict[int, list[tuple[str, int]]] = {}          # round -> [(sender, frame round)]
         self.calls: list[tuple[str, int]] = []
 
@@ -57,7 +58,7 @@ class Stub:
         self.seq = max(self.seq + 1, rnd << 16)
         group = make_group([1, 2, 3], [[4, 5], [6], [7, 8], [9]], [[-0.5, -0.5], [-1.0], [-0.2, -0.3], [-0.9]],
                            [1.0, 0.0, 1.0, 0.0], "add1/train/0/0", "1")
-        batch = CompletionBatch(sender=sender or self.name, run_id=RUN, round=rnd, seq=self.seq, model_id="stub",
+        batch = CompletionBatch(sender=sender or self.name, run_id=self.run, round=rnd, seq=self.seq, model_id="stub",
                                 tokenizer_fp="tok", vocab_size=100, sampling=SamplingParams(0.7, max_new_tokens=8),
                                 groups=(group,))
         return sign_batch(batch, key or self.key)
@@ -70,6 +71,7 @@ class Stub:
         if self.raise_at == (action, rnd):
             raise RuntimeError(f"{self.name}: injected failure at {action} {rnd}")
         if action == "hello":
+            self.run = request["run"]
             reply = {"info": {"participant": self.claim, "model_id": "stub", "tokenizer_fp": "tok",
                               "key_fp": fingerprint(DIRECTORY[self.claim]) if self.claim in DIRECTORY else "none",
                               "proof": sign_challenge(self.key, request["run"], request["node"],
@@ -92,7 +94,7 @@ class Stub:
 
 def fed(tmp: Path, **kw) -> FederationConfig:
     args = dict(num_rounds=2, min_participants=2, wait_for_participants_s=5.0, round_timeout_s=5.0, eval_every=0,
-                run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096)
+                run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096, max_new_tokens=8)
     args.update(kw)
     return FederationConfig(**args)
 

@@ -31,10 +31,10 @@ DIRECTORY = KeyDirectory({n: k.public_key() for n, k in KEYS.items()})
 TOKENIZER = {"alice": "tok-a", "bob": "tok-a", "carol": "tok-c"}     # carol has another tokenizer
 
 
-def batch(name: str, rnd: int, seq: int, reward: float = 1.0, text: str = "4 5") -> CompletionBatch:
+def batch(name: str, rnd: int, seq: int, reward: float = 1.0, text: str = "4 5", run: str = RUN) -> CompletionBatch:
     group = make_group([1, 2, 3], [[4, 5], [6], [7, 8], [9]], [[-0.5, -0.5], [-1.0], [-0.2, -0.3], [-0.9]],
                        [reward, 0.0, 1.0, 0.0], "add1/train/0/0", "1", "1+0?", [text, "6", "7 8", "9"])
-    return CompletionBatch(sender=name, run_id=RUN, round=rnd, seq=seq, model_id="stub", tokenizer_fp=TOKENIZER[name],
+    return CompletionBatch(sender=name, run_id=run, round=rnd, seq=seq, model_id="stub", tokenizer_fp=TOKENIZER[name],
                            vocab_size=100, sampling=SamplingParams(0.7, max_new_tokens=8), groups=(group,))
 
 
@@ -44,12 +44,14 @@ class Stub:
 
     def __init__(self, name: str, lie=None, texts_key=None):
         self.name, self.lie, self.seq, self.texts_key = name, lie, 0, texts_key
+        self.run = RUN                                          # the run id hello names
         self.asked: dict[int, object] = {}
         self.received: dict[int, dict[str, bool]] = {}       # round -> {sender: has texts}
 
     def handle(self, action: str, request: dict) -> dict:
         rnd = int(request.get("round", -1))
         if action == "hello":
+            self.run = request["run"]
             return {"info": {"participant": self.name, "model_id": "stub", "tokenizer_fp": TOKENIZER[self.name],
                              "key_fp": fingerprint(DIRECTORY[self.name]), "load_seconds": 1.5,
                              "proof": sign_challenge(KEYS[self.name], request["run"], request["node"], self.name,
@@ -57,7 +59,7 @@ class Stub:
         if action == "generate":
             self.asked[rnd] = request["texts"]
             self.seq = max(self.seq + 1, rnd << 16)
-            b = batch(self.name, rnd, self.seq)
+            b = batch(self.name, rnd, self.seq, run=self.run)
             variants = requested_variants(request)
             frames = [sign_batch(self.lie(b) if (t and self.lie) else b,
                                  (self.texts_key if t and self.texts_key else KEYS[self.name]), WireOptions(texts=t))
@@ -73,7 +75,7 @@ class Stub:
 
 def run(tmp, stubs, **kw) -> list[dict]:
     args = dict(num_rounds=2, min_participants=2, wait_for_participants_s=5.0, round_timeout_s=5.0, eval_every=0,
-                run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096)
+                run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096, max_new_tokens=8)
     args.update(kw)
     logs = []
     Engine(FederationConfig(**args), DIRECTORY, tmp, InProcessTransport(stubs), sleep=lambda s: None, plots=False,
@@ -211,7 +213,8 @@ def test_progress_lines_name_who_replied_and_who_is_still_awaited(tmp_path):
             release.set()                                   # seen the line: let carol go on
 
     args = dict(num_rounds=1, min_participants=2, wait_for_participants_s=5.0, round_timeout_s=20.0, eval_every=0,
-                run_name=RUN, output_dir=str(tmp_path), max_batch_tokens=4096, progress_every_s=0.05)
+                run_name=RUN, output_dir=str(tmp_path), max_batch_tokens=4096, progress_every_s=0.05,
+                max_new_tokens=8)
     Engine(FederationConfig(**args), DIRECTORY, tmp_path, InProcessTransport(stubs), sleep=lambda s: None,
            plots=False, log=log).run()
     waiting = [line for line in logs if line.startswith("round 1 generate: 2/3 replied")]

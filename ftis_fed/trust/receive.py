@@ -53,12 +53,6 @@ log = logging.getLogger(__name__)
 #: Trust-record key for rejections before a signature holds (participant names cannot start with "_").
 UNVERIFIED = "_unverified"
 
-#: Rejections that do not count against a sender: the relay (not the sender) may cause them, or
-#: the receiver itself (its clock, its code).
-NOT_THE_SENDERS_FAULT = frozenset({"replay", "wrong_round", "wrong_run", "quarantined", "time_budget",
-                                   "internal_error", "own_batch_relayed"})
-
-
 @dataclass(frozen=True)
 class ReceiverContext:
     """Everything a receiver checks peers' batches with, all of it its own.
@@ -71,6 +65,8 @@ class ReceiverContext:
     shared_tasks: horizontal groups: the task ids of the round's shared prompts (its own prompts of
         the round); a group for any other task is refused (``unshared_task``). None: not checked
         (vertical groups, where each participant has its own prompts).
+    encode(text) -> ids: its tokenizer (no special tokens), to bound what another tokenizer's texts
+        re-tokenize to (``retokenized_too_long``) before anything is trained on them. None: not bounded.
     """
 
     name: str
@@ -82,6 +78,7 @@ class ReceiverContext:
     decode: Callable[[Sequence[int]], str]
     tokenizer_fp: str
     shared_tasks: frozenset[str] | None = None
+    encode: Callable[[str], Sequence[int]] | None = None
 
     @classmethod
     def from_run(cls, fed, policy, verifier: Verifier, name: str, known_tasks=None, shared_tasks=None,
@@ -99,6 +96,7 @@ class ReceiverContext:
                    verifier=verifier, reverify=fed.reverify, render=policy.format_prompt,
                    decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
                    tokenizer_fp=policy.tokenizer_fp,
+                   encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
                    shared_tasks=frozenset(shared_tasks) if shared_tasks is not None else None)
 
 
@@ -136,7 +134,7 @@ class _Truth:
 def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = None) -> tuple[CompletionBatch, _Truth]:
     """The batch as the receiver will score and train on it; BatchValidationError if a task or prompt
     is not the receiver's own (see module docstring, step 3)."""
-    truth, groups, seen = _Truth(), [], set()
+    truth, groups, seen, retokenized = _Truth(), [], set(), 0
     renders: dict[str, np.ndarray] = {}
     digest = acc.batch.prompt_digest           # wire v2 without prompt ids: check the receiver's renderings
     for gi, g in enumerate(acc.batch.groups):
@@ -169,6 +167,8 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
                 raise BatchValidationError("prompt_mismatch", f"{where}.prompt_text: not the text of task "
                                                               f"{g.task_id!r}")
             texts = tuple(g.completion_texts)
+            if ctx.encode is not None:
+                retokenized += _retokenized_within(texts, ctx, where, retokenized)
         groups.append(dataclasses.replace(g, reference=task.reference, prompt_text=task.text, completion_texts=texts))
         if deadline is not None and time.monotonic() > deadline:
             raise BatchValidationError("time_budget", f"{where}: checking the batch ran past its time budget")
@@ -181,6 +181,24 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
                                                           "prompt?)")
     batch = dataclasses.replace(acc.batch, groups=tuple(groups), prompt_digest=b"" if acc.token_level else digest)
     return batch, truth
+
+
+def _retokenized_within(texts: Sequence[str], ctx: ReceiverContext, where: str, so_far: int) -> int:
+    """Tokens the receiver's tokenizer makes of one group's completion texts; BatchValidationError
+    ``retokenized_too_long`` above ``max_retokenized_tokens`` per completion or, with ``so_far``
+    (the batch's earlier groups), ``max_retokenized_batch_tokens`` per batch."""
+    b, n = ctx.bounds, 0
+    for i, t in enumerate(texts):
+        k = len(ctx.encode(t))
+        if k > b.max_retokenized_tokens:
+            raise BatchValidationError("retokenized_too_long", f"{where}.completion_texts[{i}]: {len(t)} characters "
+                                                               f"re-tokenize to {k} tokens here: limit "
+                                                               f"{b.max_retokenized_tokens} per completion")
+        n += k
+        if so_far + n > b.max_retokenized_batch_tokens:
+            raise BatchValidationError("retokenized_too_long", f"{where}: the batch's texts re-tokenize to more than "
+                                                               f"{b.max_retokenized_batch_tokens} tokens here")
+    return n
 
 
 def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx: ReceiverContext) -> Received:
@@ -212,7 +230,7 @@ def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx
             m[f"trust/{sender}/texts_disagree"] += truth.texts_disagree
             corrected = res.metrics["reward/replaced"] if ctx.reverify.action == "replace" else dis
             m[f"trust/{sender}/rewards_corrected"] += int(corrected)
-            if dis or truth.forged_references:
+            if dis or truth.forged_references or truth.texts_disagree:
                 inbox.strikes[sender] += 1
             if res.batch is None:
                 raise BatchValidationError("reward_disagreement", f"{dis} claimed rewards disagree with this "
@@ -231,16 +249,11 @@ def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx
         if reason is not None:
             m[f"offpolicy/rejected/{reason}"] += 1
             m[f"trust/{sender}/rejected/{reason}"] += 1
-            if sender != UNVERIFIED and reason not in NOT_THE_SENDERS_FAULT and reason != "reward_disagreement":
-                inbox.strikes[sender] += 1
-        _maybe_quarantine(inbox, sender, ctx.reverify.quarantine_after)
+            if sender != UNVERIFIED and reason != "reward_disagreement":    # that one was struck above
+                inbox.charge(sender, reason, 0)
+        if sender != UNVERIFIED and inbox.quarantine_if_due(sender, ctx.reverify.quarantine_after):
+            log.warning("sender %s quarantined after %d refused or disagreeing batches", sender, inbox.strikes[sender])
         if sender != UNVERIFIED:
             m[f"trust/{sender}/quarantined"] = float(sender in inbox.quarantined)
     out.metrics = {k: float(v) for k, v in m.items()}
     return out
-
-
-def _maybe_quarantine(inbox: Inbox, sender: str, after: int) -> None:
-    if after > 0 and sender != UNVERIFIED and inbox.strikes[sender] >= after and sender not in inbox.quarantined:
-        inbox.quarantined.add(sender)
-        log.warning("sender %s quarantined after %d disagreeing batches", sender, inbox.strikes[sender])
