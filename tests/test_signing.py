@@ -195,6 +195,9 @@ def test_replay_guard_rules():
     g.check("r", "bob", 1, 10)                                             # other sender: own counter
     g.check("r2", "alice", 1, 1)                                           # other run: own counter
     assert g.last("r", "alice") == (1, 10)
+    assert _reject(g, "r", "alice", 2, 2**64 - 1) == "bad_header"          # would end alice's seq space
+    assert _reject(g, "r", "alice", 2, 2**63) == "bad_header"
+    g.check("r", "alice", 2, 2**63 - 1)
 
 
 def test_replay_guard_state_survives_a_restart(tmp_path):
