@@ -131,6 +131,29 @@ def test_a_texts_variant_of_another_batch_is_refused_and_the_plain_one_still_rel
     assert stubs["carol"].received[1] == {"alice": False, "bob": True}     # (carol rejects it: no texts)
 
 
+def test_a_texts_variant_whose_texts_cannot_be_its_ids_is_refused_and_charged(tmp_path):
+    """Issue 20: alice's texts variant carries 300-character texts for 1-2 ids (more characters
+    than any decoding of them: 32 per id) and, in round 2, a variant with other ids: neither is relayed
+    to carol, who gets the plain one; alice is charged (quarantined after 2 with quarantine-after 2)."""
+    from ftis_fed.trust.reverify import ReverifyConfig
+
+    stubs = {n: Stub(n) for n in NAMES}
+
+    def lie(b):
+        g = b.groups[0]
+        if b.round == 1:
+            return dataclasses.replace(b, groups=(dataclasses.replace(g, completion_texts=("9" * 300,) * 4),))
+        return dataclasses.replace(b, groups=(dataclasses.replace(g, completion_ids=tuple(c[::-1].copy() for c in
+                                                                                          g.completion_ids)),))
+    stubs["alice"].lie = lie
+    rows = run(tmp_path, stubs, reverify=ReverifyConfig(quarantine_after=2))
+    fed = {r["round"]: r for r in rows if r["participant"] == FEDERATION}
+    assert fed[1]["fed/rejected/text_too_long"] == 1 and fed[2]["fed/rejected/variant_mismatch"] == 1
+    assert stubs["carol"].received[1] == {"alice": False, "bob": True}
+    assert stubs["carol"].received[2] == {"alice": False, "bob": True}
+    assert fed[2]["fed/quarantined"] == 1
+
+
 def test_a_texts_variant_signed_with_another_key_is_refused(tmp_path):
     stubs = {n: Stub(n) for n in NAMES}
     stubs["bob"].texts_key = KEYS["alice"]                  # headers agree; the signature does not
