@@ -3,16 +3,20 @@
     Engine(fed, keys, out_dir, transport, declared=[...]).run()
 
 1. **Admission** (``hello``): wait until ``min-participants`` addresses are connected; send each a
-   fresh random challenge bound to the run name and its address; admit a node only when it names a
-   participant of the key directory, with that participant's key fingerprint, *and* a valid
-   Ed25519 signature of its challenge by that key (proof of possession). A second node claiming
-   an admitted participant is refused. In a simulation (nodes report how many SuperNodes the
-   simulation has) with fewer SuperNodes than declared participants the run stops
+   fresh random challenge bound to the run id (``run-name@nonce``, drawn at start, kept by a
+   resume) and its address; admit a node only when it names a participant of the key directory,
+   with that participant's key fingerprint, *and* a valid Ed25519 signature of its challenge by
+   that key (proof of possession). A second node claiming an admitted participant is refused. Only
+   admitted nodes count: while fewer than ``min-participants`` are, nodes that connect later are
+   said hello to, until ``wait-for-participants-s``. In a simulation (admitted nodes report how many
+   SuperNodes the simulation has) with fewer SuperNodes than declared participants the run stops
    (:class:`TooFewSupernodes`).
 2. **Rounds**: the schedule registered under ``scheme`` (``schedules/``) decides who is asked what;
    the engine's steps do the asking through the :class:`~ftis_fed.engine.boundary.Boundary`
    (every reply checked once), verify frames (signature by the participant the node said hello as,
-   replay, validation), apply the peer budgets and write one metrics row per participant plus the
+   replay, the run's own receive bounds and the sender's hello tokenizer before decompressing:
+   nothing a receiver would refuse is relayed; each refusal charged to its sender, quarantined
+   after ``reverify-quarantine-after``), apply the peer budgets and write one metrics row per participant plus the
    federation row (``fed/...``).
 3. **Evaluation** (``evaluate``) on the rounds ``eval-every`` names; **state** after every round
    (``server_state.json``: replay guard, pipelined frames) for ``resume``; ``finish`` at the end.

@@ -22,8 +22,10 @@ Reasons (``REASONS``): from the header and signature ``missing_field`` (no frame
 ``quarantined``, ``wrong_run``, ``wrong_round``, ``replay``, ``too_many_frames``; from the content
 (``CompletionBatch.validate``) ``missing_field``, ``bad_header``, ``bad_sampling``, ``bad_ids``,
 ``id_out_of_range``, ``length_mismatch``, ``bad_reward``, ``nonfinite_logprob``,
-``positive_logprob``, ``too_large``, ``text_too_long``; ``wrong_sampling`` (not the run's sampling
-distribution); and ``wrong_tokenizer`` (a different tokenizer and no texts to re-tokenize).
+``positive_logprob``, ``too_large``, ``text_too_long`` (also: more than ``CHARS_PER_TOKEN`` characters
+per id, a text that is not the decoding of its ids); ``wrong_sampling`` (not the run's sampling
+distribution); and ``wrong_tokenizer`` (a different tokenizer and no texts to re-tokenize, or, at
+the server, not the tokenizer or vocabulary its sender said hello with: ``InboxConfig.tokenizers``).
 """
 
 from __future__ import annotations

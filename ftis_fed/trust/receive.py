@@ -19,15 +19,19 @@ round. For each frame, on its own (``receive``):
    another tokenizer, the prompt text equals ``task.text`` (``prompt_mismatch``). The group's
    reference, prompt text and completion texts are replaced by the receiver's own: the task's reference, the task's text, and the texts that will be trained
    on (same tokenizer: ``decode`` of the ids, never the carried texts; another tokenizer: the
-   carried texts, which are what gets re-tokenized).
+   carried texts, which are what gets re-tokenized, at most ``max_retokenized_tokens`` per
+   completion and ``max_retokenized_batch_tokens`` per batch in the receiver's tokenizer:
+   ``retokenized_too_long``).
 4. Rewards recomputed on that copy (``reverify``: replace / downweight / drop / off), within the
    batch's time budget (``time_budget``).
 
 Any failure drops that frame with a named reason (an unexpected exception: ``internal_error``);
 the other frames go on. Every outcome is recorded per sender under ``trust/<sender>/...``
 (``trust/_unverified/...`` before a signature holds: a claimed sender is not yet a sender), and a
-sender whose signed batches disagree ``reverify-quarantine-after`` times is ignored for the rest of
-the run (``quarantined``).
+sender whose signed batches disagree (claimed rewards or references, texts that are not the decoded
+ids) or are refused for a reason it controls (``Inbox.charge``: not one of ``NOT_THE_SENDERS_FAULT``;
+``time_budget`` counts) ``reverify-quarantine-after`` times is ignored for the rest of the run
+(``quarantined``).
 """
 
 from __future__ import annotations
