@@ -103,19 +103,6 @@ def hard_limit(seconds: int):
         signal.signal(signal.SIGALRM, old)
 
 
-@pytest.fixture
-def decompressions(monkeypatch):
-    """Counts zstd decompressions on the real decoding path (to show a frame was refused before)."""
-    calls = []
-    real = wire._decompress
-
-    def counting(payload, raw_len, dict_id=0):
-        calls.append(raw_len)
-        return real(payload, raw_len, dict_id)
-    monkeypatch.setattr(wire, "_decompress", counting)
-    return calls
-
-
 # ----------------------------------------------------------------------------- the honest baseline
 
 def test_an_honest_batch_is_accepted_as_sent(policy, rx):

@@ -9,7 +9,6 @@ participants' frames as usual. Also: run identity (frames of another run, a resu
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -89,7 +88,7 @@ class Stub:
 
 
 def fed(tmp: Path, **kw) -> FederationConfig:
-    args = dict(num_rounds=1, min_participants=2, wait_for_participants_s=5.0, round_timeout_s=5.0, eval_every=0,
+    args = dict(num_rounds=1, min_participants=2, wait_for_participants_s=60.0, round_timeout_s=60.0, eval_every=0,
                 run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096, max_new_tokens=8)
     args.update(kw)
     return FederationConfig(**args)
@@ -109,18 +108,6 @@ def fed_rows(tmp: Path) -> dict[int, dict]:
 
 def trio(craft) -> dict:
     return {"alice": Stub("alice"), "bob": Stub("bob"), "mallory": Stub("mallory", craft)}
-
-
-@pytest.fixture
-def decompressions(monkeypatch):
-    calls = []
-    real = wire._decompress
-
-    def counting(payload, raw_len, dict_id=0):
-        calls.append(raw_len)
-        return real(payload, raw_len, dict_id)
-    monkeypatch.setattr(wire, "_decompress", counting)
-    return calls
 
 
 def refused_and_not_relayed(tmp: Path, stubs: dict, reason: str, rnd: int = 1) -> bool:
