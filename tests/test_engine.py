@@ -57,7 +57,7 @@ class Stub:
     def frame(self, rnd: int, sender: str | None = None, key=None) -> bytes:
         self.seq = max(self.seq + 1, rnd << 16)
         group = make_group([1, 2, 3], [[4, 5], [6], [7, 8], [9]], [[-0.5, -0.5], [-1.0], [-0.2, -0.3], [-0.9]],
-                           [1.0, 0.0, 1.0, 0.0], "add1/train/0/0", "1")
+                           [1.0, 0.0, 1.0, 0.0], "add30/train/0/0", "33")
         batch = CompletionBatch(sender=sender or self.name, run_id=self.run, round=rnd, seq=self.seq, model_id="stub",
                                 tokenizer_fp="tok", vocab_size=100, sampling=SamplingParams(0.7, max_new_tokens=8),
                                 groups=(group,))

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
 from ftis_fed.config.federation import FederationConfig
+from ftis_fed.tasks.suite import task_at
 from ftis_fed.engine.core import Engine
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.engine.validation import check_reply
@@ -25,6 +26,7 @@ from ftis_fed.trust.signing import KeyDirectory, fingerprint, sign_batch, sign_c
 from ftis_fed.wire.codec import WireOptions, parse_header
 
 RUN = "variants-test"
+TASK = task_at("add30", "train", 0, 0)                                # a train task of the run's default families
 NAMES = ("alice", "bob", "carol")
 KEYS = {n: Ed25519PrivateKey.generate() for n in NAMES}
 DIRECTORY = KeyDirectory({n: k.public_key() for n, k in KEYS.items()})
@@ -33,7 +35,7 @@ TOKENIZER = {"alice": "tok-a", "bob": "tok-a", "carol": "tok-c"}     # carol has
 
 def batch(name: str, rnd: int, seq: int, reward: float = 1.0, text: str = "4 5", run: str = RUN) -> CompletionBatch:
     group = make_group([1, 2, 3], [[4, 5], [6], [7, 8], [9]], [[-0.5, -0.5], [-1.0], [-0.2, -0.3], [-0.9]],
-                       [reward, 0.0, 1.0, 0.0], "add1/train/0/0", "1", "1+0?", [text, "6", "7 8", "9"])
+                       [reward, 0.0, 1.0, 0.0], TASK.task_id, TASK.reference, TASK.text, [text, "6", "7 8", "9"])
     return CompletionBatch(sender=name, run_id=run, round=rnd, seq=seq, model_id="stub", tokenizer_fp=TOKENIZER[name],
                            vocab_size=100, sampling=SamplingParams(0.7, max_new_tokens=8), groups=(group,))
 

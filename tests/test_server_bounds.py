@@ -9,6 +9,7 @@ participants' frames as usual. Also: run identity (frames of another run, a resu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -21,6 +22,7 @@ from ftis_fed.config.federation import FederationConfig
 from ftis_fed.engine.core import AdmissionError, Engine
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.metrics.writer import FEDERATION
+from ftis_fed.tasks.suite import task_at
 from ftis_fed.trust.reverify import ReverifyConfig
 from ftis_fed.trust.signing import KeyDirectory, fingerprint, run_name_of, sign_body, sign_challenge
 from ftis_fed.wire import codec as wire
@@ -34,10 +36,10 @@ DIRECTORY = KeyDirectory({n: k.public_key() for n, k in KEYS.items()})
 SAMPLING = SamplingParams(0.7, max_new_tokens=8)
 
 
-def group(size: int = 4, tokens: int = 2, task: str = "add1/train/0/0", texts=None):
+def group(size: int = 4, tokens: int = 2, task: str = "add30/train/0/0", texts=None):
     ids = [[4 + i] * tokens for i in range(size)]
     return make_group([1, 2, 3], ids, [[-0.5] * tokens] * size, [1.0, 0.0] * (size // 2) + [0.0] * (size % 2),
-                      task, "1", "1+0?", texts if texts is not None else [" ".join(map(str, c)) for c in ids])
+                      task, "33", task_at("add30", "train", 0, 0).text, texts if texts is not None else [" ".join(map(str, c)) for c in ids])
 
 
 def batch(name: str, run: str, rnd: int, seq: int, **kw) -> CompletionBatch:
@@ -141,7 +143,7 @@ def test_a_zip_bomb_is_refused_at_the_server_before_decompressing(tmp_path, deco
 
 def test_65536_one_token_groups_are_refused_from_the_header(tmp_path, decompressions):
     def many(s, rnd):
-        g = make_group([1], [[2]], [[-0.5]], [1.0], "add1/train/0/0", "1")
+        g = make_group([1], [[2]], [[-0.5]], [1.0], "add30/train/0/0", "33")
         return signed(batch(s.name, s.run, rnd, s.next_seq(rnd), groups=(g,) * 65_536))
     stubs = trio(many)
     run(tmp_path, stubs)
@@ -163,6 +165,12 @@ def test_65536_one_token_groups_are_refused_from_the_header(tmp_path, decompress
     (lambda s, r: signed(batch(s.name, s.run, r, s.next_seq(r), tokenizer_fp="tok-other")), "wrong_tokenizer"),
     (lambda s, r: signed(batch(s.name, s.run, r, s.next_seq(r), vocab_size=1 << 32)), "wrong_tokenizer"),
     (lambda s, r: signed(batch(s.name, s.run, r, 2**64 - 1)), "bad_header"),
+    (lambda s, r: signed(batch(s.name, s.run, r, s.next_seq(r), groups=(group(task="add30/eval/0/0"),))), "eval_task"),
+    (lambda s, r: signed(batch(s.name, s.run, r, s.next_seq(r), groups=(group(task="mul7/train/0/0"),))),
+     "unknown_task"),
+    (lambda s, r: signed(batch(s.name, s.run, r, s.next_seq(r), groups=(group(),) * 2)), "duplicate_task"),
+    (lambda s, r: signed(batch(s.name, s.run, r, s.next_seq(r), groups=(dataclasses.replace(
+        group(), prompt_text="What is 1 + 1? Reply with just the number."),)), texts=True), "prompt_mismatch"),
 ])
 def test_frames_every_receiver_would_refuse_are_refused_by_the_server(tmp_path, craft, reason):
     stubs = trio(craft)

@@ -44,6 +44,7 @@ from ftis_fed.wire.batch import BatchValidationError
 from ftis_fed.config.federation import FederationConfig, to_jsonable
 from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
+from ftis_fed.trust.receive import resolve_task, run_tasks
 from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, summarize_sources
 from ftis_fed.metrics.sinks import open_sinks, parse_report_to
 from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_run_id, verify_challenge, verify_frame
@@ -167,6 +168,7 @@ class Engine:
         self.refused: dict[Address, str] = {}           # address -> reason it was not admitted
         self.budgets = dict(budgets or {})
         self.metric_names = MetricNames()               # bounded metric names per participant
+        self.tasks = run_tasks(fed)                     # the run's train tasks, as receivers resolve them
         self.texts = False                              # whether any batch carries texts
         self.variants: dict[str, tuple[bool, ...]] = {}  # sender -> frame variants it signs (relay.text_variants)
         self.pending: list[VerifiedFrame] = []          # pipelined: last round's verified frames
@@ -446,6 +448,7 @@ class Engine:
                         raise BatchValidationError("sender_mismatch", f"frame names sender {sender[:64]!r}, "
                                                                       f"the node said hello as {name!r}")
                     acc = self.inbox.accept(frame, expected_round=rnd)
+                    self._check_tasks(acc.batch)
                 except Exception as e:                          # noqa: BLE001 - never let a frame end the run
                     self._refused_frame(name, rnd, stats, e)
                     continue
@@ -455,6 +458,17 @@ class Engine:
                                          with_texts))
         stats.fed["fed/quarantined"] = float(len(self.inbox.quarantined))
         return out
+
+    def _check_tasks(self, batch) -> None:
+        """Every group's task id names a train task of this run, once per batch (what every receiver
+        checks first: ``eval_task``, ``unknown_task``, ``duplicate_task``); with texts, the prompt
+        text is the task's (``prompt_mismatch``, as a receiver with another tokenizer checks it)."""
+        seen: set[str] = set()
+        for gi, g in enumerate(batch.groups):
+            task = resolve_task(g.task_id, f"groups[{gi}]", self.tasks, seen)
+            if g.prompt_text and g.prompt_text != task.text:
+                raise BatchValidationError("prompt_mismatch", f"groups[{gi}].prompt_text: not the text of task "
+                                                              f"{g.task_id[:64]!r}")
 
     def _refused_frame(self, name: str, rnd: int, stats: RoundStats, e: Exception, what: str = "batch") -> None:
         """Count and log a refused frame of participant ``name``'s reply; charge ``name`` with it (the
@@ -480,6 +494,7 @@ class Engine:
             if h.sender != plain.sender:
                 raise BatchValidationError("variant_mismatch", f"the texts variant is signed by {h.sender[:64]!r}")
             batch = self.inbox.decode_checked(h, body, self.inbox.config.bounds)
+            self._check_tasks(batch)
             diff = texts_differ(plain, batch)
             if diff:
                 raise BatchValidationError("variant_mismatch", f"the texts variant differs in {diff}")

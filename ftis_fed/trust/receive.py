@@ -94,9 +94,7 @@ class ReceiverContext:
         ``bounds``: overrides of ``ReceiveBounds.from_run``."""
         tok = policy.tokenizer
         return cls(name=name, bounds=ReceiveBounds.from_run(fed, policy.vocab_size, **bounds),
-                   tasks=TaskResolver(tuple(fed.task.families), int(fed.task.seed),
-                                      dict(fed.task.known_tasks() if known_tasks is None else known_tasks),
-                                      fed.task.source),
+                   tasks=run_tasks(fed, known_tasks),
                    verifier=verifier, reverify=fed.reverify, render=policy.format_prompt,
                    decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
                    tokenizer_fp=policy.tokenizer_fp,
@@ -135,6 +133,30 @@ class _Truth:
     texts_disagree: int = 0
 
 
+def run_tasks(fed, known_tasks=None) -> TaskResolver:
+    """The train tasks of run ``fed`` as this node resolves them (``TaskResolver``); known_tasks:
+    benchmark train items it loaded (None: ``fed.task.known_tasks()``, its own copy of the file)."""
+    return TaskResolver(tuple(fed.task.families), int(fed.task.seed),
+                        dict(fed.task.known_tasks() if known_tasks is None else known_tasks), fed.task.source)
+
+
+def resolve_task(task_id: str, where: str, tasks: TaskResolver, seen: set[str],
+                 shared: frozenset[str] | None = None):
+    """One group's task as this node knows it, or BatchValidationError: ``duplicate_task`` (already in
+    ``seen``, which it is added to), ``unshared_task`` (not in ``shared``, when given), ``eval_task`` /
+    ``unknown_task`` (``TaskResolver``)."""
+    if task_id in seen:
+        raise BatchValidationError("duplicate_task", f"{where}.task_id={task_id[:64]!r}: appears twice in one batch")
+    seen.add(task_id)
+    if shared is not None and task_id not in shared:
+        raise BatchValidationError("unshared_task", f"{where}.task_id={str(task_id)[:64]!r}: not one of this "
+                                                    "round's shared prompts (advantage-groups=horizontal)")
+    try:
+        return tasks.resolve(task_id)
+    except TaskRefused as e:
+        raise BatchValidationError(e.reason, f"{where}: {e}") from None
+
+
 def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = None) -> tuple[CompletionBatch, _Truth]:
     """The batch as the receiver will score and train on it; BatchValidationError if a task or prompt
     is not the receiver's own (see module docstring, step 3)."""
@@ -143,16 +165,7 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
     digest = acc.batch.prompt_digest           # wire v2 without prompt ids: check the receiver's renderings
     for gi, g in enumerate(acc.batch.groups):
         where = f"groups[{gi}]"
-        if g.task_id in seen:
-            raise BatchValidationError("duplicate_task", f"{where}.task_id={g.task_id!r}: appears twice in one batch")
-        seen.add(g.task_id)
-        if ctx.shared_tasks is not None and g.task_id not in ctx.shared_tasks:
-            raise BatchValidationError("unshared_task", f"{where}.task_id={str(g.task_id)[:64]!r}: not one of this "
-                                                        "round's shared prompts (advantage-groups=horizontal)")
-        try:
-            task = ctx.tasks.resolve(g.task_id)
-        except TaskRefused as e:
-            raise BatchValidationError(e.reason, f"{where}: {e}") from None
+        task = resolve_task(g.task_id, where, ctx.tasks, seen, ctx.shared_tasks)
         truth.forged_references += int(g.reference != task.reference)
         if acc.token_level:
             own = renders.get(task.text)
