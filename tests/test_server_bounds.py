@@ -289,3 +289,33 @@ def test_new_metric_names_are_bounded_per_reply_and_in_length(tmp_path):
         assert fed_rows(tmp_path)[rnd]["fed/metrics_dropped"] >= 3000 - 512
     alice = [r for r in rows if r["participant"] == "alice"]
     assert len(alice) == 3 and all(r["train/loss"] == 0.1 and not any(k.startswith("junk/") for k in r) for r in alice)
+
+
+def test_horizontal_groups_are_held_to_the_share_and_the_shared_prompts_at_the_server(tmp_path):
+    """advantage-groups = horizontal, G = 4, participants reporting num-partitions 2: a group must be
+    one of the round's shared prompts with at most ceil(4/2) = 2 completions, as every receiver
+    checks; mallory's 4-completion group (round 1) and its group of another prompt (round 2) are
+    refused at the server and never relayed."""
+    from ftis_fed.learn.objective import ObjectiveConfig
+
+    cfg = fed(tmp_path, objective=ObjectiveConfig(advantage_groups="horizontal"))
+
+    def shared(rnd: int):
+        return cfg.task.prompts_for_round(0, 2, rnd)[0]
+
+    def honest(s, rnd):
+        t = shared(rnd)
+        return signed(batch(s.name, s.run, rnd, s.next_seq(rnd), groups=(group(size=2, task=t.task_id),)))
+
+    def mallory(s, rnd):
+        t = shared(rnd) if rnd == 1 else task_at("add30", "train", 0, 999)
+        return signed(batch(s.name, s.run, rnd, s.next_seq(rnd), groups=(group(size=4 if rnd == 1 else 2,
+                                                                                task=t.task_id),)))
+    info = {"num_partitions": 2}
+    stubs = {"alice": Stub("alice", honest, info), "bob": Stub("bob", honest, info),
+             "mallory": Stub("mallory", mallory, info)}
+    eng = Engine(dataclasses.replace(cfg, num_rounds=2), DIRECTORY, tmp_path, InProcessTransport(stubs),
+                 sleep=lambda s: None, plots=False)
+    assert eng.run() == 2
+    assert refused_and_not_relayed(tmp_path, stubs, "too_large", rnd=1)
+    assert refused_and_not_relayed(tmp_path, stubs, "unshared_task", rnd=2)

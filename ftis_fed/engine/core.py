@@ -169,6 +169,7 @@ class Engine:
         self.budgets = dict(budgets or {})
         self.metric_names = MetricNames()               # bounded metric names per participant
         self.tasks = run_tasks(fed)                     # the run's train tasks, as receivers resolve them
+        self.partitions = 0                             # horizontal groups: the participants' num-partitions
         self.texts = False                              # whether any batch carries texts
         self.variants: dict[str, tuple[bool, ...]] = {}  # sender -> frame variants it signs (relay.text_variants)
         self.pending: list[VerifiedFrame] = []          # pipelined: last round's verified frames
@@ -311,6 +312,11 @@ class Engine:
             raise AdmissionError("participants were configured with different num-partitions ("
                                  + ", ".join(f"{n}: {k}" for n, k in sorted(said.items()))
                                  + "): set the same num-partitions in every node config (default: min-participants)")
+        if said and self.fed.objective.advantage_groups == "horizontal":   # the receivers' share, and prompts
+            self.partitions = next(iter(said.values()))
+            bounds = dataclasses.replace(self.inbox.config.bounds,
+                                         max_group_size=self.fed.completions_per_prompt(self.partitions))
+            self.inbox.config = dataclasses.replace(self.inbox.config, bounds=bounds)
 
     def _admit_one(self, addr: Address, info: dict, challenge: bytes) -> None:
         name = info["participant"]
@@ -461,11 +467,15 @@ class Engine:
 
     def _check_tasks(self, batch) -> None:
         """Every group's task id names a train task of this run, once per batch (what every receiver
-        checks first: ``eval_task``, ``unknown_task``, ``duplicate_task``); with texts, the prompt
-        text is the task's (``prompt_mismatch``, as a receiver with another tokenizer checks it)."""
+        checks first: ``eval_task``, ``unknown_task``, ``duplicate_task``; horizontal groups: one of
+        the round's shared prompts, ``unshared_task``); with texts, the prompt text is the task's
+        (``prompt_mismatch``, as a receiver with another tokenizer checks it)."""
         seen: set[str] = set()
+        shared = None
+        if self.partitions:                             # horizontal: the round's shared prompts only
+            shared = frozenset(p.task_id for p in self.fed.task.prompts_for_round(0, self.partitions, batch.round))
         for gi, g in enumerate(batch.groups):
-            task = resolve_task(g.task_id, f"groups[{gi}]", self.tasks, seen)
+            task = resolve_task(g.task_id, f"groups[{gi}]", self.tasks, seen, shared)
             if g.prompt_text and g.prompt_text != task.text:
                 raise BatchValidationError("prompt_mismatch", f"groups[{gi}].prompt_text: not the text of task "
                                                               f"{g.task_id[:64]!r}")
