@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.learn.evaluation import evaluate as evaluate_policy
@@ -43,6 +44,10 @@ from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_ke
                                    run_name_of, sign_batch, sign_challenge)
 from ftis_fed.learn.training import Trainer, samples_from_batches
 from ftis_fed.wire.codec import send_options
+
+
+#: In the state dir: the run id of the last hello (``Participant._saved_run_id``).
+RUN_ID_FILE = "run_id"
 
 
 def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
@@ -74,7 +79,7 @@ class Participant:
             raise ValueError(f"participant {spec.name!r}: its public key is missing from {spec.keys_dir}/public "
                              "or does not match its private key")
         self.guard = ReplayGuard()
-        self.run_id = fed.run_name                          # until hello names this run's id (run_name@nonce)
+        self.run_id = self._saved_run_id()                  # the run id hello named (run_name@nonce)
         self.verifier = Verifier()
         self.seq = 0
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
@@ -83,6 +88,15 @@ class Participant:
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self.inbox = Inbox(self.keys, self._inbox_config(), self.guard)
+
+    def _saved_run_id(self) -> str:
+        """The run id the last hello to this participant named (``<state-dir>/run_id``), so that a worker
+        restarted mid-run, which gets no hello, signs for the same run; ``run-name`` before any hello."""
+        try:
+            saved = (self.state_dir / RUN_ID_FILE).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return self.fed.run_name
+        return saved if run_name_of(saved) == self.fed.run_name else self.fed.run_name
 
     def _inbox_config(self) -> InboxConfig:
         return InboxConfig(run_id=self.run_id, max_tokens=self.fed.max_batch_tokens,
@@ -131,6 +145,7 @@ class Participant:
         if run != self.run_id:
             self.run_id = run
             self.inbox.config = self._inbox_config()
+            atomic_write(self.state_dir / RUN_ID_FILE, run)
         return {"participant": self.name, "model_id": self.policy.model_id,
                 "tokenizer_fp": self.policy.tokenizer_fp, "vocab_size": self.policy.vocab_size,
                 "key_fp": fingerprint(self.key), "model_loads": self.model_loads, "pid": os.getpid(),
