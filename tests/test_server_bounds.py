@@ -319,3 +319,11 @@ def test_horizontal_groups_are_held_to_the_share_and_the_shared_prompts_at_the_s
     assert eng.run() == 2
     assert refused_and_not_relayed(tmp_path, stubs, "too_large", rnd=1)
     assert refused_and_not_relayed(tmp_path, stubs, "unshared_task", rnd=2)
+
+
+def test_a_participant_may_ask_for_fewer_peers_samples_never_more(tmp_path):
+    stubs = {"alice": Stub("alice", extra_info={"peer_budget": 0}), "bob": Stub("bob", extra_info={"peer_budget": 10**9}),
+             "mallory": Stub("mallory", extra_info={"peer_budget": 4})}
+    eng = run(tmp_path, stubs, peer_budget=4)
+    assert eng.budgets == {"alice": 4, "bob": 4, "mallory": 4}
+    assert all(len(s.received[1]) == 1 for s in stubs.values())       # 4 completions: one peer's frame

@@ -264,6 +264,8 @@ class Engine:
         for info in self.nodes.values():
             own = info.get("peer_budget")                   # a participant may ask for fewer peers' samples
             ok = isinstance(own, int) and not isinstance(own, bool) and own >= 0
+            if ok and self.fed.peer_budget > 0 and not 0 < own <= self.fed.peer_budget:
+                own = self.fed.peer_budget                  # never more than the run's (0 = all)
             self.budgets.setdefault(info["participant"], own if ok else self.fed.peer_budget)
         fps = {i["participant"]: i["tokenizer_fp"] for i in self.nodes.values()}
         self.variants = {n: text_variants(self.fed.wire_texts, fp, [f for m, f in fps.items() if m != n])
