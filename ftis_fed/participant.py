@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.learn.evaluation import evaluate as evaluate_policy
@@ -39,10 +40,14 @@ from ftis_fed.trust.attacks import hostile_frames, parse_kinds
 from ftis_fed.trust.receive import ReceiverContext, receive
 from ftis_fed.learn.rollouts import scored_groups
 from ftis_fed.learn.source_weights import SourceAdapter
-from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key, sign_batch,
-                      sign_challenge)
+from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key,
+                                   run_name_of, sign_batch, sign_challenge)
 from ftis_fed.learn.training import Trainer, samples_from_batches
 from ftis_fed.wire.codec import send_options
+
+
+#: In the state dir: the run id of the last hello (``Participant._saved_run_id``).
+RUN_ID_FILE = "run_id"
 
 
 def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
@@ -74,6 +79,7 @@ class Participant:
             raise ValueError(f"participant {spec.name!r}: its public key is missing from {spec.keys_dir}/public "
                              "or does not match its private key")
         self.guard = ReplayGuard()
+        self.run_id = self._saved_run_id()                  # the run id hello named (run_name@nonce)
         self.verifier = Verifier()
         self.seq = 0
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
@@ -81,8 +87,20 @@ class Participant:
         self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
-        self.inbox = Inbox(self.keys, InboxConfig(run_id=fed.run_name, max_tokens=fed.max_batch_tokens,
-                                                  tokenizer_fp=self.policy.tokenizer_fp), self.guard)
+        self.inbox = Inbox(self.keys, self._inbox_config(), self.guard)
+
+    def _saved_run_id(self) -> str:
+        """The run id the last hello to this participant named (``<state-dir>/run_id``), so that a worker
+        restarted mid-run, which gets no hello, signs for the same run; ``run-name`` before any hello."""
+        try:
+            saved = (self.state_dir / RUN_ID_FILE).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return self.fed.run_name
+        return saved if run_name_of(saved) == self.fed.run_name else self.fed.run_name
+
+    def _inbox_config(self) -> InboxConfig:
+        return InboxConfig(run_id=self.run_id, max_tokens=self.fed.max_batch_tokens,
+                           tokenizer_fp=self.policy.tokenizer_fp)
 
     def _count_load(self) -> int:
         """Record this model load in state_dir/model_loads.jsonl; return the loads of this run so far
@@ -119,14 +137,21 @@ class Participant:
     # ------------------------------------------------------------------ identity
     def hello(self, run: str, node: str, challenge: bytes) -> dict:
         """Who I am, with ``proof``: my Ed25519 signature of the server's challenge for this run
-        and node (proof of key possession). Refuses to sign a challenge of another run."""
-        if run != self.fed.run_name:
-            raise ValueError(f"hello for run {run!r}: this participant belongs to run {self.fed.run_name!r}")
+        and node (proof of key possession). Refuses to sign a challenge of another run; ``run`` (the
+        server's run id, ``run_name@nonce``) is what this participant's frames are signed for and the
+        only run whose frames it accepts from then on."""
+        if run_name_of(run) != self.fed.run_name:
+            raise ValueError(f"hello for run {run[:300]!r}: this participant belongs to run {self.fed.run_name!r}")
+        if run != self.run_id:
+            self.run_id = run
+            self.inbox.config = self._inbox_config()
+            atomic_write(self.state_dir / RUN_ID_FILE, run)
         return {"participant": self.name, "model_id": self.policy.model_id,
                 "tokenizer_fp": self.policy.tokenizer_fp, "vocab_size": self.policy.vocab_size,
                 "key_fp": fingerprint(self.key), "model_loads": self.model_loads, "pid": os.getpid(),
                 "completed_round": self.completed_round, "peer_budget": self.spec.peer_budget,
                 "local_budget": self.spec.local_budget, "load_seconds": round(self.load_seconds, 2),
+                "num_partitions": self.spec.num_partitions,
                 "proof": sign_challenge(self.key, run, node, self.name, challenge)}
 
     def _fault(self, phase: str, round: int) -> None:
@@ -160,7 +185,7 @@ class Participant:
         # Strictly increasing per sender, also across a restart without checkpoint (the round
         # moves on): receivers' replay guards reject any seq they have seen.
         self.seq = max(self.seq + 1, round << 16)
-        batch = CompletionBatch(sender=self.name, run_id=fed.run_name, round=round, seq=self.seq,
+        batch = CompletionBatch(sender=self.name, run_id=self.run_id, round=round, seq=self.seq,
                                 model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
                                 vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))
         signed = [sign_batch(batch, self.key, send_options(t), max_tokens=fed.max_batch_tokens) for t in variants]
@@ -273,7 +298,7 @@ class Participant:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.trainer.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
-                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id}
+                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id, "run_id": self.run_id}
         tmp = self.state_dir / "participant.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_dir / "participant.json")
@@ -288,4 +313,5 @@ class Participant:
         self.seq = int(state["seq"])
         self.completed_round = int(state["completed_round"])
         self.guard = ReplayGuard.from_json(state["guard"])
+        self.run_id = str(state.get("run_id") or self.fed.run_name)
         self.adapt = SourceAdapter.from_json(self.fed.source_adapt, self.name, state.get("adapt"))

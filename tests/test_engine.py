@@ -50,14 +50,15 @@ class Stub:
         self.tamper, self.hang_at, self.raise_at = dict(tamper or {}), hang_at, raise_at
         self.extra_info = dict(extra_info or {})
         self.seq = 0
+        self.run = RUN                                                  # the run id hello names
         self.received: dict[int, list[tuple[str, int]]] = {}          # round -> [(sender, frame round)]
         self.calls: list[tuple[str, int]] = []
 
     def frame(self, rnd: int, sender: str | None = None, key=None) -> bytes:
         self.seq = max(self.seq + 1, rnd << 16)
         group = make_group([1, 2, 3], [[4, 5], [6], [7, 8], [9]], [[-0.5, -0.5], [-1.0], [-0.2, -0.3], [-0.9]],
-                           [1.0, 0.0, 1.0, 0.0], "add1/train/0/0", "1")
-        batch = CompletionBatch(sender=sender or self.name, run_id=RUN, round=rnd, seq=self.seq, model_id="stub",
+                           [1.0, 0.0, 1.0, 0.0], "add30/train/0/0", "33")
+        batch = CompletionBatch(sender=sender or self.name, run_id=self.run, round=rnd, seq=self.seq, model_id="stub",
                                 tokenizer_fp="tok", vocab_size=100, sampling=SamplingParams(0.7, max_new_tokens=8),
                                 groups=(group,))
         return sign_batch(batch, key or self.key)
@@ -70,6 +71,7 @@ class Stub:
         if self.raise_at == (action, rnd):
             raise RuntimeError(f"{self.name}: injected failure at {action} {rnd}")
         if action == "hello":
+            self.run = request["run"]
             reply = {"info": {"participant": self.claim, "model_id": "stub", "tokenizer_fp": "tok",
                               "key_fp": fingerprint(DIRECTORY[self.claim]) if self.claim in DIRECTORY else "none",
                               "proof": sign_challenge(self.key, request["run"], request["node"],
@@ -92,7 +94,7 @@ class Stub:
 
 def fed(tmp: Path, **kw) -> FederationConfig:
     args = dict(num_rounds=2, min_participants=2, wait_for_participants_s=5.0, round_timeout_s=5.0, eval_every=0,
-                run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096)
+                run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096, max_new_tokens=8)
     args.update(kw)
     return FederationConfig(**args)
 
@@ -358,8 +360,8 @@ def test_a_proof_for_another_node_or_run_does_not_count(tmp_path):
 
 def test_too_few_admitted_participants_stop_the_run(tmp_path):
     stubs = {"alice": Stub("alice"), "bob": Stub("bob", key=Ed25519PrivateKey.generate())}
-    with pytest.raises(AdmissionError, match="min-participants=2"):
-        engine(tmp_path, stubs).run()
+    with pytest.raises(AdmissionError, match="min-participants=2: only 1 admitted"):
+        engine(tmp_path, stubs, wait_for_participants_s=0.5).run()   # waits for another node until then
 
 
 def test_a_simulation_with_fewer_supernodes_than_declared_participants_stops_with_the_fix(tmp_path):

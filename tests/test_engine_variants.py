@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
 from ftis_fed.config.federation import FederationConfig
+from ftis_fed.tasks.suite import task_at
 from ftis_fed.engine.core import Engine
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.engine.validation import check_reply
@@ -25,16 +26,17 @@ from ftis_fed.trust.signing import KeyDirectory, fingerprint, sign_batch, sign_c
 from ftis_fed.wire.codec import WireOptions, parse_header
 
 RUN = "variants-test"
+TASK = task_at("add30", "train", 0, 0)                                # a train task of the run's default families
 NAMES = ("alice", "bob", "carol")
 KEYS = {n: Ed25519PrivateKey.generate() for n in NAMES}
 DIRECTORY = KeyDirectory({n: k.public_key() for n, k in KEYS.items()})
 TOKENIZER = {"alice": "tok-a", "bob": "tok-a", "carol": "tok-c"}     # carol has another tokenizer
 
 
-def batch(name: str, rnd: int, seq: int, reward: float = 1.0, text: str = "4 5") -> CompletionBatch:
+def batch(name: str, rnd: int, seq: int, reward: float = 1.0, text: str = "4 5", run: str = RUN) -> CompletionBatch:
     group = make_group([1, 2, 3], [[4, 5], [6], [7, 8], [9]], [[-0.5, -0.5], [-1.0], [-0.2, -0.3], [-0.9]],
-                       [reward, 0.0, 1.0, 0.0], "add1/train/0/0", "1", "1+0?", [text, "6", "7 8", "9"])
-    return CompletionBatch(sender=name, run_id=RUN, round=rnd, seq=seq, model_id="stub", tokenizer_fp=TOKENIZER[name],
+                       [reward, 0.0, 1.0, 0.0], TASK.task_id, TASK.reference, TASK.text, [text, "6", "7 8", "9"])
+    return CompletionBatch(sender=name, run_id=run, round=rnd, seq=seq, model_id="stub", tokenizer_fp=TOKENIZER[name],
                            vocab_size=100, sampling=SamplingParams(0.7, max_new_tokens=8), groups=(group,))
 
 
@@ -44,12 +46,14 @@ class Stub:
 
     def __init__(self, name: str, lie=None, texts_key=None):
         self.name, self.lie, self.seq, self.texts_key = name, lie, 0, texts_key
+        self.run = RUN                                          # the run id hello names
         self.asked: dict[int, object] = {}
         self.received: dict[int, dict[str, bool]] = {}       # round -> {sender: has texts}
 
     def handle(self, action: str, request: dict) -> dict:
         rnd = int(request.get("round", -1))
         if action == "hello":
+            self.run = request["run"]
             return {"info": {"participant": self.name, "model_id": "stub", "tokenizer_fp": TOKENIZER[self.name],
                              "key_fp": fingerprint(DIRECTORY[self.name]), "load_seconds": 1.5,
                              "proof": sign_challenge(KEYS[self.name], request["run"], request["node"], self.name,
@@ -57,7 +61,7 @@ class Stub:
         if action == "generate":
             self.asked[rnd] = request["texts"]
             self.seq = max(self.seq + 1, rnd << 16)
-            b = batch(self.name, rnd, self.seq)
+            b = batch(self.name, rnd, self.seq, run=self.run)
             variants = requested_variants(request)
             frames = [sign_batch(self.lie(b) if (t and self.lie) else b,
                                  (self.texts_key if t and self.texts_key else KEYS[self.name]), WireOptions(texts=t))
@@ -73,7 +77,7 @@ class Stub:
 
 def run(tmp, stubs, **kw) -> list[dict]:
     args = dict(num_rounds=2, min_participants=2, wait_for_participants_s=5.0, round_timeout_s=5.0, eval_every=0,
-                run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096)
+                run_name=RUN, output_dir=str(tmp), max_batch_tokens=4096, max_new_tokens=8)
     args.update(kw)
     logs = []
     Engine(FederationConfig(**args), DIRECTORY, tmp, InProcessTransport(stubs), sleep=lambda s: None, plots=False,
@@ -127,6 +131,29 @@ def test_a_texts_variant_of_another_batch_is_refused_and_the_plain_one_still_rel
     assert fed[1]["fed/rejected/variant_mismatch"] == 1
     assert stubs["bob"].received[1] == {"alice": False, "carol": True}     # the valid variant still goes
     assert stubs["carol"].received[1] == {"alice": False, "bob": True}     # (carol rejects it: no texts)
+
+
+def test_a_texts_variant_whose_texts_cannot_be_its_ids_is_refused_and_charged(tmp_path):
+    """Issue 20: alice's texts variant carries 300-character texts for 1-2 ids (more characters
+    than any decoding of them: 32 per id) and, in round 2, a variant with other ids: neither is relayed
+    to carol, who gets the plain one; alice is charged (quarantined after 2 with quarantine-after 2)."""
+    from ftis_fed.trust.reverify import ReverifyConfig
+
+    stubs = {n: Stub(n) for n in NAMES}
+
+    def lie(b):
+        g = b.groups[0]
+        if b.round == 1:
+            return dataclasses.replace(b, groups=(dataclasses.replace(g, completion_texts=("9" * 300,) * 4),))
+        return dataclasses.replace(b, groups=(dataclasses.replace(g, completion_ids=tuple(c[::-1].copy() for c in
+                                                                                          g.completion_ids)),))
+    stubs["alice"].lie = lie
+    rows = run(tmp_path, stubs, reverify=ReverifyConfig(quarantine_after=2))
+    fed = {r["round"]: r for r in rows if r["participant"] == FEDERATION}
+    assert fed[1]["fed/rejected/text_too_long"] == 1 and fed[2]["fed/rejected/variant_mismatch"] == 1
+    assert stubs["carol"].received[1] == {"alice": False, "bob": True}
+    assert stubs["carol"].received[2] == {"alice": False, "bob": True}
+    assert fed[2]["fed/quarantined"] == 1
 
 
 def test_a_texts_variant_signed_with_another_key_is_refused(tmp_path):
@@ -211,7 +238,8 @@ def test_progress_lines_name_who_replied_and_who_is_still_awaited(tmp_path):
             release.set()                                   # seen the line: let carol go on
 
     args = dict(num_rounds=1, min_participants=2, wait_for_participants_s=5.0, round_timeout_s=20.0, eval_every=0,
-                run_name=RUN, output_dir=str(tmp_path), max_batch_tokens=4096, progress_every_s=0.05)
+                run_name=RUN, output_dir=str(tmp_path), max_batch_tokens=4096, progress_every_s=0.05,
+                max_new_tokens=8)
     Engine(FederationConfig(**args), DIRECTORY, tmp_path, InProcessTransport(stubs), sleep=lambda s: None,
            plots=False, log=log).run()
     waiting = [line for line in logs if line.startswith("round 1 generate: 2/3 replied")]

@@ -139,3 +139,19 @@ def test_alone_with_horizontal_groups_trains_on_its_own_share_only(tmp_path):
     assert with_peer["train/horizontal_mixed_groups"] == 0
     for k in ("train/loss", "train/grad_norm", "train/samples"):
         assert with_peer[k] == without[k], k
+
+
+def test_deployment_node_configs_with_partition_id_but_no_num_partitions_agree_or_fail_clearly(tmp_path):
+    """Issue 20: without ``num-partitions`` every node takes min-participants (never a value from its
+    own partition-id), so all compute the same share ceil(G/N); a partition-id beyond it is a
+    config error naming both keys, not a run whose participants refuse each other's groups."""
+    from ftis_fed.config.federation import participant_spec
+
+    fed = _fed(tmp_path, 3, 6)
+    specs = [participant_spec({}, {"participant": n, "partition-id": i}, fed) for i, n in enumerate(("a", "b", "c"))]
+    assert [s.num_partitions for s in specs] == [3, 3, 3]
+    assert {fed.completions_per_prompt(s.num_partitions) for s in specs} == {2}
+    with pytest.raises(ValueError, match=r"partition-id=3: must be in \[0, num-partitions=3\).*min-participants"):
+        participant_spec({}, {"participant": "d", "partition-id": 3}, fed)
+    with pytest.raises(ValueError, match=r"partition-id=4: must be in \[0, num-partitions=4\) \(num-partitions as set"):
+        participant_spec({}, {"participant": "d", "partition-id": 4, "num-partitions": 4}, fed)

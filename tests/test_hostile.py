@@ -103,19 +103,6 @@ def hard_limit(seconds: int):
         signal.signal(signal.SIGALRM, old)
 
 
-@pytest.fixture
-def decompressions(monkeypatch):
-    """Counts zstd decompressions on the real decoding path (to show a frame was refused before)."""
-    calls = []
-    real = wire._decompress
-
-    def counting(payload, raw_len, dict_id=0):
-        calls.append(raw_len)
-        return real(payload, raw_len, dict_id)
-    monkeypatch.setattr(wire, "_decompress", counting)
-    return calls
-
-
 # ----------------------------------------------------------------------------- the honest baseline
 
 def test_an_honest_batch_is_accepted_as_sent(policy, rx):
@@ -163,6 +150,15 @@ def test_ids_are_scored_not_the_texts_beside_them(policy, rx):
     assert recv.metrics["trust/alice/texts_disagree"] == 4 and recv.metrics["trust/alice/rewards_corrected"] == 4
     out = recv.batches[0].groups[0]
     assert out.rewards.tolist() == [0.0] * 4 and out.completion_texts == ("banana split",) * 4
+    assert rx[0].strikes["alice"] == 1                                   # one strike for the batch
+
+
+def test_texts_that_disagree_with_their_ids_are_a_strike_even_with_true_rewards(policy, rx):
+    t = task_at("add30", "train", 0, 1)
+    g = group_for(policy, t, [t.reference, "1", "2", "3"], texts=["banana", "1", "2", "3"])
+    recv = receive([signed(batch(policy, [g]))], 1, *rx)
+    assert recv.metrics["trust/alice/texts_disagree"] == 1 and recv.metrics["trust/alice/rewards_corrected"] == 0
+    assert recv.metrics["trust/alice/accepted"] == 1 and rx[0].strikes["alice"] == 1
 
 
 def test_garbage_prompt_ids_are_refused(policy, rx):
@@ -338,8 +334,38 @@ def test_a_deeply_nested_reference_in_a_batch_is_bounded(policy, rx):
 def test_the_time_budget_drops_the_batch_not_the_round(policy, rx):
     import dataclasses
     inbox, ctx = rx
-    slow = dataclasses.replace(ctx, bounds=dataclasses.replace(ctx.bounds, time_budget_s=1e-9))
+    slow = dataclasses.replace(ctx, bounds=dataclasses.replace(ctx.bounds, time_budget_s=1e-9),
+                               reverify=ReverifyConfig(quarantine_after=2))
     assert rejected(receive([signed(honest(policy))], 1, inbox, slow), "time_budget")
+    assert inbox.strikes["alice"] == 1 and "alice" not in inbox.quarantined     # charged to its sender
+    assert rejected(receive([signed(honest(policy, round=2))], 2, inbox, slow), "time_budget")
+    assert inbox.quarantined == {"alice"}                  # a sender whose batches always time out stops costing
+
+
+def test_emoji_texts_of_another_tokenizer_are_bounded_by_their_retokenized_length(policy, rx):
+    """768 characters of emoji per completion (32 ids x 24 characters: within the text and
+    characters-per-id bounds) re-tokenize to thousands of tokens here: refused before training,
+    charged to the sender; a text that re-tokenizes within the run's bound is accepted."""
+    t = task_at("add30", "train", 0, 0)
+    emoji = "\U0001F600\U0001F680\U0001F9E0" * 256
+    assert len(emoji) == 768 and len(rx[1].encode(emoji)) > 2000
+    g = group_for(policy, t, ["1"] * 4, texts=[emoji] * 4)
+    g = dataclasses_replace(g, completion_ids=(np.ones(32, dtype=np.int64),) * 4,
+                            logprobs=(np.full(32, -0.5, dtype=np.float32),) * 4)
+    with hard_limit(60):
+        recv = receive([signed(batch(policy, [g], tokenizer_fp="tok-other"))], 1, *rx)
+    assert rejected(recv, "retokenized_too_long") and rx[0].strikes["alice"] == 1
+    assert rx[1].bounds.max_retokenized_tokens == 2 * 32 + 1
+    fine = group_for(policy, t, [t.reference, "1", "2", "3"])
+    recv = receive([signed(batch(policy, [fine], round=2, tokenizer_fp="tok-other"))], 2, *rx)
+    assert recv.metrics["offpolicy/accepted"] == 1
+
+
+def test_a_frame_of_another_run_is_refused(policy, rx):
+    """Same sender, same keys, same round and seq, signed for an earlier run of the same run name."""
+    recv = receive([signed(batch(policy, honest(policy).groups, run_id=RUN + "@" + "0" * 32))], 1, *rx)
+    assert recv.metrics["offpolicy/rejected/wrong_run"] == 1 and not recv.batches
+    assert receive([signed(honest(policy))], 1, *rx).metrics["offpolicy/accepted"] == 1   # seq not spent by it
 
 
 def test_quarantine_after_repeated_disagreements(policy):

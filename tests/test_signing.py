@@ -13,7 +13,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
 from ftis_fed.trust.inbox import Inbox, InboxConfig
-from ftis_fed.trust.deploy_keys import add_cli, generate_supernode_keypair, generate_tls, load_supernode_public_key, supernode_fingerprint
+from ftis_fed.trust.deploy_keys import (add_cli, generate_supernode_keypair, generate_tls, load_supernode_public_key,
+                                        supernode_fingerprint)
 from ftis_fed.trust.signing import (
     KeyDirectory,
     ReplayGuard,
@@ -194,6 +195,9 @@ def test_replay_guard_rules():
     g.check("r", "bob", 1, 10)                                             # other sender: own counter
     g.check("r2", "alice", 1, 1)                                           # other run: own counter
     assert g.last("r", "alice") == (1, 10)
+    assert _reject(g, "r", "alice", 2, 2**64 - 1) == "bad_header"          # would end alice's seq space
+    assert _reject(g, "r", "alice", 2, 2**63) == "bad_header"
+    g.check("r", "alice", 2, 2**63 - 1)
 
 
 def test_replay_guard_state_survives_a_restart(tmp_path):

@@ -145,7 +145,7 @@ def batches(draw):
             draw(st.text(max_size=10)) if texts else "",
             [draw(st.text(max_size=10)) for _ in range(G)] if texts else ()))
     return CompletionBatch(draw(st.text(min_size=1, max_size=10)), "run", draw(st.integers(0, 2 ** 40)),
-                           draw(st.integers(0, 2 ** 63)), "m", "tok", vocab, SamplingParams(1.0, 1.0, 0, 12),
+                           draw(st.integers(0, 2 ** 63 - 1)), "m", "tok", vocab, SamplingParams(1.0, 1.0, 0, 12),
                            tuple(groups))
 
 

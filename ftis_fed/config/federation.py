@@ -81,7 +81,10 @@ class FederationConfig:
         against the distinct problems the families have.""")
     eval_ood_size: int = knob("eval-ood-size", 8, "prompts per OOD family set (five families), >= 0; 0 = eval-size.")
     eval_max_new_tokens: int = knob("eval-max-new-tokens", 16, "generation budget of the greedy evaluation, >= 1.")
-    run_name: str = knob("run-name", "ftis-fed", "the run id batches are signed for (kept across a resume), non-empty.")
+    run_name: str = knob("run-name", "ftis-fed", """
+        the run's name, non-empty, at most 200 characters; frames and hello proofs are bound to the run
+        id ``<run-name>@<random nonce>`` the server draws at start (kept across a resume), so no frame
+        of another run, or of an earlier run of the same name, is accepted.""")
     output_dir: str = knob("output-dir", "outputs/default", """
         results folder (metrics, plots, server state, participants' checkpoints in simulation);
         relative paths are resolved against the SuperLink's working directory (``ftis-fed sim``
@@ -142,6 +145,8 @@ class FederationConfig:
         need(self.eval_ood_size >= 0, "eval_ood_size", "must be >= 0 (0 = eval_size)")
         need(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
         need(bool(self.run_name), "run_name", "must be non-empty")
+        need(len(self.run_name) <= 200, "run_name", "must be at most 200 characters (with its 33-character run nonce "
+                                                    "it is the run id every frame carries, limit 256)")
         need(self.threads >= 0, "threads", "must be >= 0 (0 = auto)")
         need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
@@ -452,8 +457,15 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
     Bad values raise ValueError naming the key as it was set (``p2-lr=...`` or ``lr=...``)."""
     deployment = "participant" in node_config
     if deployment:
+        # every node must reach the same num-partitions (it sets the prompt partition and, with
+        # horizontal groups, the share ceil(G/N) receivers accept): default min-participants, never
+        # a value derived from the node's own partition-id
         pid = int(node_config.get("partition-id", 0))
-        n = int(node_config.get("num-partitions", max(fed.min_participants, pid + 1)))
+        n = int(node_config.get("num-partitions", fed.min_participants))
+        if not 0 <= pid < n:
+            raise ValueError(f"partition-id={pid}: must be in [0, num-partitions={n}) (num-partitions "
+                             f"{'as set' if 'num-partitions' in node_config else f'defaults to min-participants={n}'}"
+                             "; set the same num-partitions in every node config)")
 
         def get(k: str, default: Any) -> Any:
             return _first_set(node_config.get(k), run_config.get(k), default)

@@ -3,16 +3,20 @@
     Engine(fed, keys, out_dir, transport, declared=[...]).run()
 
 1. **Admission** (``hello``): wait until ``min-participants`` addresses are connected; send each a
-   fresh random challenge bound to the run name and its address; admit a node only when it names a
-   participant of the key directory, with that participant's key fingerprint, *and* a valid
-   Ed25519 signature of its challenge by that key (proof of possession). A second node claiming
-   an admitted participant is refused. In a simulation (nodes report how many SuperNodes the
-   simulation has) with fewer SuperNodes than declared participants the run stops
+   fresh random challenge bound to the run id (``run-name@nonce``, drawn at start, kept by a
+   resume) and its address; admit a node only when it names a participant of the key directory,
+   with that participant's key fingerprint, *and* a valid Ed25519 signature of its challenge by
+   that key (proof of possession). A second node claiming an admitted participant is refused. Only
+   admitted nodes count: while fewer than ``min-participants`` are, nodes that connect later are
+   said hello to, until ``wait-for-participants-s``. In a simulation (admitted nodes report how many
+   SuperNodes the simulation has) with fewer SuperNodes than declared participants the run stops
    (:class:`TooFewSupernodes`).
 2. **Rounds**: the schedule registered under ``scheme`` (``schedules/``) decides who is asked what;
    the engine's steps do the asking through the :class:`~ftis_fed.engine.boundary.Boundary`
    (every reply checked once), verify frames (signature by the participant the node said hello as,
-   replay, validation), apply the peer budgets and write one metrics row per participant plus the
+   replay, the run's own receive bounds and the sender's hello tokenizer before decompressing:
+   nothing a receiver would refuse is relayed; each refusal charged to its sender, quarantined
+   after ``reverify-quarantine-after``), apply the peer budgets and write one metrics row per participant plus the
    federation row (``fed/...``).
 3. **Evaluation** (``evaluate``) on the rounds ``eval-every`` names; **state** after every round
    (``server_state.json``: replay guard, pipelined frames) for ``resume``; ``finish`` at the end.
@@ -24,6 +28,7 @@ with a named reason (``fed/dropped/<reason>``); the round goes on with the other
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import secrets
@@ -37,12 +42,15 @@ from typing import Any, Callable, Mapping
 from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import BatchValidationError
 from ftis_fed.config.federation import FederationConfig, to_jsonable
+from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
+from ftis_fed.trust.receive import resolve_task, run_tasks
 from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, summarize_sources
 from ftis_fed.metrics.sinks import open_sinks, parse_report_to
-from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge, verify_frame
-from ftis_fed.wire.codec import decode_payload, parse_header
+from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_run_id, verify_challenge, verify_frame
+from ftis_fed.wire.codec import parse_header
 from ftis_fed.engine.boundary import Boundary
+from ftis_fed.engine.metric_names import MetricNames
 from ftis_fed.engine.progress import PhaseProgress, phase_summary
 from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
                     texts_differ)
@@ -102,6 +110,23 @@ def wire_metrics(sent: Mapping[bool, list[tuple[int, int]]]) -> dict[str, float]
     return out
 
 
+#: Longest string (characters) or bytes value a hello may carry: its model id and tokenizer
+#: fingerprint go into every metrics row and log line (a frame's own header strings have the same limit).
+MAX_HELLO_VALUE = 256
+
+
+def hello_too_long(info: Mapping[str, Any]) -> str:
+    """'' when every str/bytes value of a hello is at most ``MAX_HELLO_VALUE`` long, else what is not."""
+    for k, v in info.items():
+        if isinstance(v, (str, bytes)) and len(v) > MAX_HELLO_VALUE:
+            return f"hello info[{str(k)[:64]!r}] has {len(v)} characters: limit {MAX_HELLO_VALUE}"
+    return ""
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _loaded(info: Mapping[str, Any]) -> str:
     """`` (model loaded in X s)`` from a hello's ``load_seconds``, if it carries a number."""
     s = info.get("load_seconds")
@@ -134,10 +159,17 @@ class Engine:
         self.schedule = get_schedule(fed.scheme)
         self.state_path = self.out_dir / "server_state.json"
         self.guard = ReplayGuard()
-        self.inbox = Inbox(keys, InboxConfig(run_id=fed.run_name, max_tokens=fed.max_batch_tokens), self.guard)
+        self.run_id = new_run_id(fed.run_name)          # this run's identity; a resume reuses the saved one
+        # the run's own receive bounds (no vocabulary: the server scores nothing; G per group, the
+        # largest share any receiver takes): what every receiver would refuse is never relayed
+        self.inbox = Inbox(keys, InboxConfig(run_id=self.run_id, max_tokens=fed.max_batch_tokens,
+                                             bounds=ReceiveBounds.from_run(fed, None)), self.guard)
         self.nodes: dict[Address, dict] = {}            # admitted address -> hello info
         self.refused: dict[Address, str] = {}           # address -> reason it was not admitted
         self.budgets = dict(budgets or {})
+        self.metric_names = MetricNames()               # bounded metric names per participant
+        self.tasks = run_tasks(fed)                     # the run's train tasks, as receivers resolve them
+        self.partitions = 0                             # horizontal groups: the participants' num-partitions
         self.texts = False                              # whether any batch carries texts
         self.variants: dict[str, tuple[bool, ...]] = {}  # sender -> frame variants it signs (relay.text_variants)
         self.pending: list[VerifiedFrame] = []          # pipelined: last round's verified frames
@@ -198,47 +230,49 @@ class Engine:
         return stats
 
     # ------------------------------------------------------------------ admission
-    def wait_for_addresses(self) -> list[Address]:
-        deadline = self.clock() + self.fed.wait_for_participants_s
+    def wait_for_addresses(self, deadline: float, asked: frozenset | set = frozenset()) -> list[Address]:
+        """Connected addresses, once at least ``min-participants`` are and one is not in ``asked``
+        (said hello to already); AdmissionError at ``deadline``."""
         while True:
             try:
                 addrs = sorted(self.transport.addresses(), key=_order)
             except Exception as e:                          # noqa: BLE001 - retried until the deadline
                 self.log(WARNING, "listing connected nodes failed: %s", e)
                 addrs = []
-            if len(addrs) >= self.fed.min_participants:
+            if len(addrs) >= self.fed.min_participants and any(a not in asked for a in addrs):
                 return addrs
             if self.clock() > deadline:
-                raise AdmissionError(f"min-participants={self.fed.min_participants}: only {len(addrs)} connected "
-                                     f"after wait-for-participants-s={self.fed.wait_for_participants_s:.0f}")
+                raise AdmissionError(f"min-participants={self.fed.min_participants}: only {len(self.nodes)} "
+                                     f"admitted of {len(addrs)} connected after wait-for-participants-s="
+                                     f"{self.fed.wait_for_participants_s:.0f}; refused: "
+                                     + (", ".join(f"{a}: {r}" for a, r in self.refused.items()) or "none"))
             self.sleep(1.0)
 
     def admit(self) -> None:
-        """Hello with proof of key possession (see the module docstring)."""
-        addrs = self.wait_for_addresses()
-        challenges = {a: secrets.token_bytes(32) for a in addrs}
-        requests = {a: {"run": self.fed.run_name, "node": str(a), "challenge": challenges[a]} for a in addrs}
-        with PhaseProgress("hello (participants loading their models)", {a: str(a) for a in addrs}, self.log,
-                           self.fed.progress_every_s, self.clock, tracked=self.io.reports_replies) as progress:
-            replies, dropped = self.io.send("hello", requests, self.fed.wait_for_participants_s,
-                                            on_reply=progress.replied)
-        self._check_supernodes(replies)
-        for a, why in dropped.items():
-            self._refuse(a, why.reason, why.detail)
-        for a in sorted(replies, key=_order):
-            self._admit_one(a, replies[a].info, challenges[a])
-        if len(self.nodes) < self.fed.min_participants:
-            raise AdmissionError(f"only {len(self.nodes)} participants answered hello with a valid key and proof "
-                                 f"(min-participants={self.fed.min_participants}); refused: "
-                                 + (", ".join(f"{a}: {r}" for a, r in self.refused.items()) or "none"))
+        """Hello with proof of key possession (see the module docstring). Only admitted nodes count:
+        while fewer than ``min-participants`` are, newly connected nodes are said hello to until
+        ``wait-for-participants-s`` (a refused node never takes a real participant's place)."""
+        deadline = self.clock() + self.fed.wait_for_participants_s
+        asked: set[Address] = set()
+        while len(self.nodes) < self.fed.min_participants:
+            new = [a for a in self.wait_for_addresses(deadline, asked) if a not in asked]
+            asked.update(new)
+            if new:
+                self._hello(new, max(1.0, deadline - self.clock()))
+                self._check_supernodes()
+        self._check_partitions()
         for info in self.nodes.values():
             own = info.get("peer_budget")                   # a participant may ask for fewer peers' samples
             ok = isinstance(own, int) and not isinstance(own, bool) and own >= 0
+            if ok and self.fed.peer_budget > 0 and not 0 < own <= self.fed.peer_budget:
+                own = self.fed.peer_budget                  # never more than the run's (0 = all)
             self.budgets.setdefault(info["participant"], own if ok else self.fed.peer_budget)
         fps = {i["participant"]: i["tokenizer_fp"] for i in self.nodes.values()}
         self.variants = {n: text_variants(self.fed.wire_texts, fp, [f for m, f in fps.items() if m != n])
                          for n, fp in fps.items()}
         self.texts = any(True in v for v in self.variants.values())
+        said = {i["participant"]: (i["tokenizer_fp"], _int_or_none(i.get("vocab_size"))) for i in self.nodes.values()}
+        self.inbox.config = dataclasses.replace(self.inbox.config, tokenizers=said)
         for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"]):
             self.log(INFO, "participant %-12s node %s model %-22s tokenizer %s key %s%s", info["participant"], node,
                      info["model_id"], info["tokenizer_fp"], info["key_fp"], _loaded(info))
@@ -246,28 +280,62 @@ class Engine:
                  self.fed.wire_texts, ", ".join(f"{n} signs {'+'.join('texts' if t else 'no-texts' for t in v)}"
                                                 for n, v in sorted(self.variants.items())))
 
-    def _check_supernodes(self, replies: Mapping[Address, Reply]) -> None:
-        counts = [r.info["supernodes"] for r in replies.values()
-                  if isinstance(r.info.get("supernodes"), int) and not isinstance(r.info.get("supernodes"), bool)]
+    def _hello(self, addrs: list[Address], timeout: float) -> None:
+        """Say hello to ``addrs`` (fresh challenges) and admit the nodes whose proofs hold."""
+        challenges = {a: secrets.token_bytes(32) for a in addrs}
+        requests = {a: {"run": self.run_id, "node": str(a), "challenge": challenges[a]} for a in addrs}
+        with PhaseProgress("hello (participants loading their models)", {a: str(a) for a in addrs}, self.log,
+                           self.fed.progress_every_s, self.clock, tracked=self.io.reports_replies) as progress:
+            replies, dropped = self.io.send("hello", requests, timeout, on_reply=progress.replied)
+        for a, why in dropped.items():
+            self._refuse(a, why.reason, why.detail)
+        for a in sorted(replies, key=_order):
+            self._admit_one(a, replies[a].info, challenges[a])
+
+    def _check_supernodes(self) -> None:
+        """A simulation with fewer SuperNodes than declared participants stops (only ADMITTED nodes'
+        word counts: a node that could not prove its key has no say)."""
+        counts = [i["supernodes"] for i in self.nodes.values()
+                  if isinstance(i.get("supernodes"), int) and not isinstance(i.get("supernodes"), bool)]
         if counts and self.declared and min(counts) < len(self.declared):
             msg = too_few_supernodes_message(min(counts), self.declared)
             self.log(logging.ERROR, "%s", msg)
-            self.finish_nodes(list(replies))
+            self.finish_nodes(list(self.nodes))
             raise TooFewSupernodes(msg)
+
+    def _check_partitions(self) -> None:
+        """Every admitted participant must split the prompts into the same number of partitions (its
+        node config's ``num-partitions``): with different numbers their prompt partitions overlap and,
+        with horizontal groups, they accept different shares of a group and refuse each other's."""
+        said = {i["participant"]: i["num_partitions"] for i in self.nodes.values()
+                if _int_or_none(i.get("num_partitions")) is not None}
+        if len(set(said.values())) > 1:
+            self.finish_nodes(list(self.nodes))
+            raise AdmissionError("participants were configured with different num-partitions ("
+                                 + ", ".join(f"{n}: {k}" for n, k in sorted(said.items()))
+                                 + "): set the same num-partitions in every node config (default: min-participants)")
+        if said and self.fed.objective.advantage_groups == "horizontal":   # the receivers' share, and prompts
+            self.partitions = next(iter(said.values()))
+            bounds = dataclasses.replace(self.inbox.config.bounds,
+                                         max_group_size=self.fed.completions_per_prompt(self.partitions))
+            self.inbox.config = dataclasses.replace(self.inbox.config, bounds=bounds)
 
     def _admit_one(self, addr: Address, info: dict, challenge: bytes) -> None:
         name = info["participant"]
         if name not in self.keys:
-            return self._refuse(addr, "unknown_participant", f"says it is {name!r}, which has no public key")
+            return self._refuse(addr, "unknown_participant", f"says it is {name[:64]!r}, which has no public key")
         if fingerprint(self.keys[name]) != info["key_fp"]:
             return self._refuse(addr, "key_mismatch", f"key of {name!r} does not match the key directory")
         if self.keys.is_revoked(name):
             where = self.keys.revocations.path if self.keys.revocations is not None else "revoked.txt"
             return self._refuse(addr, "revoked_key", f"the key of {name!r} is revoked ({where})")
-        if not verify_challenge(self.keys[name], self.fed.run_name, str(addr), name, challenge, info["proof"]):
+        if not verify_challenge(self.keys[name], self.run_id, str(addr), name, challenge, info["proof"]):
             return self._refuse(addr, "bad_proof", f"claims {name!r} but cannot sign its challenge with {name!r}'s key")
         if any(i["participant"] == name for i in self.nodes.values()):
             return self._refuse(addr, "duplicate_participant", f"participant {name!r} is already connected")
+        long = hello_too_long(info)
+        if long:
+            return self._refuse(addr, "bad_hello", long)
         self.nodes[addr] = info
 
     def _refuse(self, addr: Address, reason: str, detail: str) -> None:
@@ -311,7 +379,7 @@ class Engine:
                                    stats)
         stats.fed["fed/generate_failures"] = float(len(failed))
         for addr, r in replies.items():
-            stats.row(self.name(addr)).update(r.metrics)
+            stats.row(self.name(addr)).update(self._kept_metrics(addr, r, stats))
         self._log_phase(rnd, "generate", replies)
         return self.verify(replies, rnd, stats)
 
@@ -342,16 +410,27 @@ class Engine:
         self._log_phase(rnd, action, replies)
         for addr, r in list(replies.items()):
             name = self.name(addr)
+            kept = self._kept_metrics(addr, r, stats)
             try:
-                per_source = summarize_sources(r.metrics, name)
+                per_source = summarize_sources(kept, name)
             except Exception as e:                              # noqa: BLE001 - a reply never ends the run
                 self.log(WARNING, "participant %s: metrics unusable (%s: %s)", name, type(e).__name__, e)
                 stats.dropped["internal_error"] += 1
-                per_source = dict(r.metrics)
+                per_source = kept
             row = stats.row(name)
             row.update(per_source)
             row["model_id"] = self.nodes[addr]["model_id"]
         return replies
+
+    def _kept_metrics(self, addr: Address, reply: Reply, stats: RoundStats | None) -> dict[str, float]:
+        """A reply's metrics with the names ``MetricNames`` keeps (``fed/metrics_dropped`` counts the rest)."""
+        kept, dropped = self.metric_names.admit(self.name(addr), reply.metrics)
+        if dropped:
+            self.log(WARNING, "participant %s: %d metric names dropped (too long or too many new ones)",
+                     self.name(addr), dropped)
+            if stats is not None:
+                stats.fed["fed/metrics_dropped"] = stats.fed.get("fed/metrics_dropped", 0.0) + dropped
+        return kept
 
     def _log_phase(self, rnd: int, action: str, replies: Mapping[Address, Reply]) -> None:
         """One console line when a phase ends: per participant its seconds and tokens/s."""
@@ -374,48 +453,73 @@ class Engine:
                 try:
                     sender = parse_header(frame, self.inbox.config.limits).sender
                     if sender != name:
-                        raise BatchValidationError("sender_mismatch", f"frame names sender {sender!r}, "
+                        raise BatchValidationError("sender_mismatch", f"frame names sender {sender[:64]!r}, "
                                                                       f"the node said hello as {name!r}")
                     acc = self.inbox.accept(frame, expected_round=rnd)
-                except BatchValidationError as e:
-                    stats.rejected[e.reason] += 1
-                    self.log(WARNING, "round %d: batch from %s rejected: %s", rnd, name, e)
-                    continue
+                    self._check_tasks(acc.batch)
                 except Exception as e:                          # noqa: BLE001 - never let a frame end the run
-                    stats.rejected["internal_error"] += 1
-                    self.log(WARNING, "round %d: batch from %s: %s: %s", rnd, name, type(e).__name__, e)
+                    self._refused_frame(name, rnd, stats, e)
                     continue
                 h = parse_header(frame)
                 with_texts = self._verify_texts_variant(texts_variant, acc.batch, rnd, stats) if texts_variant else None
                 out.append(VerifiedFrame(acc.batch.sender, rnd, h.n_completions, h.n_completion_tokens, frame,
                                          with_texts))
+        stats.fed["fed/quarantined"] = float(len(self.inbox.quarantined))
         return out
+
+    def _check_tasks(self, batch) -> None:
+        """Every group's task id names a train task of this run, once per batch (what every receiver
+        checks first: ``eval_task``, ``unknown_task``, ``duplicate_task``; horizontal groups: one of
+        the round's shared prompts, ``unshared_task``); with texts, the prompt text is the task's
+        (``prompt_mismatch``, as a receiver with another tokenizer checks it)."""
+        seen: set[str] = set()
+        shared = None
+        if self.partitions:                             # horizontal: the round's shared prompts only
+            shared = frozenset(p.task_id for p in self.fed.task.prompts_for_round(0, self.partitions, batch.round))
+        for gi, g in enumerate(batch.groups):
+            task = resolve_task(g.task_id, f"groups[{gi}]", self.tasks, seen, shared)
+            if g.prompt_text and g.prompt_text != task.text:
+                raise BatchValidationError("prompt_mismatch", f"groups[{gi}].prompt_text: not the text of task "
+                                                              f"{g.task_id[:64]!r}")
+
+    def _refused_frame(self, name: str, rnd: int, stats: RoundStats, e: Exception, what: str = "batch") -> None:
+        """Count and log a refused frame of participant ``name``'s reply; charge ``name`` with it (the
+        reply came from the node that proved it is ``name``: whatever its frames hold, it sent them)
+        and quarantine it after ``reverify-quarantine-after`` charges."""
+        reason = e.reason if isinstance(e, BatchValidationError) else "internal_error"
+        stats.rejected[reason] += 1
+        detail = str(e) if isinstance(e, BatchValidationError) else f"{type(e).__name__}: {e}"
+        self.log(WARNING, "round %d: %s from %s rejected: %s", rnd, what, name, detail[:300])
+        if self.inbox.charge(name, reason, self.fed.reverify.quarantine_after):
+            self.log(WARNING, "participant %s quarantined by the server after %d refused frames: its frames are "
+                              "no longer relayed", name, self.inbox.strikes[name])
 
     def _verify_texts_variant(self, frame: bytes, plain, rnd: int, stats: RoundStats) -> bytes | None:
         """The texts variant of a verified batch: signed by the same sender (its seq is already used
-        by the variant without texts, so it bypasses the replay guard, not the signature), decodable,
-        valid, and the same batch apart from its texts. None (counted as ``variant_mismatch`` or the
-        frame's own reason) when not; the variant without texts is relayed to everyone then."""
+        by the variant without texts, so it bypasses the replay guard, not the signature), within the
+        run's bounds (checked as the variant without texts was: declared sizes before decompressing),
+        and the same batch apart from its texts. None (counted as ``variant_mismatch`` or the
+        frame's own reason, charged to the sender) when not; the variant without texts is relayed
+        to everyone then."""
         try:
             h, body = verify_frame(frame, self.keys, self.inbox.config.limits)
-            batch = decode_payload(h, body).validate(self.inbox.config.max_tokens)
+            if h.sender != plain.sender:
+                raise BatchValidationError("variant_mismatch", f"the texts variant is signed by {h.sender[:64]!r}")
+            batch = self.inbox.decode_checked(h, body, self.inbox.config.bounds)
+            self._check_tasks(batch)
             diff = texts_differ(plain, batch)
             if diff:
                 raise BatchValidationError("variant_mismatch", f"the texts variant differs in {diff}")
             return frame
-        except BatchValidationError as e:
-            stats.rejected[e.reason] += 1
-            self.log(WARNING, "round %d: texts variant from %s rejected: %s", rnd, plain.sender, e)
         except Exception as e:                                  # noqa: BLE001 - never let a frame end the run
-            stats.rejected["internal_error"] += 1
-            self.log(WARNING, "round %d: texts variant from %s: %s: %s", rnd, plain.sender, type(e).__name__, e)
+            self._refused_frame(plain.sender, rnd, stats, e, "texts variant")
         return None
 
     def evaluate(self, rnd: int) -> None:
         replies, _ = self.ask("evaluate", {a: {"round": rnd} for a in self.nodes}, None)
         rows = []
         for addr in sorted(replies, key=lambda a: self.name(a)):
-            name, m = self.name(addr), replies[addr].metrics
+            name, m = self.name(addr), self._kept_metrics(addr, replies[addr], None)
             rows.append({"round": rnd, "participant": name, "phase": "eval", **m})
             self.log(INFO, "  eval r%d %-12s ID %.3f  OOD %.3f", rnd, name, m.get("eval/id/accuracy", float("nan")),
                      m.get("eval/ood/accuracy", float("nan")))
@@ -445,7 +549,8 @@ class Engine:
     # ------------------------------------------------------------------ state
     def _save_state(self, rnd: int) -> None:
         state: dict[str, Any] = {
-            "completed_round": rnd, "run_name": self.fed.run_name, "guard": self.guard.to_json(),
+            "completed_round": rnd, "run_name": self.fed.run_name, "run_id": self.run_id,
+            "guard": self.guard.to_json(),
             "pending": [{"sender": f.sender, "round": f.round, "completions": f.completions, "tokens": f.tokens,
                          "frame": base64.b64encode(f.frame).decode(),
                          "frame_texts": base64.b64encode(f.frame_texts).decode() if f.frame_texts else None}
@@ -461,7 +566,8 @@ class Engine:
             raise ValueError(f"resume: {self.state_path} belongs to run {state['run_name']!r}, "
                              f"not {self.fed.run_name!r}")
         self.guard = ReplayGuard.from_json(state["guard"])
-        self.inbox = Inbox(self.keys, self.inbox.config, self.guard)
+        self.run_id = str(state.get("run_id") or self.fed.run_name)     # a state saved before run ids had nonces
+        self.inbox = Inbox(self.keys, dataclasses.replace(self.inbox.config, run_id=self.run_id), self.guard)
         self.pending = [VerifiedFrame(p["sender"], p["round"], p["completions"], p["tokens"],
                                       base64.b64decode(p["frame"]),
                                       base64.b64decode(p["frame_texts"]) if p.get("frame_texts") else None)

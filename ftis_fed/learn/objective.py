@@ -49,6 +49,11 @@ class ObjectiveConfig:
         ``token`` (default, the paper) or ``sequence`` (one ratio per completion: exp of the summed
         log-ratio). Cross-tokenizer samples always use ``sequence``.""")
     trunc_c: float = knob("trunc-c", 2.0, "C, the truncation cap of the importance weight; > 0, ``inf`` disables.")
+    trunc_mean_cap: float = knob("trunc-mean-cap", 0.0, """
+        > 0: each completion's truncated weights are scaled so that their mean over its tokens is at
+        most this (``cap_row_mean``; 1 = no completion weighs more than an on-policy one: an honest
+        sender's mean weight is <= 1 in expectation, E_gen[min(pi_theta/pi_gen, C)] <= 1, while one
+        claiming low log-probs gets C on every token; docs/security.md); 0 (default) = off, >= 0.""")
     clip_eps: float = knob("clip-eps", 0.2, "eps of the PPO clip, in [0, 1).")
     filter_g: float = knob("filter-g", 50.0, """
         g, the KL threshold above which negative-advantage samples are dropped; > 0, ``inf``
@@ -80,6 +85,7 @@ class ObjectiveConfig:
         need(self.mode in MODES, "mode", f"must be one of {sorted(MODES)}")
         need(self.ratio_level in ("token", "sequence"), "ratio_level", "must be 'token' or 'sequence'")
         need(self.trunc_c > 0, "trunc_c", "must be > 0 (inf disables truncation)")
+        need(self.trunc_mean_cap >= 0, "trunc_mean_cap", "must be >= 0 (0 = off)")
         need(0 <= self.clip_eps < 1, "clip_eps", "must be in [0, 1)")
         need(self.filter_g > 0, "filter_g", "must be > 0 (inf disables the filter)")
         need(self.kl_estimator in ("sum-k1", "sum-k3", "mean-k1", "mean-k3"), "kl_estimator",
@@ -225,6 +231,17 @@ MODES: dict[str, Mode] = {
 }
 
 
+def cap_row_mean(w: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """(B,T) weights scaled per row so that each row's mean weight over its valid tokens is at most
+    ``cap`` (rows at or below it unchanged; ``cap`` <= 0: no change). Depends on each row only."""
+    if cap <= 0:
+        return w
+    n = mask.sum(-1).clamp(min=1).to(w.dtype)                                      # (B,)
+    mean = torch.where(mask, w, torch.zeros_like(w)).sum(-1) / n                   # (B,)
+    scale = torch.where(mean > cap, cap / mean.clamp(min=1e-30), torch.ones_like(mean))  # (B,)
+    return w * scale[:, None]
+
+
 def importance_weights(mode: str, logp: Tensor, logp_old: Tensor, log_ratio_gen: Tensor,
                        c: float) -> tuple[Tensor, Tensor]:
     """(w, log R), both (B,T): the detached weight and the log of the PPO ratio for ``mode``."""
@@ -338,6 +355,7 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     raw = log_ratios(logp, logp_gen, mask, seq_level, seq_logp_gen)               # (B,T)
     log_ratio_gen = raw.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)           # clamp before exp
     w, log_r = importance_weights(cfg.mode, logp, logp_old, log_ratio_gen, cfg.trunc_c)
+    w = cap_row_mean(w, mask, cfg.trunc_mean_cap)                                  # a log-prob liar's bound
     kl = kl_estimate(raw.detach(), mask, seq_level, cfg.kl_estimator, cfg.log_ratio_clamp)  # (B,)
     adv = x.advantages.to(logp.dtype)
     kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)

@@ -21,6 +21,12 @@ from ftis_fed.wire.codec import MAX_HEADER_LEN, SIGNATURE_LEN, WireLimits
 #: token (SmolLM2's longest token is 16 characters; 32 leaves room for other tokenizers).
 CHARS_PER_TOKEN = 32
 
+#: Another tokenizer's completion text may re-tokenize to at most this many tokens per token of the
+#: run's ``max-new-tokens`` in the receiver's tokenizer (plus its EOS), and a batch's texts to this
+#: many times the run's completion tokens per frame (``max_retokenized_tokens`` /
+#: ``max_retokenized_batch_tokens``); beyond, the batch is refused (``retokenized_too_long``).
+RETOKENIZE_FACTOR = 2
+
 
 @dataclass(frozen=True)
 class ReceiveBounds:
@@ -83,6 +89,16 @@ class ReceiveBounds:
     @property
     def max_completions(self) -> int:
         return self.max_groups * self.max_group_size
+
+    @property
+    def max_retokenized_tokens(self) -> int:
+        """Tokens one completion text of another tokenizer may become here (its EOS included)."""
+        return RETOKENIZE_FACTOR * self.max_new_tokens + 1
+
+    @property
+    def max_retokenized_batch_tokens(self) -> int:
+        """Tokens the completion texts of one batch of another tokenizer may become here."""
+        return RETOKENIZE_FACTOR * self.max_completion_tokens + self.max_completions
 
     @property
     def max_raw_bytes(self) -> int:

@@ -22,8 +22,10 @@ Reasons (``REASONS``): from the header and signature ``missing_field`` (no frame
 ``quarantined``, ``wrong_run``, ``wrong_round``, ``replay``, ``too_many_frames``; from the content
 (``CompletionBatch.validate``) ``missing_field``, ``bad_header``, ``bad_sampling``, ``bad_ids``,
 ``id_out_of_range``, ``length_mismatch``, ``bad_reward``, ``nonfinite_logprob``,
-``positive_logprob``, ``too_large``, ``text_too_long``; ``wrong_sampling`` (not the run's sampling
-distribution); and ``wrong_tokenizer`` (a different tokenizer and no texts to re-tokenize).
+``positive_logprob``, ``too_large``, ``text_too_long`` (also: more than ``CHARS_PER_TOKEN`` characters
+per id, a text that is not the decoding of its ids); ``wrong_sampling`` (not the run's sampling
+distribution); and ``wrong_tokenizer`` (a different tokenizer and no texts to re-tokenize, or, at
+the server, not the tokenizer or vocabulary its sender said hello with: ``InboxConfig.tokenizers``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
-from ftis_fed.trust.bounds import ReceiveBounds
+from ftis_fed.trust.bounds import CHARS_PER_TOKEN, ReceiveBounds
 from ftis_fed.trust.signing import ReplayGuard, verify_frame
 from ftis_fed.wire.codec import WireHeader, WireLimits, check_header_limits, decode_payload
 
@@ -47,6 +49,11 @@ REASONS = (
     "bad_sampling", "bad_ids", "id_out_of_range", "length_mismatch", "bad_reward", "nonfinite_logprob",
     "positive_logprob", "text_too_long", "wrong_sampling", "wrong_tokenizer",
 )
+
+#: Rejections that do not count against a sender (``Inbox.charge``): the relay (not the sender) may
+#: cause them, or the receiver itself (its code), or they follow from an earlier refusal.
+NOT_THE_SENDERS_FAULT = frozenset({"replay", "wrong_round", "wrong_run", "quarantined", "internal_error",
+                                   "own_batch_relayed"})
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,8 @@ class InboxConfig:
     limits: wire-format bounds for decoding (frame / payload bytes, counts).
     tokenizer_fp: the receiver's tokenizer fingerprint; None (the server) skips classification.
     bounds: the receiver's own bounds (``ReceiveBounds.from_run``); None: only ``limits`` / ``max_tokens``.
+    tokenizers: the server's: sender -> (tokenizer_fp, vocab_size or None) it said hello with; a frame
+        declaring another is refused (``wrong_tokenizer``) before it is decompressed. None: not checked.
     """
 
     run_id: str | None = None
@@ -65,6 +74,7 @@ class InboxConfig:
     limits: WireLimits = field(default_factory=WireLimits)
     tokenizer_fp: str | None = None
     bounds: ReceiveBounds | None = None
+    tokenizers: Mapping[str, tuple[str, int | None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +186,23 @@ class Inbox:
         if budget and self.frames_seen[(h.sender, h.round)] > budget:
             raise BatchValidationError("too_many_frames", f"sender {h.sender!r} already delivered {budget} "
                                                           f"frame(s) for round {h.round}: limit {budget} per round")
+        batch = self.decode_checked(h, body, bounds)
+        token_level = token_level_usable(batch, cfg.tokenizer_fp)
+        if token_level and bounds is not None and bounds.vocab_size is not None:
+            check_vocab(batch, bounds.vocab_size)
+        return Accepted(batch=batch, frame=frame, token_level=token_level)
+
+    def decode_checked(self, h: WireHeader, body: bytes, bounds: ReceiveBounds | None) -> CompletionBatch:
+        """A signed frame's (header, body) -> its batch, checked against ``bounds`` (and the senders'
+        tokenizers, ``InboxConfig.tokenizers``): the declared sizes before a byte is decompressed,
+        then the content. No replay or budget state is touched (the server checks a batch's texts
+        variant with it, which shares the seq of the variant without texts)."""
+        cfg = self.config
+        said = (cfg.tokenizers or {}).get(h.sender)
+        if said is not None and (h.tokenizer_fp != said[0] or (said[1] is not None and h.vocab_size != said[1])):
+            raise BatchValidationError("wrong_tokenizer", f"tokenizer_fp={h.tokenizer_fp[:64]!r}, vocab_size="
+                                                          f"{h.vocab_size}: {h.sender!r} said hello with "
+                                                          f"{said[0][:64]!r}, {said[1]}")
         max_tokens = cfg.max_tokens
         if bounds is not None:
             check_header_limits(h, bounds.wire_limits())
@@ -185,18 +212,30 @@ class Inbox:
                                                     f"limit {max_tokens}")
         batch = decode_payload(h, body)
         if bounds is None:
-            batch.validate(max_tokens)
-        else:
-            batch.validate(max_tokens, max_new_tokens=bounds.max_new_tokens, max_text_chars=bounds.max_text_chars,
-                           max_prompt_chars=bounds.max_prompt_chars, max_string_chars=bounds.max_string_chars,
-                           max_prompt_tokens=bounds.max_prompt_tokens, max_group_size=bounds.max_group_size)
-            if bounds.sampling is not None and batch.sampling != bounds.sampling:
-                raise BatchValidationError("wrong_sampling", f"sampling={batch.sampling}: this run samples with "
-                                                             f"{bounds.sampling}")
-        token_level = token_level_usable(batch, cfg.tokenizer_fp)
-        if token_level and bounds is not None and bounds.vocab_size is not None:
-            check_vocab(batch, bounds.vocab_size)
-        return Accepted(batch=batch, frame=frame, token_level=token_level)
+            return batch.validate(max_tokens)
+        batch.validate(max_tokens, max_new_tokens=bounds.max_new_tokens, max_text_chars=bounds.max_text_chars,
+                       max_prompt_chars=bounds.max_prompt_chars, max_string_chars=bounds.max_string_chars,
+                       max_prompt_tokens=bounds.max_prompt_tokens, max_group_size=bounds.max_group_size,
+                       max_chars_per_token=CHARS_PER_TOKEN)
+        if bounds.sampling is not None and batch.sampling != bounds.sampling:
+            raise BatchValidationError("wrong_sampling", f"sampling={batch.sampling}: this run samples with "
+                                                         f"{bounds.sampling}")
+        return batch
+
+    def charge(self, sender: str | None, reason: str, quarantine_after: int) -> bool:
+        """One strike against ``sender`` for a refusal it controls (not one of ``NOT_THE_SENDERS_FAULT``);
+        True when it is quarantined by it (``quarantine_after`` strikes; 0: never)."""
+        if sender is None or sender.startswith("_") or reason in NOT_THE_SENDERS_FAULT:
+            return False
+        self.strikes[sender] += 1
+        return self.quarantine_if_due(sender, quarantine_after)
+
+    def quarantine_if_due(self, sender: str, quarantine_after: int) -> bool:
+        """Quarantine ``sender`` once its strikes reach ``quarantine_after`` (> 0); True when it happens now."""
+        if quarantine_after <= 0 or self.strikes[sender] < quarantine_after or sender in self.quarantined:
+            return False
+        self.quarantined.add(sender)
+        return True
 
     def _count_frame(self, sender: str, round: int) -> None:
         self.frames_seen[(sender, round)] += 1

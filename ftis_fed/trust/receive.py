@@ -19,15 +19,19 @@ round. For each frame, on its own (``receive``):
    another tokenizer, the prompt text equals ``task.text`` (``prompt_mismatch``). The group's
    reference, prompt text and completion texts are replaced by the receiver's own: the task's reference, the task's text, and the texts that will be trained
    on (same tokenizer: ``decode`` of the ids, never the carried texts; another tokenizer: the
-   carried texts, which are what gets re-tokenized).
+   carried texts, which are what gets re-tokenized, at most ``max_retokenized_tokens`` per
+   completion and ``max_retokenized_batch_tokens`` per batch in the receiver's tokenizer:
+   ``retokenized_too_long``).
 4. Rewards recomputed on that copy (``reverify``: replace / downweight / drop / off), within the
    batch's time budget (``time_budget``).
 
 Any failure drops that frame with a named reason (an unexpected exception: ``internal_error``);
 the other frames go on. Every outcome is recorded per sender under ``trust/<sender>/...``
 (``trust/_unverified/...`` before a signature holds: a claimed sender is not yet a sender), and a
-sender whose signed batches disagree ``reverify-quarantine-after`` times is ignored for the rest of
-the run (``quarantined``).
+sender whose signed batches disagree (claimed rewards or references, texts that are not the decoded
+ids) or are refused for a reason it controls (``Inbox.charge``: not one of ``NOT_THE_SENDERS_FAULT``;
+``time_budget`` counts) ``reverify-quarantine-after`` times is ignored for the rest of the run
+(``quarantined``).
 """
 
 from __future__ import annotations
@@ -53,12 +57,6 @@ log = logging.getLogger(__name__)
 #: Trust-record key for rejections before a signature holds (participant names cannot start with "_").
 UNVERIFIED = "_unverified"
 
-#: Rejections that do not count against a sender: the relay (not the sender) may cause them, or
-#: the receiver itself (its clock, its code).
-NOT_THE_SENDERS_FAULT = frozenset({"replay", "wrong_round", "wrong_run", "quarantined", "time_budget",
-                                   "internal_error", "own_batch_relayed"})
-
-
 @dataclass(frozen=True)
 class ReceiverContext:
     """Everything a receiver checks peers' batches with, all of it its own.
@@ -71,6 +69,8 @@ class ReceiverContext:
     shared_tasks: horizontal groups: the task ids of the round's shared prompts (its own prompts of
         the round); a group for any other task is refused (``unshared_task``). None: not checked
         (vertical groups, where each participant has its own prompts).
+    encode(text) -> ids: its tokenizer (no special tokens), to bound what another tokenizer's texts
+        re-tokenize to (``retokenized_too_long``) before anything is trained on them. None: not bounded.
     """
 
     name: str
@@ -82,6 +82,7 @@ class ReceiverContext:
     decode: Callable[[Sequence[int]], str]
     tokenizer_fp: str
     shared_tasks: frozenset[str] | None = None
+    encode: Callable[[str], Sequence[int]] | None = None
 
     @classmethod
     def from_run(cls, fed, policy, verifier: Verifier, name: str, known_tasks=None, shared_tasks=None,
@@ -93,12 +94,11 @@ class ReceiverContext:
         ``bounds``: overrides of ``ReceiveBounds.from_run``."""
         tok = policy.tokenizer
         return cls(name=name, bounds=ReceiveBounds.from_run(fed, policy.vocab_size, **bounds),
-                   tasks=TaskResolver(tuple(fed.task.families), int(fed.task.seed),
-                                      dict(fed.task.known_tasks() if known_tasks is None else known_tasks),
-                                      fed.task.source),
+                   tasks=run_tasks(fed, known_tasks),
                    verifier=verifier, reverify=fed.reverify, render=policy.format_prompt,
                    decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
                    tokenizer_fp=policy.tokenizer_fp,
+                   encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
                    shared_tasks=frozenset(shared_tasks) if shared_tasks is not None else None)
 
 
@@ -133,24 +133,39 @@ class _Truth:
     texts_disagree: int = 0
 
 
+def run_tasks(fed, known_tasks=None) -> TaskResolver:
+    """The train tasks of run ``fed`` as this node resolves them (``TaskResolver``); known_tasks:
+    benchmark train items it loaded (None: ``fed.task.known_tasks()``, its own copy of the file)."""
+    return TaskResolver(tuple(fed.task.families), int(fed.task.seed),
+                        dict(fed.task.known_tasks() if known_tasks is None else known_tasks), fed.task.source)
+
+
+def resolve_task(task_id: str, where: str, tasks: TaskResolver, seen: set[str],
+                 shared: frozenset[str] | None = None):
+    """One group's task as this node knows it, or BatchValidationError: ``duplicate_task`` (already in
+    ``seen``, which it is added to), ``unshared_task`` (not in ``shared``, when given), ``eval_task`` /
+    ``unknown_task`` (``TaskResolver``)."""
+    if task_id in seen:
+        raise BatchValidationError("duplicate_task", f"{where}.task_id={task_id[:64]!r}: appears twice in one batch")
+    seen.add(task_id)
+    if shared is not None and task_id not in shared:
+        raise BatchValidationError("unshared_task", f"{where}.task_id={str(task_id)[:64]!r}: not one of this "
+                                                    "round's shared prompts (advantage-groups=horizontal)")
+    try:
+        return tasks.resolve(task_id)
+    except TaskRefused as e:
+        raise BatchValidationError(e.reason, f"{where}: {e}") from None
+
+
 def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = None) -> tuple[CompletionBatch, _Truth]:
     """The batch as the receiver will score and train on it; BatchValidationError if a task or prompt
     is not the receiver's own (see module docstring, step 3)."""
-    truth, groups, seen = _Truth(), [], set()
+    truth, groups, seen, retokenized = _Truth(), [], set(), 0
     renders: dict[str, np.ndarray] = {}
     digest = acc.batch.prompt_digest           # wire v2 without prompt ids: check the receiver's renderings
     for gi, g in enumerate(acc.batch.groups):
         where = f"groups[{gi}]"
-        if g.task_id in seen:
-            raise BatchValidationError("duplicate_task", f"{where}.task_id={g.task_id!r}: appears twice in one batch")
-        seen.add(g.task_id)
-        if ctx.shared_tasks is not None and g.task_id not in ctx.shared_tasks:
-            raise BatchValidationError("unshared_task", f"{where}.task_id={str(g.task_id)[:64]!r}: not one of this "
-                                                        "round's shared prompts (advantage-groups=horizontal)")
-        try:
-            task = ctx.tasks.resolve(g.task_id)
-        except TaskRefused as e:
-            raise BatchValidationError(e.reason, f"{where}: {e}") from None
+        task = resolve_task(g.task_id, where, ctx.tasks, seen, ctx.shared_tasks)
         truth.forged_references += int(g.reference != task.reference)
         if acc.token_level:
             own = renders.get(task.text)
@@ -169,6 +184,8 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
                 raise BatchValidationError("prompt_mismatch", f"{where}.prompt_text: not the text of task "
                                                               f"{g.task_id!r}")
             texts = tuple(g.completion_texts)
+            if ctx.encode is not None:
+                retokenized += _retokenized_within(texts, ctx, where, retokenized)
         groups.append(dataclasses.replace(g, reference=task.reference, prompt_text=task.text, completion_texts=texts))
         if deadline is not None and time.monotonic() > deadline:
             raise BatchValidationError("time_budget", f"{where}: checking the batch ran past its time budget")
@@ -181,6 +198,24 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
                                                           "prompt?)")
     batch = dataclasses.replace(acc.batch, groups=tuple(groups), prompt_digest=b"" if acc.token_level else digest)
     return batch, truth
+
+
+def _retokenized_within(texts: Sequence[str], ctx: ReceiverContext, where: str, so_far: int) -> int:
+    """Tokens the receiver's tokenizer makes of one group's completion texts; BatchValidationError
+    ``retokenized_too_long`` above ``max_retokenized_tokens`` per completion or, with ``so_far``
+    (the batch's earlier groups), ``max_retokenized_batch_tokens`` per batch."""
+    b, n = ctx.bounds, 0
+    for i, t in enumerate(texts):
+        k = len(ctx.encode(t))
+        if k > b.max_retokenized_tokens:
+            raise BatchValidationError("retokenized_too_long", f"{where}.completion_texts[{i}]: {len(t)} characters "
+                                                               f"re-tokenize to {k} tokens here: limit "
+                                                               f"{b.max_retokenized_tokens} per completion")
+        n += k
+        if so_far + n > b.max_retokenized_batch_tokens:
+            raise BatchValidationError("retokenized_too_long", f"{where}: the batch's texts re-tokenize to more than "
+                                                               f"{b.max_retokenized_batch_tokens} tokens here")
+    return n
 
 
 def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx: ReceiverContext) -> Received:
@@ -212,7 +247,7 @@ def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx
             m[f"trust/{sender}/texts_disagree"] += truth.texts_disagree
             corrected = res.metrics["reward/replaced"] if ctx.reverify.action == "replace" else dis
             m[f"trust/{sender}/rewards_corrected"] += int(corrected)
-            if dis or truth.forged_references:
+            if dis or truth.forged_references or truth.texts_disagree:
                 inbox.strikes[sender] += 1
             if res.batch is None:
                 raise BatchValidationError("reward_disagreement", f"{dis} claimed rewards disagree with this "
@@ -231,16 +266,11 @@ def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx
         if reason is not None:
             m[f"offpolicy/rejected/{reason}"] += 1
             m[f"trust/{sender}/rejected/{reason}"] += 1
-            if sender != UNVERIFIED and reason not in NOT_THE_SENDERS_FAULT and reason != "reward_disagreement":
-                inbox.strikes[sender] += 1
-        _maybe_quarantine(inbox, sender, ctx.reverify.quarantine_after)
+            if sender != UNVERIFIED and reason != "reward_disagreement":    # that one was struck above
+                inbox.charge(sender, reason, 0)
+        if sender != UNVERIFIED and inbox.quarantine_if_due(sender, ctx.reverify.quarantine_after):
+            log.warning("sender %s quarantined after %d refused or disagreeing batches", sender, inbox.strikes[sender])
         if sender != UNVERIFIED:
             m[f"trust/{sender}/quarantined"] = float(sender in inbox.quarantined)
     out.metrics = {k: float(v) for k, v in m.items()}
     return out
-
-
-def _maybe_quarantine(inbox: Inbox, sender: str, after: int) -> None:
-    if after > 0 and sender != UNVERIFIED and inbox.strikes[sender] >= after and sender not in inbox.quarantined:
-        inbox.quarantined.add(sender)
-        log.warning("sender %s quarantined after %d disagreeing batches", sender, inbox.strikes[sender])

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import struct
 import time
 import warnings
@@ -43,7 +44,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ftis_fed.atomic import atomic_write
-from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
+from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, MAX_SEQ, BatchValidationError, CompletionBatch
 from ftis_fed.wire.codec import WireHeader, WireLimits, WireOptions, encode_body, parse_header
 
 DOMAIN = b"ftis-fed/signed-completion-batch/v1\x00"
@@ -288,6 +289,26 @@ class RevocationList:
         return fp.lower() in self.revoked()
 
 
+# ------------------------------------------------------------------------------------ run identity
+
+#: Random bytes in a run id: two runs of one ``run-name`` never share an id (nor replay each other's frames).
+RUN_NONCE_BYTES = 16
+RUN_SEPARATOR = "@"
+
+
+def new_run_id(run_name: str) -> str:
+    """``<run-name>@<32 hex digits>``: the id a fresh run's frames and hello proofs are bound to.
+    The server draws it once and keeps it in its state (a resumed run reuses it); participants
+    learn it from hello (:func:`run_name_of` must be their own ``run-name``)."""
+    return f"{run_name}{RUN_SEPARATOR}{secrets.token_hex(RUN_NONCE_BYTES)}"
+
+
+def run_name_of(run_id: str) -> str:
+    """The ``run-name`` part of a run id (the whole string when it carries no nonce)."""
+    name, sep, nonce = run_id.rpartition(RUN_SEPARATOR)
+    return name if sep and re.fullmatch(r"[0-9a-f]{%d}" % (2 * RUN_NONCE_BYTES), nonce) else run_id
+
+
 # --------------------------------------------------------------------------------- sign / verify
 
 def signing_digest(h: WireHeader, body: bytes) -> bytes:
@@ -392,6 +413,8 @@ class ReplayGuard:
     def check(self, run_id: str, sender: str, round: int, seq: int, expected_round: int | None = None) -> None:
         """Raise BatchValidationError ``replay`` (old round / seen seq) or ``wrong_round`` (future)."""
         where = f"batch from {sender!r} (run {run_id!r}, round {round}, seq {seq})"
+        if seq >= MAX_SEQ:
+            raise BatchValidationError("bad_header", f"{where}: seq must be below 2**63")
         if expected_round is not None and round < expected_round:
             raise BatchValidationError("replay", f"{where}: round is older than the current round {expected_round}")
         if expected_round is not None and round > expected_round:

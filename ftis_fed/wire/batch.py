@@ -22,6 +22,10 @@ import numpy as np
 #: Largest batch anyone accepts unless configured otherwise (tokens over all completions).
 DEFAULT_MAX_TOKENS = 1 << 20
 
+#: Sequence numbers stay below 2**63 (they fit a signed 64-bit integer): an accepted seq of 2**64 - 1
+#: would leave its sender no higher one, and nothing honest comes near it (round << 16 + frames).
+MAX_SEQ = 1 << 63
+
 
 class BatchValidationError(ValueError):
     """A batch (or its encoding) broke a rule. ``reason`` is a short, stable counter key."""
@@ -141,7 +145,7 @@ class CompletionBatch:
     def validate(self, max_tokens: int = DEFAULT_MAX_TOKENS, *, max_new_tokens: int | None = None,
                  max_text_chars: int | None = None, max_prompt_chars: int | None = None,
                  max_string_chars: int | None = None, max_prompt_tokens: int | None = None,
-                 max_group_size: int | None = None) -> "CompletionBatch":
+                 max_group_size: int | None = None, max_chars_per_token: int | None = None) -> "CompletionBatch":
         """Check every field; raise BatchValidationError naming the first violation.
 
         The keyword limits are a receiver's own (``bounds.ReceiveBounds``), applied on top of what the
@@ -149,7 +153,9 @@ class CompletionBatch:
         batch's ``sampling.max_new_tokens`` applies); ``max_text_chars`` / ``max_prompt_chars`` cap each
         completion / prompt text (``text_too_long``); ``max_string_chars`` each task id and reference
         (``too_large``); ``max_prompt_tokens`` each prompt and ``max_group_size`` each group's completions
-        (``too_large``). None: not checked.
+        (``too_large``); ``max_chars_per_token`` each completion text against its own ids (at most that
+        many characters per id, ``text_too_long``: a text that is not the decoding of its ids). None: not
+        checked. ``seq`` must be below ``MAX_SEQ``.
         """
         for name in ("sender", "run_id", "model_id", "tokenizer_fp"):
             v = getattr(self, name)
@@ -161,6 +167,8 @@ class CompletionBatch:
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
                 _fail("bad_header", f"{name}={v!r}: must be an integer >= 0")
+        if self.seq >= MAX_SEQ:
+            _fail("bad_header", f"seq={self.seq}: must be below 2**63 (a sender's seq only grows)")
         if not 1 <= self.vocab_size <= 1 << 32:
             _fail("bad_header", f"vocab_size={self.vocab_size}: must be in [1, 2**32]")
         if not isinstance(self.sampling, SamplingParams):
@@ -179,7 +187,7 @@ class CompletionBatch:
         for gi, g in enumerate(self.groups):
             _validate_group(g, gi, self.vocab_size, mnt, bool(digest))
             _validate_sizes(g, gi, max_text_chars, max_prompt_chars, max_string_chars, max_prompt_tokens,
-                            max_group_size)
+                            max_group_size, max_chars_per_token)
         return self
 
 
@@ -233,7 +241,7 @@ def _validate_group(g: PromptGroup, gi: int, vocab_size: int, max_new_tokens: in
 
 def _validate_sizes(g: PromptGroup, gi: int, max_text_chars: int | None, max_prompt_chars: int | None,
                     max_string_chars: int | None, max_prompt_tokens: int | None,
-                    max_group_size: int | None) -> None:
+                    max_group_size: int | None, max_chars_per_token: int | None = None) -> None:
     where = f"groups[{gi}]"
     if max_group_size is not None and g.size > max_group_size:
         _fail("too_large", f"{where}: {g.size} completions, limit group-size={max_group_size}")
@@ -251,6 +259,11 @@ def _validate_sizes(g: PromptGroup, gi: int, max_text_chars: int | None, max_pro
             if len(t) > max_text_chars:
                 _fail("text_too_long", f"{where}.completion_texts[{i}] has {len(t)} characters: limit "
                                        f"{max_text_chars} (max-new-tokens x characters per token)")
+    if max_chars_per_token is not None:
+        for i, (t, ids) in enumerate(zip(g.completion_texts, g.completion_ids)):
+            if len(t) > max_chars_per_token * len(ids):
+                _fail("text_too_long", f"{where}.completion_texts[{i}] has {len(t)} characters for its {len(ids)} "
+                                       f"ids: limit {max_chars_per_token} per id (not the decoding of its ids)")
 
 
 #: Bytes of :func:`prompt_ids_digest`.
