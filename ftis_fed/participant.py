@@ -34,7 +34,7 @@ from ftis_fed.learn.evaluation import evaluate as evaluate_policy
 from ftis_fed.engine.validation import requested_variants
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
-from ftis_fed.tasks.rewards import Verifier
+from ftis_fed.tasks.identity import signed_run_id
 from ftis_fed.trust.attacks import hostile_frames, parse_kinds
 from ftis_fed.trust.receive import ReceiverContext, receive
 from ftis_fed.learn.rollouts import scored_groups
@@ -74,14 +74,16 @@ class Participant:
             raise ValueError(f"participant {spec.name!r}: its public key is missing from {spec.keys_dir}/public "
                              "or does not match its private key")
         self.guard = ReplayGuard()
-        self.verifier = Verifier()
+        self.verifier = fed.task.verifier()                 # the task's reward rules (your own functions too)
+        self.task_digest = fed.task.digest()                # announced in hello; batches are signed for it
+        self.run_id = signed_run_id(fed.run_name, self.task_digest)
         self.seq = 0
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
         self.completed_round = 0
         self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
-        self.inbox = Inbox(self.keys, InboxConfig(run_id=fed.run_name, max_tokens=fed.max_batch_tokens,
+        self.inbox = Inbox(self.keys, InboxConfig(run_id=self.run_id, max_tokens=fed.max_batch_tokens,
                                                   tokenizer_fp=self.policy.tokenizer_fp), self.guard)
 
     def _count_load(self) -> int:
@@ -127,6 +129,7 @@ class Participant:
                 "key_fp": fingerprint(self.key), "model_loads": self.model_loads, "pid": os.getpid(),
                 "completed_round": self.completed_round, "peer_budget": self.spec.peer_budget,
                 "local_budget": self.spec.local_budget, "load_seconds": round(self.load_seconds, 2),
+                "task_digest": self.task_digest,
                 "proof": sign_challenge(self.key, run, node, self.name, challenge)}
 
     def _fault(self, phase: str, round: int) -> None:
@@ -160,7 +163,7 @@ class Participant:
         # Strictly increasing per sender, also across a restart without checkpoint (the round
         # moves on): receivers' replay guards reject any seq they have seen.
         self.seq = max(self.seq + 1, round << 16)
-        batch = CompletionBatch(sender=self.name, run_id=fed.run_name, round=round, seq=self.seq,
+        batch = CompletionBatch(sender=self.name, run_id=self.run_id, round=round, seq=self.seq,
                                 model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
                                 vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))
         signed = [sign_batch(batch, self.key, send_options(t), max_tokens=fed.max_batch_tokens) for t in variants]
@@ -169,10 +172,12 @@ class Participant:
         n_tok = max(1, int(np.sum(lengths)))
         suffix = {False: "", True: "_texts"}
         rw = np.asarray(rewards)
-        group_std = np.mean([np.std(g.rewards) for g in groups])
+        scored = [r[~np.isnan(r)] for r in (np.asarray(g.rewards) for g in groups)]   # NaN: no reward (TRL's None)
+        group_std = np.mean([np.std(r) if r.size else 0.0 for r in scored])
         return frames, {
-            "reward/mean": float(rw.mean()), "reward/solved_frac": float((rw >= 1.0).mean()),
-            "reward/groups_with_signal": float(np.mean([np.ptp(g.rewards) > 0 for g in groups])),
+            "reward/mean": float(np.mean(np.concatenate(scored))) if np.isfinite(rw).any() else 0.0,
+            "reward/solved_frac": float((rw >= 1.0).mean()), "reward/unscored": float(np.isnan(rw).sum()),
+            "reward/groups_with_signal": float(np.mean([r.size > 1 and np.ptp(r) > 0 for r in scored])),
             "reward/group_std": float(group_std), "gen/completion_len": float(np.mean(lengths)),
             "gen/tokens": float(np.sum(lengths)), "gen/seconds": time.perf_counter() - t0,
             **{f"wire/frame_bytes{suffix[t]}": float(len(f)) for t, f in zip(variants, signed)},

@@ -271,7 +271,7 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     """``overrides`` with output-dir (and relative p<i>-model folders) made absolute against this
     directory, and the number of participants; the whole run config validated first (ValueError,
     one line). Imports the config dataclasses, nothing heavier; builds and loads no model."""
-    from ftis_fed.config.federation import MAX_PARTICIPANTS, participant_names, validate_run_config
+    from ftis_fed.config.federation import MAX_PARTICIPANTS, absolute_paths, participant_names, validate_run_config
 
     overrides = dict(overrides)                                  # what the user set (preset, --run-config)
     cfg = merged_run_config(app, overrides)
@@ -281,6 +281,8 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
         folder = Path(model).expanduser()
         if ("/" in model or model.startswith((".", "~"))) and not folder.is_absolute() and folder.exists():
             overrides[f"p{i}-model"] = str(folder.resolve())    # the workers run in another directory
+    overrides.update(absolute_paths({k: cfg[k] for k in ("task-data", "task-eval-data", "task-rewards")
+                                     if cfg.get(k)}, {})[0])    # your own task's files, likewise
     cfg = merged_run_config(app, overrides)
     validate_run_config(cfg, explicit=overrides)
     return overrides, len(participant_names(cfg))

@@ -31,6 +31,7 @@ from ftis_fed.learn.objective import MODES, ObjectiveConfig
 from ftis_fed.policies.config import PolicyConfig
 from ftis_fed.trust.reverify import ReverifyConfig
 from ftis_fed.learn.source_weights import SourceAdaptConfig
+from ftis_fed.tasks.reward_funcs import absolute_spec, parse_specs
 from ftis_fed.tasks.suite import TaskSpec
 
 
@@ -220,6 +221,8 @@ class FederationConfig:
                   if path and b != t.source}
         if t.source == "procedural":
             sets = eval_sets(self.eval_size, seed=t.seed, id_families=t.families, n_ood=self.eval_ood_size or None)
+        elif t.source == "user":
+            return t.user.eval_sets(self.eval_size, n_ood)
         else:
             held = eval_pool(t.source, t.benchmark_path, int(t.math500_eval_percent), True)
             if len(held) < self.eval_size:
@@ -614,6 +617,10 @@ def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]
             if (k in ("output-dir", "keys-dir", "state-dir", "gsm8k-data", "math500-data")
                     or k.endswith(("-keys-dir", "-state-dir"))) and cfg[k]:
                 cfg[k] = str(Path(str(cfg[k])).resolve())
+            elif k in ("task-data", "task-eval-data") and cfg[k] and Path(str(cfg[k])).expanduser().exists():
+                cfg[k] = str(Path(str(cfg[k])).expanduser().resolve())      # a hub id stays as it is
+            elif k == "task-rewards" and cfg[k]:
+                cfg[k] = ",".join(absolute_spec(s) for s in parse_specs(str(cfg[k])))
     return rc, nc
 
 

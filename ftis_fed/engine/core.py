@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping
 from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import BatchValidationError
 from ftis_fed.config.federation import FederationConfig, to_jsonable
+from ftis_fed.tasks.identity import signed_run_id
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, summarize_sources
 from ftis_fed.metrics.sinks import open_sinks, parse_report_to
@@ -134,7 +135,9 @@ class Engine:
         self.schedule = get_schedule(fed.scheme)
         self.state_path = self.out_dir / "server_state.json"
         self.guard = ReplayGuard()
-        self.inbox = Inbox(keys, InboxConfig(run_id=fed.run_name, max_tokens=fed.max_batch_tokens), self.guard)
+        self.task_digest = fed.task.digest()            # the task's identity (tasks.identity): hello must match
+        self.inbox = Inbox(keys, InboxConfig(run_id=signed_run_id(fed.run_name, self.task_digest),
+                                             max_tokens=fed.max_batch_tokens), self.guard)
         self.nodes: dict[Address, dict] = {}            # admitted address -> hello info
         self.refused: dict[Address, str] = {}           # address -> reason it was not admitted
         self.budgets = dict(budgets or {})
@@ -266,6 +269,11 @@ class Engine:
             return self._refuse(addr, "revoked_key", f"the key of {name!r} is revoked ({where})")
         if not verify_challenge(self.keys[name], self.fed.run_name, str(addr), name, challenge, info["proof"]):
             return self._refuse(addr, "bad_proof", f"claims {name!r} but cannot sign its challenge with {name!r}'s key")
+        if str(info.get("task_digest", "")) != self.task_digest:
+            return self._refuse(addr, "task_mismatch", f"participant {name!r} announces task digest "
+                                f"{str(info.get('task_digest', ''))[:16] or '(procedural)'}, this run's is "
+                                f"{self.task_digest[:16] or '(procedural)'}: another data file, split, column or "
+                                "reward function (docs/own-task.md)")
         if any(i["participant"] == name for i in self.nodes.values()):
             return self._refuse(addr, "duplicate_participant", f"participant {name!r} is already connected")
         self.nodes[addr] = info
