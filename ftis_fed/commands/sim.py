@@ -140,13 +140,14 @@ def layered_overrides(app: Path, items: list[str], preset: str | None = None) ->
         unknown = [k for k in layer if k not in known]
         if unknown:
             from ftis_fed.config.federation import MAX_PARTICIPANTS, PER_PARTICIPANT_KEYS
+            from ftis_fed.config.trl_names import trl_hint
 
             m = re.match(r"^p(\d+)-(.+)$", unknown[0])
             if m and int(m.group(1)) >= MAX_PARTICIPANTS and m.group(2) in PER_PARTICIPANT_KEYS:
                 raise ValueError(f"{unknown[0]} (from {source}): at most {MAX_PARTICIPANTS} participants "
                                  f"(p0 ... p{MAX_PARTICIPANTS - 1}; MAX_PARTICIPANTS in ftis_fed/config/federation.py)")
             raise ValueError(f"run-config key {unknown[0]!r} (from {source}) is not a key of "
-                             "[tool.flwr.app.config]; see docs/configuration.md")
+                             f"[tool.flwr.app.config]{trl_hint(unknown[0])}; see docs/configuration.md")
         merged.update(layer)
     return merged
 

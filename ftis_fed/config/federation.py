@@ -27,6 +27,7 @@ from typing import Any, Collection, Mapping
 
 from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.config.knobs import Knob, knob, knobs
+from ftis_fed.config.trl_names import reference_section, trl_hint
 from ftis_fed.learn.objective import MODES, ObjectiveConfig
 from ftis_fed.policies.config import PolicyConfig
 from ftis_fed.trust.reverify import ReverifyConfig
@@ -571,7 +572,7 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
             if m and int(m.group(1)) >= MAX_PARTICIPANTS and m.group(2) in PER_PARTICIPANT_KEYS:
                 raise ValueError(f"{key}: at most {MAX_PARTICIPANTS} participants (p0 ... p{MAX_PARTICIPANTS - 1}; "
                                  "MAX_PARTICIPANTS in ftis_fed/config/federation.py)")
-            raise ValueError(f"{key}: not a run-config key (see docs/configuration.md)")
+            raise ValueError(f"{key}: not a run-config key{trl_hint(key)} (see docs/configuration.md)")
     fed = federation_from_run_config(run_config)
     names = participant_names(run_config)
     for i in range(len(names) + 1, MAX_PARTICIPANTS):
@@ -688,7 +689,8 @@ def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
     lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
               "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]
     lines += [f"- `{k.key}`: {k.help}" for k in node_only]
-    return "\n".join(lines) + "\n"
+    lines += ["", *reference_section()]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover - documentation generator

@@ -134,9 +134,24 @@ def _source_sha256(module: Any) -> str:
     return hashlib.sha256(Path(src).read_bytes()).hexdigest() if src and Path(src).is_file() else ""
 
 
-@lru_cache(maxsize=64)
+def file_stamp(path: str | Path) -> tuple[int, int]:
+    """(mtime ns, size) of a file, (0, 0) if absent: part of a cache key, so an edited file reloads."""
+    try:
+        st = Path(path).expanduser().stat()
+    except OSError:
+        return (0, 0)
+    return (st.st_mtime_ns, st.st_size)
+
+
 def load_reward_func(spec: str, weight: float = 1.0, key: str = "task-rewards") -> RewardFunc:
-    """The function named by ``spec`` (see module docstring); ValueError naming ``key`` otherwise."""
+    """The function named by ``spec`` (see module docstring); ValueError naming ``key`` otherwise.
+    Cached per process while a file spec's file is unchanged."""
+    stamp = file_stamp(spec.rpartition(":")[0]) if is_file_spec(spec) else (0, 0)
+    return _load_reward_func(spec, float(weight), key, stamp)
+
+
+@lru_cache(maxsize=64)
+def _load_reward_func(spec: str, weight: float, key: str, stamp: tuple[int, int]) -> RewardFunc:
     where, _, fn_name = spec.rpartition(":")
     if is_file_spec(spec):
         module = _file_module(Path(where).expanduser(), key)

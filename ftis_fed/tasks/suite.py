@@ -211,7 +211,8 @@ class TaskSpec:
             if not 0 <= self.eval_percent <= 99:
                 raise ValueError(f"task.eval_percent={self.eval_percent!r}: must be in [0, 99]")
             if self.ood_families and not self.family_column:
-                raise ValueError("task.ood_families: needs task-family-column (the column naming each row's family)")
+                raise ValueError(f"task.ood_families={','.join(self.ood_families)!r}: needs task-family-column (the "
+                                 "column naming each row's family)")
         if self.scheme not in SCHEMES:
             raise ValueError(f"task.scheme={self.scheme!r}: must be one of {SCHEMES}")
         if not self.families:

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 from ftis_fed.tasks.benchmarks import read_rows
 from ftis_fed.tasks.prompt import Prompt
-from ftis_fed.tasks.reward_funcs import RewardFuncs
+from ftis_fed.tasks.reward_funcs import RewardFuncs, file_stamp, is_file_spec, parse_specs
 
 #: Family prefix of every user-task id (what the Verifier keys its rule on).
 USER = "user"
@@ -70,9 +70,14 @@ def _hub_rows(source: str, split: str, key: str) -> list[dict]:
     return [dict(r) for r in ds]
 
 
-@lru_cache(maxsize=16)
 def load_rows(source: str, split: str = "train", key: str = "task-data") -> tuple[dict, ...]:
-    """Every row of ``source`` (see the module docstring), in file order; cached per process."""
+    """Every row of ``source`` (see the module docstring), in file order; cached per process while
+    the file is unchanged."""
+    return _load_rows(source, split, key, file_stamp(source))
+
+
+@lru_cache(maxsize=16)
+def _load_rows(source: str, split: str, key: str, stamp: tuple[int, int]) -> tuple[dict, ...]:
     if not str(source).strip():
         raise ValueError(f"{key}='': task-source=user needs a data file, folder or hub id")
     path = Path(source).expanduser()
@@ -244,10 +249,13 @@ class UserTask:
 
 
 def user_task(fields: Mapping[str, Any]) -> UserTask:
-    """A cached UserTask per distinct definition (rows and functions are loaded once per process)."""
-    return _cached_user_task(tuple(sorted(fields.items())))
+    """A cached UserTask per distinct definition (rows and functions are loaded once per process,
+    again when one of its files changes)."""
+    files = [fields.get("data", ""), fields.get("eval_data", "")]
+    files += [s.rpartition(":")[0] for s in parse_specs(fields.get("rewards", "")) if is_file_spec(s)]
+    return _cached_user_task(tuple(sorted(fields.items())), tuple(file_stamp(f) for f in files if f))
 
 
 @lru_cache(maxsize=8)
-def _cached_user_task(items: tuple) -> UserTask:
+def _cached_user_task(items: tuple, stamps: tuple) -> UserTask:
     return UserTask(**dict(items))
