@@ -34,6 +34,7 @@ from ftis_fed.learn.evaluation import evaluate as evaluate_policy
 from ftis_fed.engine.validation import requested_variants
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
+from ftis_fed.policies.share import CardInfo, make_shareable, update_card
 from ftis_fed.tasks.identity import signed_run_id
 from ftis_fed.trust.attacks import hostile_frames, parse_kinds
 from ftis_fed.trust.receive import ReceiverContext, receive
@@ -81,6 +82,8 @@ class Participant:
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
         self.completed_round = 0
         self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
+        self.peer_models: dict[str, str] = {}               # peer -> model id of its accepted batches (card)
+        self.heldout: dict[int, dict[str, float]] = {}      # round -> held-out accuracies (card)
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self.inbox = Inbox(self.keys, InboxConfig(run_id=self.run_id, max_tokens=fed.max_batch_tokens,
@@ -197,6 +200,7 @@ class Participant:
         metrics: dict[str, float] = dict(recv.metrics)
         weights = recv.sample_weights(offset=len(batches))
         batches += recv.batches
+        self.peer_models.update({b.sender: b.model_id for b in recv.batches})
         samples = samples_from_batches(batches, self.name, self.policy.tokenizer_fp, self.fed.objective,
                                        retokenize=self.policy.retokenize, sample_weights=weights)
         samples = self.adapt.apply(samples)                 # source-adapt: peers' negative advantages x w_s
@@ -214,7 +218,7 @@ class Participant:
             self.save()
         if round >= self.fed.num_rounds and self.fed.export_final:
             t1 = time.perf_counter()
-            self.policy.export(self.state_dir / "export")
+            make_shareable(self.policy.export(self.state_dir / "export"), self.spec.policy, self._card())
             metrics["export/seconds"] = time.perf_counter() - t1
         return metrics
 
@@ -270,7 +274,22 @@ class Participant:
         sets = self.fed.eval_sets()
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)
         out["eval/seconds"] = time.perf_counter() - t0
+        self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
+        if round >= self.fed.num_rounds and self.fed.export_final:
+            update_card(self.state_dir / "export", self.heldout)        # the card gets the final figures
         return out
+
+    def _card(self) -> CardInfo:
+        """What the exported model's card says about this run (``policies.share``)."""
+        fed, obj = self.fed, self.fed.objective
+        method = {"loss-mode": obj.mode, "ratio-level": obj.ratio_level, "trunc-c": obj.trunc_c,
+                  "filter-g": obj.filter_g, "kl-estimator": obj.kl_estimator, "clip-eps": obj.clip_eps,
+                  "length-norm": obj.length_norm, "advantage-groups": obj.advantage_groups,
+                  "group-size": fed.group_size, "max-new-tokens": fed.max_new_tokens,
+                  "temperature": fed.temperature, "lr": self.spec.policy.lr}
+        task = {"task-source": fed.task.source, "task digest": self.task_digest or "(procedural: the run config)"}
+        return CardInfo(self.name, self.run_id, self.completed_round, method, task, dict(self.peer_models),
+                        dict(self.heldout))
 
     # ------------------------------------------------------------------ resume
     def save(self) -> None:
@@ -278,7 +297,8 @@ class Participant:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.trainer.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
-                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id}
+                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id, "peer_models": self.peer_models,
+                 "heldout": {str(k): v for k, v in self.heldout.items()}}
         tmp = self.state_dir / "participant.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_dir / "participant.json")
@@ -294,3 +314,5 @@ class Participant:
         self.completed_round = int(state["completed_round"])
         self.guard = ReplayGuard.from_json(state["guard"])
         self.adapt = SourceAdapter.from_json(self.fed.source_adapt, self.name, state.get("adapt"))
+        self.peer_models = dict(state.get("peer_models", {}))
+        self.heldout = {int(k): v for k, v in state.get("heldout", {}).items()}
