@@ -225,18 +225,24 @@ def test_a_federation_trains_on_a_user_task_and_receivers_reverify(tmp_path, mon
     function by module path (on sys.path), one by file path; every peer batch re-scored."""
     data, module = write_task(tmp_path, add_rows())
     monkeypatch.syspath_prepend(str(tmp_path))
-    rc = {**user_rc(data, module), "task-rewards": f"my_rewards:correct,{module}:short"}
+    rc = {**user_rc(data, module), "task-rewards": f"my_rewards:correct,{module}:short", "eval-every": 1,
+          "eval-size": 4}
     fed, parts = _participants(tmp_path, {"alice": rc, "bob": rc}, "own")
     eng = Engine(fed, load_key_directory(tmp_path / "keys"), tmp_path, InProcessTransport(parts), plots=False)
     assert eng.run() == 1
     assert parts["alice"].run_id == f"own@task:{fed.task.digest()[:16]}"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    r1 = {r["participant"]: r for r in rows if r["round"] == 1}
+    r1 = {r["participant"]: r for r in rows if r["round"] == 1 and r["phase"] == "train"}
     assert r1["_federation"]["fed/frames_verified"] == 2 and r1["_federation"]["fed/rejected"] == 0
     for me, peer in (("alice", "bob"), ("bob", "alice")):
         assert r1[me][f"trust/{peer}/accepted"] == 1
         assert r1[me]["reward/peer_checked"] == 8 and r1[me]["reward/peer_disagreements"] == 0
         assert r1[me]["train/peer_samples"] == 8
+    # alice's export: a whole model (tiny-arith is on no hub) with a card naming the run and bob
+    card = (tmp_path / "participants" / "alice" / "export" / "README.md").read_text()
+    for text in (f"`{parts['alice'].run_id}`", "| bob | `tiny-arith` |", "task-source: `user`", "| round |",
+                 "eval/id/accuracy", "| 1 |"):
+        assert text in card, text
     # what the receivers recomputed is what the functions say: score bob's round-1 prompts again
     task = fed.task.user
     prompt = fed.task.prompts_for_round(1, 2, 1)[0]
