@@ -97,10 +97,11 @@ class FederationConfig:
         resume continues from the last written state: rounds after it are redone.""")
     export_final: bool = knob("export-final", True, """
         after the last round's update every participant exports its trained model with
-        ``save_pretrained`` into ``<state-dir>/export/``: the peft adapter folder for LoRA (4-bit
-        QLoRA included: the adapter, base model not merged) or the full model folder, with its
-        tokenizer and the model's own generation_config.json; transformers (+ peft) and vLLM load
-        it.""")
+        ``save_pretrained`` into ``<state-dir>/export/``, shareable (docs/models.md, Exports): a peft
+        adapter folder naming its base by hub id when the base came from a hub (QLoRA: with its
+        bitsandbytes config in the card), otherwise a whole model (a LoRA merged into its base),
+        with its tokenizer, generation_config.json and a filled model card (README.md);
+        transformers (+ peft) and vLLM load it.""")
     keys_dir: str = knob("keys-dir", "", """
         folder with ``public/<participant>.pub`` (and, on each node, its own
         ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
