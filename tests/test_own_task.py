@@ -290,3 +290,14 @@ def test_flwr_run_on_the_example_task(tmp_path):
             assert train[(rnd, me)]["reward/peer_disagreements"] == 0
     evals = [r for r in got if r["phase"] == "eval" and r["participant"] == "alice"]
     assert evals and all("eval/id/accuracy" in r and "eval/ood/sub/accuracy" in r for r in evals)
+
+
+def test_the_example_preset_validates_offline(monkeypatch):
+    """``ftis-fed sim --preset own-task`` from the repository root: the whole run config checks
+    (models offline, data and reward functions load), paths made absolute for the workers."""
+    from ftis_fed.commands.sim import checked_run_config, layered_overrides
+
+    monkeypatch.chdir(ROOT)
+    overrides, n = checked_run_config(ROOT, layered_overrides(ROOT, [], preset="own-task"))
+    assert n == 2 and overrides["task-data"] == str(EXAMPLE / "data.jsonl")
+    assert overrides["task-rewards"].split(",")[0] == f"{EXAMPLE / 'rewards.py'}:correct_answer"
