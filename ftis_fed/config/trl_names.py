@@ -21,70 +21,70 @@ class TrlName(NamedTuple):
     note: str
 
 
-TRL_NAMES: tuple[TrlName, ...] = (
-    TrlName("num_generations", "group-size", "G, completions per prompt (horizontal advantage groups: split among "
-            "participants)."),
-    TrlName("max_completion_length", "max-new-tokens", "also Dr. GRPO's normalisation constant, as in TRL."),
-    TrlName("temperature", "temperature", "every participant samples and scores with it."),
-    TrlName("top_p", "top-p", ""),
-    TrlName("top_k", "top-k", "0 disables (TRL: 0 or None)."),
-    TrlName("learning_rate", "lr", "TRL's default 1e-6; ftis-fed's 0 = auto (1e-5 full, 2e-4 LoRA)."),
-    TrlName("epsilon", "clip-eps", "the PPO clip; symmetric only."),
-    TrlName("epsilon_high", "", "no asymmetric (DAPO clip-higher) bound: clip-eps both ways."),
-    TrlName("beta", "", "no reference-model KL term: always TRL's default beta = 0."),
-    TrlName("loss_type", "length-norm", "grpo -> sequence; dapo (TRL's default) and bnpo -> token; dr_grpo -> "
-            "constant (with scale-rewards = none, as the Dr. GRPO paper); cispo, sapo, luspo, vespo: none."),
-    TrlName("scale_rewards", "scale-rewards", "group or none; TRL's batch has no counterpart."),
-    TrlName("importance_sampling_level", "ratio-level", "token or sequence (cross-tokenizer samples are always "
-            "sequence-level)."),
-    TrlName("vllm_importance_sampling_correction", "loss-mode",
-            "truncated importance sampling of samples from another policy: TIS / F-TIS (default); noIS: off."),
-    TrlName("vllm_importance_sampling_mode", "ratio-level",
-            "token_truncate -> ratio-level = token; sequence_truncate -> sequence; *_mask: none (ftis-fed "
-            "truncates, it never masks by the ratio)."),
-    TrlName("vllm_importance_sampling_clip_max", "trunc-c", "C, the truncation cap (TRL's default 3.0, ours 2.0)."),
-    TrlName("vllm_importance_sampling_cap", "trunc-c", "TRL's deprecated name for vllm_importance_sampling_clip_max."),
-    TrlName("vllm_importance_sampling_clip_min", "", "no lower bound."),
-    TrlName("off_policy_mask_threshold", "filter-g", "with kl-estimator = mean-k1 it is TRL's DeepSeek-V3.2 mask "
-            "(negative-advantage sequences whose mean per-token KL exceeds delta are dropped); ftis-fed's default "
-            "estimator is the summed KL (sum-k1, filter-g 50)."),
-    TrlName("reward_weights", "task-reward-weights", "one per reward function (docs/own-task.md)."),
-    TrlName("multi_objective_aggregation", "", "sum_then_normalize (TRL's default) only."),
-    TrlName("num_iterations", "", "one update per batch (TRL's default 1)."),
-    TrlName("steps_per_generation", "prompts-per-round", "a participant's round: prompts-per-round prompts x "
-            "group-size completions, one update."),
-    TrlName("generation_batch_size", "prompts-per-round", "see steps_per_generation."),
-    TrlName("mask_truncated_completions", "", "not supported: truncated completions keep their reward."),
-    TrlName("use_vllm", "backend", "backend = vllm (colocated, one engine per participant)."),
-    TrlName("vllm_gpu_memory_utilization", "gpu-memory-share", "a participant's share of its GPU."),
-    TrlName("per_device_train_batch_size", "micro-batch", "completions per forward/backward."),
-    TrlName("gradient_accumulation_steps", "micro-batch", "every micro-batch of a round accumulates into one "
-            "update."),
-    TrlName("num_train_epochs", "num-rounds", "one update per participant per round."),
-    TrlName("max_steps", "num-rounds", "one update per participant per round."),
-    TrlName("max_grad_norm", "max-grad-norm", ""),
-    TrlName("weight_decay", "weight-decay", ""),
-    TrlName("optim", "optimizer", "adamw_torch -> adamw; adamw_8bit / paged_adamw_8bit -> adamw-8bit / "
-            "paged-adamw-8bit."),
-    TrlName("gradient_checkpointing", "grad-checkpointing", ""),
-    TrlName("bf16", "dtype", "dtype = bf16 (autocast); weights-dtype = bf16 loads the weights in bf16."),
-    TrlName("seed", "seed", ""),
-    TrlName("save_steps", "checkpoint-every", "rounds between checkpoints."),
-    TrlName("output_dir", "output-dir", ""),
-    TrlName("report_to", "report-to", "none, tensorboard, wandb."),
-    TrlName("train_dataset", "task-data", "with task-source = user; columns: task-prompt-column, "
-            "task-answer-column (docs/own-task.md)."),
-    TrlName("reward_funcs", "task-rewards", "import paths, module:function or path/to/file.py:function."),
-    TrlName("model_name_or_path", "model", "p<i>-model per participant."),
-    TrlName("dtype", "weights-dtype", "the dtype the weights are loaded in."),
-    TrlName("use_peft", "adapter", "adapter = lora."),
-    TrlName("lora_r", "lora-r", ""),
-    TrlName("lora_alpha", "lora-alpha", ""),
-    TrlName("lora_dropout", "lora-dropout", ""),
-    TrlName("lora_target_modules", "", "always all linear layers."),
-    TrlName("load_in_4bit", "quant", "quant = 4bit (NF4, with adapter = lora: QLoRA)."),
-    TrlName("load_in_8bit", "quant", "quant = 8bit (with adapter = lora)."),
-)
+#: One entry per TRL name: ``TRL name | ftis-fed key ('' = none) | note``; indented lines continue the note.
+_TABLE = """
+num_generations | group-size | G, completions per prompt (horizontal advantage groups: split among
+    participants).
+max_completion_length | max-new-tokens | also Dr. GRPO's normalisation constant, as in TRL.
+temperature | temperature | every participant samples and scores with it.
+top_p | top-p |
+top_k | top-k | 0 disables (TRL: 0 or None).
+learning_rate | lr | TRL's default 1e-6; ftis-fed's 0 = auto (1e-5 full, 2e-4 LoRA).
+epsilon | clip-eps | the PPO clip; symmetric only.
+epsilon_high |  | no asymmetric (DAPO clip-higher) bound: clip-eps both ways.
+beta |  | no reference-model KL term: always TRL's default beta = 0.
+loss_type | length-norm | grpo -> sequence; dapo (TRL's default) and bnpo -> token; dr_grpo -> constant (with
+    scale-rewards = none, as the Dr. GRPO paper); cispo, sapo, luspo, vespo: none.
+scale_rewards | scale-rewards | group or none; TRL's batch has no counterpart.
+importance_sampling_level | ratio-level | token or sequence (cross-tokenizer samples are always sequence-level).
+vllm_importance_sampling_correction | loss-mode | truncated importance sampling of samples from another policy:
+    TIS / F-TIS (default); noIS: off.
+vllm_importance_sampling_mode | ratio-level | token_truncate -> ratio-level = token; sequence_truncate ->
+    sequence; *_mask: none (ftis-fed truncates, it never masks by the ratio).
+vllm_importance_sampling_clip_max | trunc-c | C, the truncation cap (TRL's default 3.0, ours 2.0).
+vllm_importance_sampling_cap | trunc-c | TRL's deprecated name for vllm_importance_sampling_clip_max.
+vllm_importance_sampling_clip_min |  | no lower bound.
+off_policy_mask_threshold | filter-g | with kl-estimator = mean-k1 it is TRL's DeepSeek-V3.2 mask (negative-advantage
+    sequences whose mean per-token KL exceeds delta are dropped); ftis-fed's default estimator is the
+    summed KL (sum-k1, filter-g 50).
+reward_weights | task-reward-weights | one per reward function (docs/own-task.md).
+multi_objective_aggregation |  | sum_then_normalize (TRL's default) only.
+num_iterations |  | one update per batch (TRL's default 1).
+steps_per_generation | prompts-per-round | a participant's round: prompts-per-round prompts x group-size
+    completions, one update.
+generation_batch_size | prompts-per-round | see steps_per_generation.
+mask_truncated_completions |  | not supported: truncated completions keep their reward.
+use_vllm | backend | backend = vllm (colocated, one engine per participant).
+vllm_gpu_memory_utilization | gpu-memory-share | a participant's share of its GPU.
+per_device_train_batch_size | micro-batch | completions per forward/backward.
+gradient_accumulation_steps | micro-batch | every micro-batch of a round accumulates into one update.
+num_train_epochs | num-rounds | one update per participant per round.
+max_steps | num-rounds | one update per participant per round.
+max_grad_norm | max-grad-norm |
+weight_decay | weight-decay |
+optim | optimizer | adamw_torch -> adamw; adamw_8bit / paged_adamw_8bit -> adamw-8bit / paged-adamw-8bit.
+gradient_checkpointing | grad-checkpointing |
+bf16 | dtype | dtype = bf16 (autocast); weights-dtype = bf16 loads the weights in bf16.
+seed | seed |
+save_steps | checkpoint-every | rounds between checkpoints.
+output_dir | output-dir |
+report_to | report-to | none, tensorboard, wandb.
+train_dataset | task-data | with task-source = user; columns: task-prompt-column, task-answer-column
+    (docs/own-task.md).
+reward_funcs | task-rewards | import paths, module:function or path/to/file.py:function.
+model_name_or_path | model | p<i>-model per participant.
+dtype | weights-dtype | the dtype the weights are loaded in.
+use_peft | adapter | adapter = lora.
+lora_r | lora-r |
+lora_alpha | lora-alpha |
+lora_dropout | lora-dropout |
+lora_target_modules |  | always all linear layers.
+load_in_4bit | quant | quant = 4bit (NF4, with adapter = lora: QLoRA).
+load_in_8bit | quant | quant = 8bit (with adapter = lora).
+"""
+
+TRL_NAMES: tuple[TrlName, ...] = tuple(TrlName(*(c.strip() for c in entry.split("|", 2)))
+                                       for entry in _TABLE.strip().replace("\n    ", " ").splitlines())
 
 _BY_NAME = {t.trl: t for t in TRL_NAMES}
 
