@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from ftis_fed.commands.sim import checked_run_config, layered_overrides
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec, federation_from_run_config
 from ftis_fed.engine.core import AdmissionError, Engine
 from ftis_fed.engine.inprocess import InProcessTransport
@@ -23,7 +24,10 @@ from ftis_fed.tasks.identity import signed_run_id, split_run_id
 from ftis_fed.tasks.resolve import TaskRefused, TaskResolver
 from ftis_fed.tasks.reward_funcs import RewardFuncs, combine
 from ftis_fed.tasks.user import _load_rows, load_rows
-from ftis_fed.trust.signing import generate_keypair, load_key_directory
+from ftis_fed.trust.inbox import Inbox, InboxConfig
+from ftis_fed.trust.reverify import ReverifyConfig, reverify
+from ftis_fed.trust.signing import generate_keypair, load_key_directory, load_private_key, sign_batch
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "sims" / "own_task"
@@ -295,9 +299,42 @@ def test_flwr_run_on_the_example_task(tmp_path):
 def test_the_example_preset_validates_offline(monkeypatch):
     """``ftis-fed sim --preset own-task`` from the repository root: the whole run config checks
     (models offline, data and reward functions load), paths made absolute for the workers."""
-    from ftis_fed.commands.sim import checked_run_config, layered_overrides
-
     monkeypatch.chdir(ROOT)
     overrides, n = checked_run_config(ROOT, layered_overrides(ROOT, [], preset="own-task"))
     assert n == 2 and overrides["task-data"] == str(EXAMPLE / "data.jsonl")
     assert overrides["task-rewards"].split(",")[0] == f"{EXAMPLE / 'rewards.py'}:correct_answer"
+
+
+def test_no_reward_travels_as_nan_and_receivers_agree_on_it(tmp_path):
+    """A completion no function scored is NaN in the signed batch; a receiver re-scoring it with
+    the same functions agrees (NaN = NaN), a sender claiming a number there disagrees, and a
+    receiver's replaced batch keeps its own NaN."""
+    rows = add_rows(5) + [{"prompt": "Pick a number. Reply with just the number.", "answer": "", "op": "add"}]
+    data, module = write_task(tmp_path, rows)
+    fed = federation_from_run_config(user_rc(data, module, task_eval_percent=0))
+    verifier = fed.task.verifier()
+    open_row = next(p for p in fed.task.train_pool() if p.reference == "")
+    texts = ["7", "seven and more"]
+    ids = [list(t.encode()) for t in texts]
+    truth = verifier.group_rewards(open_row.task_id, texts, "", open_row.text, ids)
+    assert truth == [0.5, 0.0]                      # correct: None for both; short: 1 (3 ids or fewer), 0
+    rc = {**user_rc(data, module, task_eval_percent=0), "task-rewards": f"{module}:correct", "task-reward-weights": ""}
+    only_correct = federation_from_run_config(rc).task.verifier()
+    nan = only_correct.group_rewards(open_row.task_id, texts, "", open_row.text, ids)
+    assert all(math.isnan(r) for r in nan)
+
+    def batch(claimed):
+        g = make_group(list(open_row.text.encode()), ids, [np.full(len(c), -0.5) for c in ids], claimed,
+                       open_row.task_id, open_row.reference, open_row.text, texts)
+        return CompletionBatch("alice", "run", 1, 1 << 16, "m", "tok", 256, SamplingParams(max_new_tokens=64),
+                               (g,)).validate()
+
+    generate_keypair("alice", tmp_path / "keys")
+    key = load_private_key(tmp_path / "keys" / "private" / "alice.key")
+    inbox = Inbox(load_key_directory(tmp_path / "keys" / "public"), InboxConfig(run_id="run"))
+    got = inbox.accept(sign_batch(batch(nan), key), expected_round=1).batch      # NaN crosses the wire
+    assert np.isnan(got.groups[0].rewards).all()
+    honest = reverify(got, only_correct, ReverifyConfig())
+    assert honest.metrics["reward/disagreements"] == 0 and np.isnan(honest.batch.groups[0].rewards).all()
+    liar = reverify(batch([1.0, 1.0]), only_correct, ReverifyConfig())
+    assert liar.metrics["reward/disagreements"] == 2 and np.isnan(liar.batch.groups[0].rewards).all()
