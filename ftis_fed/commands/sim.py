@@ -19,8 +19,8 @@ What it does, so the same can be done by hand:
 5. ``flwr run <app> <connection> --run-config ... --federation-config "num-supernodes=N
    init-args-num-cpus=N client-resources-num-cpus=1"``: one simulated SuperNode per participant
    (``p<i>-model``), all able to work at once (each runs its model in its own process);
-   ``output-dir`` (and a ``p<i>-model`` that is a relative folder) is made absolute against the
-   current directory.
+   ``output-dir`` (and a ``p<i>-model`` that is a relative folder, ``task-data``,
+   ``task-eval-data`` and file-form ``task-rewards``) is made absolute against the current directory.
 6. The run's log is streamed; the exit status is the run's (``flwr run`` itself exits 0 even when the
    run failed), read with ``flwr ls --run-id``.
 """
