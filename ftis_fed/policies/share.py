@@ -156,8 +156,8 @@ def _front_matter(meta: Mapping[str, Any]) -> str:
     lines = ["---"]
     if meta["base_model"]:
         lines.append(f"base_model: {meta['base_model']}")
-        if meta["kind"] == "merged":
-            lines.append("base_model_relation: merge")
+        relation = {"adapter": "adapter", "merged": "merge", "full": "finetune"}[meta["kind"]]
+        lines.append(f"base_model_relation: {relation}")
     lines.append(f"library_name: {'peft' if meta['kind'] == 'adapter' else 'transformers'}")
     lines.append("pipeline_tag: text-generation")
     tags = ["ftis-fed", "grpo", "f-tis", "federated", "flower"] + (["lora"] if meta["adapter"] == "lora" else [])

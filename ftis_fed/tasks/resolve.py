@@ -16,9 +16,10 @@ completions against that. ``TaskResolver.resolve`` raises :class:`TaskRefused` w
 
 Procedural ids are ``{family}/{split}/{seed}/{index}`` (canonical decimal, no sign or leading
 zero, at most 18 digits): everything the task is made of follows from the id, so nothing is
-trusted. GSM8K train items (``gsm8k/train/{row}``) and MATH-500 train items
-(``math500/train/{unique_id}``) and a user task's train rows (``user/train/{row}``) can only be rebuilt from a file the receiver loaded itself
-(``known``: ``TaskSpec.known_tasks()``, from its own ``gsm8k-data`` / ``math500-data``); it then
+trusted. GSM8K train items (``gsm8k/train/{row}``), MATH-500 train items
+(``math500/train/{unique_id}``) and a user task's train rows (``user/train/{row}``) can only be
+rebuilt from a file the receiver loaded itself (``known``: ``TaskSpec.known_tasks()``, from its
+own ``gsm8k-data`` / ``math500-data`` / ``task-data``); it then
 trusts its own file (text and reference), and that a row number means the same row for the sender
 (the prompt-text / prompt-ids check catches a different file).
 """
