@@ -35,7 +35,8 @@ from ftis_fed.learn.evaluation import evaluate as evaluate_policy
 from ftis_fed.engine.validation import requested_variants
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
-from ftis_fed.tasks.rewards import Verifier
+from ftis_fed.policies.share import CardInfo, make_shareable, update_card
+from ftis_fed.tasks.identity import signed_run_id, split_run_id
 from ftis_fed.trust.attacks import hostile_frames, parse_kinds
 from ftis_fed.trust.receive import ReceiverContext, receive
 from ftis_fed.learn.rollouts import scored_groups
@@ -79,12 +80,16 @@ class Participant:
             raise ValueError(f"participant {spec.name!r}: its public key is missing from {spec.keys_dir}/public "
                              "or does not match its private key")
         self.guard = ReplayGuard()
-        self.run_id = self._saved_run_id()                  # the run id hello named (run_name@nonce)
-        self.verifier = Verifier()
+        self.verifier = fed.task.verifier()                 # the task's reward rules (your own functions too)
+        self.task_digest = fed.task.digest()                # announced in hello; batches are signed for it
+        self.run_base = signed_run_id(fed.run_name, self.task_digest)   # run name (+ task digest), no nonce
+        self.run_id = self._saved_run_id()                  # the run id hello named (run_base@nonce)
         self.seq = 0
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
         self.completed_round = 0
         self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
+        self.peer_models: dict[str, str] = {}               # peer -> model id of its accepted batches (card)
+        self.heldout: dict[int, dict[str, float]] = {}      # round -> held-out accuracies (card)
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self.inbox = Inbox(self.keys, self._inbox_config(), self.guard)
@@ -95,8 +100,8 @@ class Participant:
         try:
             saved = (self.state_dir / RUN_ID_FILE).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError):
-            return self.fed.run_name
-        return saved if run_name_of(saved) == self.fed.run_name else self.fed.run_name
+            return self.run_base
+        return saved if run_name_of(saved) == self.run_base else self.run_base
 
     def _inbox_config(self) -> InboxConfig:
         return InboxConfig(run_id=self.run_id, max_tokens=self.fed.max_batch_tokens,
@@ -139,10 +144,12 @@ class Participant:
         """Who I am, with ``proof``: my Ed25519 signature of the server's challenge for this run
         and node (proof of key possession). Refuses to sign a challenge of another run; ``run`` (the
         server's run id, ``run_name@nonce``) is what this participant's frames are signed for and the
-        only run whose frames it accepts from then on."""
-        if run_name_of(run) != self.fed.run_name:
-            raise ValueError(f"hello for run {run[:300]!r}: this participant belongs to run {self.fed.run_name!r}")
-        if run != self.run_id:
+        only run whose frames it accepts from then on. A run of the same name on another task (another
+        digest in ``run``) gets a reply, so that the server refuses this participant by name
+        (``task_mismatch``), but is not adopted."""
+        if split_run_id(run_name_of(run))[0] != self.fed.run_name:
+            raise ValueError(f"hello for run {run[:300]!r}: this participant belongs to run {self.run_base!r}")
+        if run_name_of(run) == self.run_base and run != self.run_id:
             self.run_id = run
             self.inbox.config = self._inbox_config()
             atomic_write(self.state_dir / RUN_ID_FILE, run)
@@ -151,7 +158,7 @@ class Participant:
                 "key_fp": fingerprint(self.key), "model_loads": self.model_loads, "pid": os.getpid(),
                 "completed_round": self.completed_round, "peer_budget": self.spec.peer_budget,
                 "local_budget": self.spec.local_budget, "load_seconds": round(self.load_seconds, 2),
-                "num_partitions": self.spec.num_partitions,
+                "num_partitions": self.spec.num_partitions, "task_digest": self.task_digest,
                 "proof": sign_challenge(self.key, run, node, self.name, challenge)}
 
     def _fault(self, phase: str, round: int) -> None:
@@ -194,10 +201,12 @@ class Participant:
         n_tok = max(1, int(np.sum(lengths)))
         suffix = {False: "", True: "_texts"}
         rw = np.asarray(rewards)
-        group_std = np.mean([np.std(g.rewards) for g in groups])
+        scored = [r[~np.isnan(r)] for r in (np.asarray(g.rewards) for g in groups)]   # NaN: no reward (TRL's None)
+        group_std = np.mean([np.std(r) if r.size else 0.0 for r in scored])
         return frames, {
-            "reward/mean": float(rw.mean()), "reward/solved_frac": float((rw >= 1.0).mean()),
-            "reward/groups_with_signal": float(np.mean([np.ptp(g.rewards) > 0 for g in groups])),
+            "reward/mean": float(np.mean(np.concatenate(scored))) if np.isfinite(rw).any() else 0.0,
+            "reward/solved_frac": float((rw >= 1.0).mean()), "reward/unscored": float(np.isnan(rw).sum()),
+            "reward/groups_with_signal": float(np.mean([r.size > 1 and np.ptp(r) > 0 for r in scored])),
             "reward/group_std": float(group_std), "gen/completion_len": float(np.mean(lengths)),
             "gen/tokens": float(np.sum(lengths)), "gen/seconds": time.perf_counter() - t0,
             **{f"wire/frame_bytes{suffix[t]}": float(len(f)) for t, f in zip(variants, signed)},
@@ -217,6 +226,7 @@ class Participant:
         metrics: dict[str, float] = dict(recv.metrics)
         weights = recv.sample_weights(offset=len(batches))
         batches += recv.batches
+        self.peer_models.update({b.sender: b.model_id for b in recv.batches})
         samples = samples_from_batches(batches, self.name, self.policy.tokenizer_fp, self.fed.objective,
                                        retokenize=self.policy.retokenize, sample_weights=weights)
         samples = self.adapt.apply(samples)                 # source-adapt: peers' negative advantages x w_s
@@ -234,7 +244,7 @@ class Participant:
             self.save()
         if round >= self.fed.num_rounds and self.fed.export_final:
             t1 = time.perf_counter()
-            self.policy.export(self.state_dir / "export")
+            make_shareable(self.policy.export(self.state_dir / "export"), self.spec.policy, self._card())
             metrics["export/seconds"] = time.perf_counter() - t1
         return metrics
 
@@ -290,7 +300,22 @@ class Participant:
         sets = self.fed.eval_sets()
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)
         out["eval/seconds"] = time.perf_counter() - t0
+        self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
+        if round >= self.fed.num_rounds and self.fed.export_final:
+            update_card(self.state_dir / "export", self.heldout)        # the card gets the final figures
         return out
+
+    def _card(self) -> CardInfo:
+        """What the exported model's card says about this run (``policies.share``)."""
+        fed, obj = self.fed, self.fed.objective
+        method = {"loss-mode": obj.mode, "ratio-level": obj.ratio_level, "trunc-c": obj.trunc_c,
+                  "filter-g": obj.filter_g, "kl-estimator": obj.kl_estimator, "clip-eps": obj.clip_eps,
+                  "length-norm": obj.length_norm, "advantage-groups": obj.advantage_groups,
+                  "group-size": fed.group_size, "max-new-tokens": fed.max_new_tokens,
+                  "temperature": fed.temperature, "lr": self.spec.policy.lr}
+        task = {"task-source": fed.task.source, "task digest": self.task_digest or "(procedural: the run config)"}
+        return CardInfo(self.name, self.run_id, self.completed_round, method, task, dict(self.peer_models),
+                        dict(self.heldout))
 
     # ------------------------------------------------------------------ resume
     def save(self) -> None:
@@ -298,7 +323,8 @@ class Participant:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.trainer.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
-                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id, "run_id": self.run_id}
+                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id, "run_id": self.run_id,
+                 "peer_models": self.peer_models, "heldout": {str(k): v for k, v in self.heldout.items()}}
         tmp = self.state_dir / "participant.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_dir / "participant.json")
@@ -313,5 +339,7 @@ class Participant:
         self.seq = int(state["seq"])
         self.completed_round = int(state["completed_round"])
         self.guard = ReplayGuard.from_json(state["guard"])
-        self.run_id = str(state.get("run_id") or self.fed.run_name)
+        self.run_id = str(state.get("run_id") or self.run_base)
         self.adapt = SourceAdapter.from_json(self.fed.source_adapt, self.name, state.get("adapt"))
+        self.peer_models = dict(state.get("peer_models", {}))
+        self.heldout = {int(k): v for k, v in state.get("heldout", {}).items()}

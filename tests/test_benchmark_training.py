@@ -70,7 +70,7 @@ def test_horizontal_benchmark_rounds_share_their_prompts():
     (_rc(task_source="gsm8k", gsm8k_data="/nonexistent/gsm8k"), r"gsm8k-data='/nonexistent/gsm8k': no such file"),
     (_rc(task_source="math500", math500_data="openai/nothing"), r"math500-data='openai/nothing': no such file"),
     (_rc(task_source="gsm8k", gsm8k_data=GSM8K, task_scheme="expertise"), r"task-scheme='expertise'.*use iid or shared"),
-    (_rc(task_source="squad"), r"task-source='squad': must be procedural, gsm8k or math500"),
+    (_rc(task_source="squad"), r"task-source='squad': must be one of procedural, gsm8k, math500, user"),
     (_rc(task_source="gsm8k", gsm8k_data=GSM8K, eval_every=1, eval_size=6),
      r"eval-size=6 .* task-source=gsm8k: the gsm8k held-out set has 5 items"),
 ])

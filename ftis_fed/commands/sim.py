@@ -19,8 +19,8 @@ What it does, so the same can be done by hand:
 5. ``flwr run <app> <connection> --run-config ... --federation-config "num-supernodes=N
    init-args-num-cpus=N client-resources-num-cpus=1"``: one simulated SuperNode per participant
    (``p<i>-model``), all able to work at once (each runs its model in its own process);
-   ``output-dir`` (and a ``p<i>-model`` that is a relative folder) is made absolute against the
-   current directory.
+   ``output-dir`` (and a ``p<i>-model`` that is a relative folder, ``task-data``,
+   ``task-eval-data`` and file-form ``task-rewards``) is made absolute against the current directory.
 6. The run's log is streamed; the exit status is the run's (``flwr run`` itself exits 0 even when the
    run failed), read with ``flwr ls --run-id``.
 """
@@ -140,13 +140,14 @@ def layered_overrides(app: Path, items: list[str], preset: str | None = None) ->
         unknown = [k for k in layer if k not in known]
         if unknown:
             from ftis_fed.config.federation import MAX_PARTICIPANTS, PER_PARTICIPANT_KEYS
+            from ftis_fed.config.trl_names import trl_hint
 
             m = re.match(r"^p(\d+)-(.+)$", unknown[0])
             if m and int(m.group(1)) >= MAX_PARTICIPANTS and m.group(2) in PER_PARTICIPANT_KEYS:
                 raise ValueError(f"{unknown[0]} (from {source}): at most {MAX_PARTICIPANTS} participants "
                                  f"(p0 ... p{MAX_PARTICIPANTS - 1}; MAX_PARTICIPANTS in ftis_fed/config/federation.py)")
             raise ValueError(f"run-config key {unknown[0]!r} (from {source}) is not a key of "
-                             "[tool.flwr.app.config]; see docs/configuration.md")
+                             f"[tool.flwr.app.config]{trl_hint(unknown[0])}; see docs/configuration.md")
         merged.update(layer)
     return merged
 
@@ -271,7 +272,7 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     """``overrides`` with output-dir (and relative p<i>-model folders) made absolute against this
     directory, and the number of participants; the whole run config validated first (ValueError,
     one line). Imports the config dataclasses, nothing heavier; builds and loads no model."""
-    from ftis_fed.config.federation import MAX_PARTICIPANTS, participant_names, validate_run_config
+    from ftis_fed.config.federation import MAX_PARTICIPANTS, absolute_paths, participant_names, validate_run_config
 
     overrides = dict(overrides)                                  # what the user set (preset, --run-config)
     cfg = merged_run_config(app, overrides)
@@ -281,6 +282,8 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
         folder = Path(model).expanduser()
         if ("/" in model or model.startswith((".", "~"))) and not folder.is_absolute() and folder.exists():
             overrides[f"p{i}-model"] = str(folder.resolve())    # the workers run in another directory
+    overrides.update(absolute_paths({k: cfg[k] for k in ("task-data", "task-eval-data", "task-rewards")
+                                     if cfg.get(k)}, {})[0])    # your own task's files, likewise
     cfg = merged_run_config(app, overrides)
     validate_run_config(cfg, explicit=overrides)
     return overrides, len(participant_names(cfg))

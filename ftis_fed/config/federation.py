@@ -27,10 +27,12 @@ from typing import Any, Collection, Mapping
 
 from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.config.knobs import Knob, knob, knobs
+from ftis_fed.config.trl_names import reference_section, trl_hint
 from ftis_fed.learn.objective import MODES, ObjectiveConfig
 from ftis_fed.policies.config import PolicyConfig
 from ftis_fed.trust.reverify import ReverifyConfig
 from ftis_fed.learn.source_weights import SourceAdaptConfig
+from ftis_fed.tasks.reward_funcs import absolute_spec, parse_specs
 from ftis_fed.tasks.suite import TaskSpec
 
 
@@ -98,10 +100,11 @@ class FederationConfig:
         resume continues from the last written state: rounds after it are redone.""")
     export_final: bool = knob("export-final", True, """
         after the last round's update every participant exports its trained model with
-        ``save_pretrained`` into ``<state-dir>/export/``: the peft adapter folder for LoRA (4-bit
-        QLoRA included: the adapter, base model not merged) or the full model folder, with its
-        tokenizer and the model's own generation_config.json; transformers (+ peft) and vLLM load
-        it.""")
+        ``save_pretrained`` into ``<state-dir>/export/``, shareable (docs/models.md, Exports): a peft
+        adapter folder naming its base by hub id when the base came from a hub (QLoRA: with its
+        bitsandbytes config in the card), otherwise a whole model (a LoRA merged into its base),
+        with its tokenizer, generation_config.json and a filled model card (README.md);
+        transformers (+ peft) and vLLM load it.""")
     keys_dir: str = knob("keys-dir", "", """
         folder with ``public/<participant>.pub`` (and, on each node, its own
         ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
@@ -225,6 +228,8 @@ class FederationConfig:
                   if path and b != t.source}
         if t.source == "procedural":
             sets = eval_sets(self.eval_size, seed=t.seed, id_families=t.families, n_ood=self.eval_ood_size or None)
+        elif t.source == "user":
+            return t.user.eval_sets(self.eval_size, n_ood)
         else:
             held = eval_pool(t.source, t.benchmark_path, int(t.math500_eval_percent), True)
             if len(held) < self.eval_size:
@@ -580,7 +585,7 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
             if m and int(m.group(1)) >= MAX_PARTICIPANTS and m.group(2) in PER_PARTICIPANT_KEYS:
                 raise ValueError(f"{key}: at most {MAX_PARTICIPANTS} participants (p0 ... p{MAX_PARTICIPANTS - 1}; "
                                  "MAX_PARTICIPANTS in ftis_fed/config/federation.py)")
-            raise ValueError(f"{key}: not a run-config key (see docs/configuration.md)")
+            raise ValueError(f"{key}: not a run-config key{trl_hint(key)} (see docs/configuration.md)")
     fed = federation_from_run_config(run_config)
     names = participant_names(run_config)
     for i in range(len(names) + 1, MAX_PARTICIPANTS):
@@ -626,6 +631,10 @@ def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]
             if (k in ("output-dir", "keys-dir", "state-dir", "gsm8k-data", "math500-data")
                     or k.endswith(("-keys-dir", "-state-dir"))) and cfg[k]:
                 cfg[k] = str(Path(str(cfg[k])).resolve())
+            elif k in ("task-data", "task-eval-data") and cfg[k] and Path(str(cfg[k])).expanduser().exists():
+                cfg[k] = str(Path(str(cfg[k])).expanduser().resolve())      # a hub id stays as it is
+            elif k == "task-rewards" and cfg[k]:
+                cfg[k] = ",".join(absolute_spec(s) for s in parse_specs(str(cfg[k])))
     return rc, nc
 
 
@@ -693,7 +702,8 @@ def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
     lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
               "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]
     lines += [f"- `{k.key}`: {k.help}" for k in node_only]
-    return "\n".join(lines) + "\n"
+    lines += ["", *reference_section()]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover - documentation generator

@@ -42,6 +42,7 @@ from typing import Any, Callable, Mapping
 from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import BatchValidationError
 from ftis_fed.config.federation import FederationConfig, to_jsonable
+from ftis_fed.tasks.identity import signed_run_id
 from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.trust.receive import resolve_task, run_tasks
@@ -159,7 +160,9 @@ class Engine:
         self.schedule = get_schedule(fed.scheme)
         self.state_path = self.out_dir / "server_state.json"
         self.guard = ReplayGuard()
-        self.run_id = new_run_id(fed.run_name)          # this run's identity; a resume reuses the saved one
+        self.task_digest = fed.task.digest()            # the task's identity (tasks.identity): hello must match
+        # this run's identity, bound to the task and to a fresh nonce; a resume reuses the saved one
+        self.run_id = new_run_id(signed_run_id(fed.run_name, self.task_digest))
         # the run's own receive bounds (no vocabulary: the server scores nothing; G per group, the
         # largest share any receiver takes): what every receiver would refuse is never relayed
         self.inbox = Inbox(keys, InboxConfig(run_id=self.run_id, max_tokens=fed.max_batch_tokens,
@@ -331,6 +334,11 @@ class Engine:
             return self._refuse(addr, "revoked_key", f"the key of {name!r} is revoked ({where})")
         if not verify_challenge(self.keys[name], self.run_id, str(addr), name, challenge, info["proof"]):
             return self._refuse(addr, "bad_proof", f"claims {name!r} but cannot sign its challenge with {name!r}'s key")
+        if str(info.get("task_digest", "")) != self.task_digest:
+            return self._refuse(addr, "task_mismatch", f"participant {name!r} announces task digest "
+                                f"{str(info.get('task_digest', ''))[:16] or '(procedural)'}, this run's is "
+                                f"{self.task_digest[:16] or '(procedural)'}: another data file, split, column or "
+                                "reward function (docs/own-task.md)")
         if any(i["participant"] == name for i in self.nodes.values()):
             return self._refuse(addr, "duplicate_participant", f"participant {name!r} is already connected")
         long = hello_too_long(info)

@@ -88,7 +88,7 @@ def texts_differ(a: CompletionBatch, b: CompletionBatch) -> str:
             return f"groups[{i}].task_id/reference"
         if not np.array_equal(g.prompt_ids, h.prompt_ids):
             return f"groups[{i}].prompt_ids"
-        if not np.array_equal(np.asarray(g.rewards), np.asarray(h.rewards)):
+        if not np.array_equal(np.asarray(g.rewards), np.asarray(h.rewards), equal_nan=True):
             return f"groups[{i}].rewards"
         for f in ("completion_ids", "logprobs"):
             x, y = getattr(g, f), getattr(h, f)

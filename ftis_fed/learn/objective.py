@@ -108,21 +108,23 @@ def compute_advantages(rewards: Tensor, group_index: Tensor, scale: str = "group
 
     rewards: (B,) float; group_index: (B,) long, samples with equal index form one group.
     scale: ``group`` divides by the unbiased group std (GRPO / TRL), ``none`` only centres
-    (Dr. GRPO). Singleton groups and all-equal groups get advantage 0.
+    (Dr. GRPO). Singleton groups and all-equal groups get advantage 0. A NaN reward (no reward for
+    that sample, TRL's None) is left out of its group's mean and std and gets advantage 0, as in TRL.
     """
-    r = rewards.to(torch.float64)                                                  # (B,)
+    scored = ~torch.isnan(rewards)                                                 # (B,)
+    r = torch.where(scored, rewards, torch.zeros_like(rewards)).to(torch.float64)  # (B,)
     _, inv = torch.unique(group_index, return_inverse=True)                        # (B,)
     k = int(inv.max()) + 1 if inv.numel() else 0
-    count = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, torch.ones_like(r))   # (K,)
-    mean = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, r) / count            # (K,)
-    centred = r - mean[inv]                                                        # (B,)
+    count = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, scored.to(r.dtype))   # (K,) scored samples
+    mean = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, r) / count.clamp(min=1)  # (K,)
+    centred = torch.where(scored, r - mean[inv], torch.zeros_like(r))              # (B,)
     if scale == "none":
         adv = centred
     else:
         sq = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, centred**2)          # (K,)
         std = torch.sqrt(sq / (count - 1).clamp(min=1))                            # (K,) unbiased
         adv = centred / (std[inv] + eps)
-    adv = torch.where(count[inv] > 1, adv, torch.zeros_like(adv))
+    adv = torch.where((count[inv] > 1) & scored, adv, torch.zeros_like(adv))
     return adv.to(rewards.dtype)
 
 

@@ -15,7 +15,8 @@ def scored_groups(rollouts: Sequence[Rollout], verifier: Verifier) -> list[Promp
     reference (texts and the prompt's text included: the wire decides whether to send them)."""
     groups = []
     for r in rollouts:
-        rewards = [verifier.reward(r.prompt.task_id, t, r.prompt.reference, r.prompt.text) for t in r.completion_texts]
+        rewards = verifier.group_rewards(r.prompt.task_id, r.completion_texts, r.prompt.reference, r.prompt.text,
+                                         r.completion_ids)
         groups.append(make_group(r.prompt_ids, r.completion_ids, r.logprobs, rewards, r.prompt.task_id,
                                  r.prompt.reference, r.prompt.text, r.completion_texts))
     return groups

@@ -27,7 +27,9 @@ the file order. A receiver rebuilds every train item from its own copy of the fi
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -40,7 +42,8 @@ MATH500_INSTRUCTION = "Solve the problem. Put your final answer within \\boxed{}
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """The records of one ``.jsonl`` / ``.json`` / ``.parquet`` file."""
+    """The records of one ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file (CSV cells are strings,
+    as the standard ``csv`` module reads them: the same on every node, whatever else is installed)."""
     path = Path(path)
     if path.suffix == ".parquet":
         try:
@@ -62,7 +65,9 @@ def read_rows(path: str | Path) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         return rows
-    raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet")
+    if path.suffix == ".csv":
+        return [dict(r) for r in csv.DictReader(io.StringIO(path.read_text(encoding="utf-8"), newline=""))]
+    raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json, .csv or .parquet")
 
 
 def _find_in_dir(root: Path, patterns: list[str]) -> list[Path]:

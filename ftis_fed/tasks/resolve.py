@@ -7,7 +7,8 @@ completions against that. ``TaskResolver.resolve`` raises :class:`TaskRefused` w
 
 - ``eval_task``: the id names held-out material: the ``eval`` split of a procedural family, an
   out-of-distribution family (evaluation only, any split), GSM8K ``test``, MATH-500's ``eval``
-  split or unsplit MATH-500 ids (``math500/{unique_id}``, evaluation sets). Training on it would
+  split or unsplit MATH-500 ids (``math500/{unique_id}``, evaluation sets), a user task's
+  ``user/eval/{row}`` (its held-out rows and families). Training on it would
   leak held-out items into training.
 - ``unknown_task``: the id does not parse, names no known family, a family or task seed this run
   does not train on, a procedural task in a run that trains on a benchmark (``source``), or a
@@ -15,9 +16,10 @@ completions against that. ``TaskResolver.resolve`` raises :class:`TaskRefused` w
 
 Procedural ids are ``{family}/{split}/{seed}/{index}`` (canonical decimal, no sign or leading
 zero, at most 18 digits): everything the task is made of follows from the id, so nothing is
-trusted. GSM8K train items (``gsm8k/train/{row}``) and MATH-500 train items
-(``math500/train/{unique_id}``) can only be rebuilt from a file the receiver loaded itself
-(``known``: ``TaskSpec.known_tasks()``, from its own ``gsm8k-data`` / ``math500-data``); it then
+trusted. GSM8K train items (``gsm8k/train/{row}``), MATH-500 train items
+(``math500/train/{unique_id}``) and a user task's train rows (``user/train/{row}``) can only be
+rebuilt from a file the receiver loaded itself (``known``: ``TaskSpec.known_tasks()``, from its
+own ``gsm8k-data`` / ``math500-data`` / ``task-data``); it then
 trusts its own file (text and reference), and that a row number means the same row for the sender
 (the prompt-text / prompt-ids check catches a different file).
 """
@@ -32,6 +34,7 @@ from functools import lru_cache
 from ftis_fed.tasks.prompt import Prompt
 from ftis_fed.tasks.families import FAMILIES
 from ftis_fed.tasks.suite import task_at
+from ftis_fed.tasks.user import USER
 
 #: Longest task id a receiver parses (procedural ids are < 40 characters).
 MAX_TASK_ID_CHARS = 128
@@ -77,6 +80,15 @@ class TaskResolver:
                 return self.known[task_id]
             raise TaskRefused("unknown_task", f"task_id={task_id!r}: this receiver has not loaded that "
                                               "benchmark item, so it cannot check it")
+        if family == USER:
+            if len(parts) != 3 or parts[1] != "train":
+                raise TaskRefused("eval_task" if len(parts) == 3 and parts[1] == "eval" else "unknown_task",
+                                  f"task_id={task_id!r}: only user/train/<row> ids are trained on (eval rows and "
+                                  "held-out families are evaluation sets)")
+            if task_id in self.known:
+                return self.known[task_id]
+            raise TaskRefused("unknown_task", f"task_id={task_id!r}: not a train row of this receiver's own "
+                                              "task-data")
         if family == "gsm8k":
             if len(parts) == 3 and parts[1] == "test":
                 raise TaskRefused("eval_task", f"task_id={task_id!r}: GSM8K test is an evaluation set")

@@ -318,6 +318,16 @@ class Verifier:
         """The reward of one completion of task ``task_id`` against ``reference``."""
         return self.check(task_id, completion, reference, prompt)[1]
 
+    def group_rewards(self, task_id: str, completions, reference: str, prompt: str = "",
+                      completion_ids=None) -> list[float]:
+        """The rewards of one task's completions (a rule with ``group_rewards``, such as a user task's
+        TRL functions, scores them in one call, and may answer NaN: no reward for that sample)."""
+        rule = self.rule_for(task_id)
+        texts = [completion_text(c) for c in completions]
+        if hasattr(rule, "group_rewards"):
+            return [float(r) for r in rule.group_rewards(task_id, texts, completion_ids)]
+        return [rule.check(t, reference, task_id, prompt)[1] for t in texts]
+
     def as_trl_reward(self) -> RewardFn:
         """This verifier as a TRL reward function; needs ``task_id`` and ``reference`` (or ``answer``) columns."""
         def verifier_reward(prompts, completions, **kwargs) -> list[float]:

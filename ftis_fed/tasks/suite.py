@@ -33,6 +33,7 @@ slot, wrapping around when the pool is used up; only ``iid`` and ``shared`` appl
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -44,9 +45,13 @@ from ftis_fed.config.knobs import knob
 from ftis_fed.tasks.prompt import Prompt
 from ftis_fed.tasks.benchmarks import BENCHMARKS, train_pool
 from ftis_fed.tasks.families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
+from ftis_fed.tasks.rewards import Verifier, default_rules
+from ftis_fed.tasks.user import USER, UserTask, user_task
 
 SPLITS = ("train", "eval")
 SCHEMES = ("auto", "iid", "expertise", "dirichlet", "shared")
+#: ``task-source`` values: the procedural families, a benchmark file, or your own task (``tasks.user``).
+SOURCES = ("procedural", *BENCHMARKS, "user")
 
 #: Rejection-sampling budget per instance (the eval split accepts ~1 draw in 5).
 _MAX_DRAWS = 10_000
@@ -145,9 +150,10 @@ class TaskSpec:
     prompts_per_round: int = knob("prompts-per-round", 4, "k, prompts a participant generates per round, >= 1.")
     source: str = knob("task-source", "procedural", """
         what participants train on: ``procedural`` (the task families above), ``gsm8k`` (the train
-        file at ``gsm8k-data``; held-out ID set: its test file) or ``math500`` (the train split of
-        the file at ``math500-data``; held-out ID set: its eval split). Benchmarks take the iid or
-        shared scheme; receivers rebuild every item from their own copy of the file.""")
+        file at ``gsm8k-data``; held-out ID set: its test file), ``math500`` (the train split of
+        the file at ``math500-data``; held-out ID set: its eval split) or ``user`` (your own data set
+        ``task-data`` scored by your reward functions ``task-rewards``; docs/own-task.md). Files
+        take the iid or shared scheme; receivers rebuild every item from their own copy of the file.""")
     gsm8k_data: str = knob("gsm8k-data", "", """
         local GSM8K file or folder (``train.jsonl`` / ``test.jsonl``, rows with ``question`` and
         ``answer`` ending ``#### N``; or the hub repo's parquet layout); '' = none. Needed by
@@ -161,7 +167,52 @@ class TaskSpec:
         ``task-source = math500``: share (percent, 1-99) of MATH-500 held out for evaluation, chosen
         by a hash of each problem's text (disjoint from the train split).""")
 
+    data: str = knob("task-data", "", """
+        ``task-source = user``: the data set, a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet``
+        file or folder of them, a ``datasets`` ``save_to_disk`` folder, or a hub id (``datasets``
+        extra; a reachable hub or its cache). Every node reads its own copy; '' = none.""")
+    data_split: str = knob("task-data-split", "train", """
+        the split of a hub data set or ``save_to_disk`` folder that ``task-data`` names (local files
+        have one).""")
+    prompt_column: str = knob("task-prompt-column", "prompt", """
+        the column holding each row's prompt: a string, or TRL's conversational form (a list with
+        one user message).""")
+    answer_column: str = knob("task-answer-column", "", """
+        the column carried in batches as each row's reference answer ('' = none); every column
+        reaches the reward functions anyway, as TRL passes them.""")
+    rewards: str = knob("task-rewards", "", """
+        comma-separated reward functions, ``module:function`` (on sys.path) or
+        ``path/to/file.py:function``, with TRL's signature ``f(prompts, completions, completion_ids,
+        **columns) -> list[float | None]`` (None: no reward for that sample); every receiver
+        re-scores peers' completions with the same functions.""")
+    reward_weights: str = knob("task-reward-weights", "", """
+        comma-separated weights, one per function (TRL's ``reward_weights``; '' = 1.0 each): the
+        reward is the weighted sum over the functions that scored the completion.""")
+    eval_percent: int = knob("task-eval-percent", 10, """
+        ``task-source = user`` without ``task-eval-data``: share (percent, 0-99) of the rows held out
+        for evaluation, chosen by a hash of each prompt's text (train and eval never share a prompt).""")
+    eval_data: str = knob("task-eval-data", "", """
+        ``task-source = user``: a separate held-out file or data set (same columns); then every row of
+        ``task-data`` trains; '' = split ``task-data`` by ``task-eval-percent``.""")
+    family_column: str = knob("task-family-column", "", """
+        ``task-source = user``: a column whose values are the rows' families ('' = one family);
+        see task-ood-families.""")
+    ood_families: tuple[str, ...] = knob("task-ood-families", (), """
+        ``task-source = user``: comma-separated values of ``task-family-column`` held out whole (never
+        trained on; one out-of-distribution evaluation set each, ``eval/ood/<family>/accuracy``).""")
+
     def __post_init__(self) -> None:
+        if self.source == "user":
+            if not self.data:
+                raise ValueError("task.data='': task-source=user needs task-data (a data file, folder or hub id)")
+            if not self.rewards:
+                raise ValueError("task.rewards='': task-source=user needs task-rewards ('module:function' or "
+                                 "'path/to/file.py:function', comma-separated)")
+            if not 0 <= self.eval_percent <= 99:
+                raise ValueError(f"task.eval_percent={self.eval_percent!r}: must be in [0, 99]")
+            if self.ood_families and not self.family_column:
+                raise ValueError(f"task.ood_families={','.join(self.ood_families)!r}: needs task-family-column (the "
+                                 "column naming each row's family)")
         if self.scheme not in SCHEMES:
             raise ValueError(f"task.scheme={self.scheme!r}: must be one of {SCHEMES}")
         if not self.families:
@@ -178,8 +229,8 @@ class TaskSpec:
         if isinstance(self.prompts_per_round, bool) or int(self.prompts_per_round) != self.prompts_per_round \
                 or self.prompts_per_round < 1:
             raise ValueError(f"task.prompts_per_round={self.prompts_per_round!r}: must be an integer >= 1")
-        if self.source not in ("procedural", *BENCHMARKS):
-            raise ValueError(f"task.source={self.source!r}: must be procedural, {' or '.join(BENCHMARKS)}")
+        if self.source not in SOURCES:
+            raise ValueError(f"task.source={self.source!r}: must be one of {', '.join(SOURCES)}")
         if not 1 <= self.math500_eval_percent <= 99:
             raise ValueError(f"task.math500_eval_percent={self.math500_eval_percent!r}: must be in [1, 99]")
         if self.source != "procedural" and self.scheme in ("expertise", "dirichlet"):
@@ -191,11 +242,44 @@ class TaskSpec:
         """The data path of the benchmark trained on ('' for procedural)."""
         return {"gsm8k": self.gsm8k_data, "math500": self.math500_data}.get(self.source, "")
 
+    @property
+    def user(self) -> UserTask | None:
+        """The user task (``task-source = user``; loaded once per process), else None."""
+        if self.source != "user":
+            return None
+        return user_task(dict(data=self.data, data_split=self.data_split, prompt_column=self.prompt_column,
+                              answer_column=self.answer_column, family_column=self.family_column,
+                              ood_families=tuple(self.ood_families), eval_data=self.eval_data,
+                              eval_percent=int(self.eval_percent), rewards=self.rewards,
+                              reward_weights=self.reward_weights))
+
     def train_pool(self) -> tuple[Prompt, ...]:
-        """The benchmark's train items (``benchmarks.train_pool``, cached); () for procedural tasks."""
+        """The benchmark's or user task's train items (cached); () for procedural tasks. A user task
+        loads its data and reward functions here (errors name the key)."""
         if self.source == "procedural":
             return ()
+        if self.source == "user":
+            self.user.load()
+            return self.user.train_pool()
         return train_pool(self.source, self.benchmark_path, int(self.math500_eval_percent))
+
+    def verifier(self) -> Verifier:
+        """The reward rules of this task: the built-in ones, plus the user task's functions (family ``user``)."""
+        if self.source != "user":
+            return Verifier()
+        return Verifier({**default_rules(), USER: self.user})
+
+    def digest(self) -> str:
+        """The task's identity where node-local files define it (``tasks.identity``): a user task's
+        ``UserTask.digest``; a benchmark's train items; '' for procedural tasks (the run config alone)."""
+        if self.source == "procedural":
+            return ""
+        if self.source == "user":
+            return self.user.digest()
+        h = hashlib.sha256(f"{self.source}\0{self.math500_eval_percent}".encode())
+        for p in self.train_pool():
+            h.update(json.dumps([p.task_id, p.text, p.reference]).encode())
+        return h.hexdigest()
 
     def known_tasks(self) -> dict[str, Prompt]:
         """task id -> Prompt of every benchmark train item this node loaded (``TaskResolver.known``)."""

@@ -19,7 +19,8 @@ format's own limits and ``max_tokens`` apply.
 
 Reasons (``REASONS``): from the header and signature ``missing_field`` (no frame), ``undecodable``,
 ``unsupported_version``, ``too_large``, ``unknown_sender``, ``bad_signature``; from the run state
-``quarantined``, ``wrong_run``, ``wrong_round``, ``replay``, ``too_many_frames``; from the content
+``quarantined``, ``wrong_run``, ``task_mismatch`` (the same run, signed for another task digest:
+``tasks.identity``), ``wrong_round``, ``replay``, ``too_many_frames``; from the content
 (``CompletionBatch.validate``) ``missing_field``, ``bad_header``, ``bad_sampling``, ``bad_ids``,
 ``id_out_of_range``, ``length_mismatch``, ``bad_reward``, ``nonfinite_logprob``,
 ``positive_logprob``, ``too_large``, ``text_too_long`` (also: more than ``CHARS_PER_TOKEN`` characters
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from ftis_fed.tasks.identity import task_mismatch
 from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
 from ftis_fed.trust.bounds import CHARS_PER_TOKEN, ReceiveBounds
 from ftis_fed.trust.signing import ReplayGuard, verify_frame
@@ -47,7 +49,7 @@ REASONS = (
     "missing_field", "undecodable", "unsupported_version", "too_large", "unknown_sender",
     "bad_signature", "revoked_key", "quarantined", "wrong_run", "wrong_round", "replay", "too_many_frames", "bad_header",
     "bad_sampling", "bad_ids", "id_out_of_range", "length_mismatch", "bad_reward", "nonfinite_logprob",
-    "positive_logprob", "text_too_long", "wrong_sampling", "wrong_tokenizer",
+    "positive_logprob", "text_too_long", "wrong_sampling", "wrong_tokenizer", "task_mismatch",
 )
 
 #: Rejections that do not count against a sender (``Inbox.charge``): the relay (not the sender) may
@@ -176,6 +178,9 @@ class Inbox:
             raise BatchValidationError("quarantined", f"sender {h.sender!r} is quarantined by this receiver "
                                                       "for the rest of the run")
         if cfg.run_id is not None and h.run_id != cfg.run_id:
+            other_task = task_mismatch(h.run_id, cfg.run_id)
+            if other_task:
+                raise BatchValidationError("task_mismatch", f"sender {h.sender!r} trains on {other_task}")
             raise BatchValidationError("wrong_run", f"run_id={h.run_id!r}: this run is {cfg.run_id!r}")
         self.guard.check(h.run_id, h.sender, h.round, h.seq, expected_round)
         # From here on the frame is signed, fresh and of this round: it uses up its sequence number

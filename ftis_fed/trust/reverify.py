@@ -103,26 +103,32 @@ def group_texts(group: PromptGroup, decode: Callable[[Sequence[int]], str] | Non
     return [decode([int(t) for t in ids]) for ids in group.completion_ids]
 
 
+def checkable(batch: CompletionBatch, verifier: Verifier,
+              decode: Callable[[Sequence[int]], str] | None = None) -> tuple[bool, ...]:
+    """Per group: can this receiver recompute its rewards (texts or a decoder, and a rule)?"""
+    return tuple((bool(g.completion_texts) or decode is not None) and verifier.knows(g.task_id)
+                 for g in batch.groups)
+
+
 def recompute_rewards(batch: CompletionBatch, verifier: Verifier,
                       decode: Callable[[Sequence[int]], str] | None = None,
                       deadline: float | None = None) -> tuple[np.ndarray, ...]:
-    """Per group, (G,) float32 rewards by ``verifier``; NaN where a completion cannot be checked.
+    """Per group, (G,) float32 rewards by ``verifier``; NaN where a completion cannot be checked
+    (``checkable``) or where the task's reward functions gave it no reward (TRL's None).
 
     deadline: a ``time.monotonic()`` value; past it, BatchValidationError ``time_budget`` (checked
-    after every completion, so one batch's scoring can never hold a round for long).
+    after every group, so one batch's scoring can never hold a round for long).
     """
     out = []
-    for gi, g in enumerate(batch.groups):
-        texts = group_texts(g, decode)
-        if texts is None or not verifier.knows(g.task_id):
+    for gi, (g, ok) in enumerate(zip(batch.groups, checkable(batch, verifier, decode))):
+        if not ok:
             out.append(np.full(g.size, np.nan, dtype=np.float32))
             continue
-        rewards = []
-        for t in texts:
-            rewards.append(verifier.reward(g.task_id, t, g.reference, g.prompt_text))
-            if deadline is not None and time.monotonic() > deadline:
-                raise BatchValidationError("time_budget", f"groups[{gi}]: re-scoring the batch ran past its "
-                                                          "time budget")
+        rewards = verifier.group_rewards(g.task_id, group_texts(g, decode), g.reference, g.prompt_text,
+                                         g.completion_ids)
+        if deadline is not None and time.monotonic() > deadline:
+            raise BatchValidationError("time_budget", f"groups[{gi}]: re-scoring the batch ran past its "
+                                                      "time budget")
         out.append(np.array(rewards, dtype=np.float32))
     return tuple(out)
 
@@ -152,9 +158,8 @@ def reverify(batch: CompletionBatch, verifier: Verifier, config: ReverifyConfig 
     recomputed = recompute_rewards(batch, verifier, decode, deadline)
     claimed = tuple(np.asarray(g.rewards, dtype=np.float32) for g in batch.groups)
 
-    checked_mask = tuple(np.isfinite(r) for r in recomputed)
-    agree = tuple(np.where(m, np.abs(c - np.nan_to_num(r)) <= config.tol, False)
-                  for c, r, m in zip(claimed, recomputed, checked_mask))
+    checked_mask = tuple(np.full(g.size, ok) for g, ok in zip(batch.groups, checkable(batch, verifier, decode)))
+    agree = tuple(m & _same(c, r, config.tol) for c, r, m in zip(claimed, recomputed, checked_mask))
     n_checked = int(sum(m.sum() for m in checked_mask))
     n_unverifiable = int(sum((~m).sum() for m in checked_mask))
     disagree_checked = tuple(m & ~a for m, a in zip(checked_mask, agree))
@@ -191,14 +196,21 @@ def reverify(batch: CompletionBatch, verifier: Verifier, config: ReverifyConfig 
         new_groups, changed = [], 0
         for g, c, r, m in zip(batch.groups, claimed, recomputed, checked_mask):
             fill = c if not reject_unverifiable else np.zeros_like(c)
-            new = np.where(m, np.nan_to_num(r), fill).astype(np.float32)
-            changed += int((np.abs(new - c) > config.tol).sum())
+            new = np.where(m, r, fill).astype(np.float32)          # NaN stays NaN: no reward
+            changed += int((~_same(new, c, config.tol)).sum())
             new_groups.append(dataclasses.replace(g, rewards=new))
         metrics["reward/replaced"] = float(changed)
         return ReverifyResult(dataclasses.replace(batch, groups=tuple(new_groups)), None, recomputed, agree, metrics)
     return ReverifyResult(batch, None, recomputed, agree, metrics)
 
 
+def _same(a: np.ndarray, b: np.ndarray, tol: float) -> np.ndarray:
+    """Elementwise: within ``tol``, or both NaN (both say "no reward")."""
+    with np.errstate(invalid="ignore"):
+        return (np.abs(a - b) <= tol) | (np.isnan(a) & np.isnan(b))
+
+
 def _masked_mean(arrays: tuple[np.ndarray, ...], masks: tuple[np.ndarray, ...]) -> float:
-    vals = [a[m] for a, m in zip(arrays, masks) if m.any()]
-    return float(np.mean(np.concatenate(vals))) if vals else 0.0
+    vals = np.concatenate([a[m] for a, m in zip(arrays, masks) if m.any()] or [np.zeros(0)])
+    vals = vals[~np.isnan(vals)]
+    return float(np.mean(vals)) if vals.size else 0.0

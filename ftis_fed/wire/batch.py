@@ -73,7 +73,8 @@ class PromptGroup:
     prompt_ids: (P,) int64 token ids of the formatted prompt (chat template applied), once.
     completion_ids: G arrays (T_i,) int64, each completion's token ids (EOS included when sampled).
     logprobs: G arrays (T_i,) float32, log pi_gen(token | prefix) under the sampling distribution.
-    rewards: (G,) float32, the sender's claimed rewards (receivers re-verify).
+    rewards: (G,) float32, the sender's claimed rewards (receivers re-verify); NaN = no reward for
+        that completion (TRL's None: every reward function declined it), advantage 0.
     task_id: identifies the task instance (family/split/seed/index), e.g. ``"add1/id/17"``.
     reference: the reference answer the reward was checked against.
     prompt_text: the task's question as plain text (user message, no chat template). Receivers with
@@ -219,8 +220,8 @@ def _validate_group(g: PromptGroup, gi: int, vocab_size: int, max_new_tokens: in
     rewards = np.asarray(g.rewards)
     if rewards.shape != (G,):
         _fail("length_mismatch", f"{where}.rewards: shape {rewards.shape}, expected ({G},)")
-    if not np.all(np.isfinite(rewards)):
-        _fail("bad_reward", f"{where}.rewards: must be finite")
+    if np.any(np.isinf(rewards)):
+        _fail("bad_reward", f"{where}.rewards: must be finite (or NaN: no reward)")
     if g.completion_texts and len(g.completion_texts) != G:
         _fail("length_mismatch", f"{where}.completion_texts: {len(g.completion_texts)} texts for {G} completions")
     for i, (ids, lp) in enumerate(zip(g.completion_ids, g.logprobs)):

@@ -1,0 +1,51 @@
+"""TRL's names -> ftis-fed keys: every mapped key exists, and a TRL name given as a run-config key
+is an error that names the ftis-fed key (no aliases: docs/configuration.md, TRL names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ftis_fed.commands.sim import layered_overrides
+from ftis_fed.config.federation import PER_PARTICIPANT_KEYS, declared_keys, validate_run_config
+from ftis_fed.config.trl_names import TRL_NAMES, trl_hint
+
+ROOT = Path(__file__).resolve().parent.parent
+TRL_FIELDS = {"learning_rate", "num_generations", "max_completion_length", "epsilon", "loss_type",
+              "importance_sampling_level", "vllm_importance_sampling_cap", "off_policy_mask_threshold",
+              "beta", "temperature", "reward_weights", "scale_rewards"}
+
+
+def test_every_mapped_key_is_declared():
+    keys = declared_keys() | set(PER_PARTICIPANT_KEYS)
+    for t in TRL_NAMES:
+        for k in filter(None, (s.strip() for s in t.ours.split(","))):
+            assert k in keys, f"{t.trl} -> {k!r}: not a run-config key"
+
+
+def test_the_names_are_trls():
+    """Every GRPOConfig / ModelConfig name in the table is a field of the installed TRL's classes."""
+    trl = pytest.importorskip("trl")
+    fields = {f.name for cls in (trl.GRPOConfig, trl.ModelConfig) for f in dataclasses.fields(cls)}
+    trainer_args = {"train_dataset", "reward_funcs"}
+    assert TRL_FIELDS <= fields
+    assert [t.trl for t in TRL_NAMES if t.trl not in fields | trainer_args] == []
+
+
+@pytest.mark.parametrize("key, ours", [("num-generations", "group-size"), ("num_generations", "group-size"),
+                                       ("max_completion_length", "max-new-tokens"), ("epsilon", "clip-eps"),
+                                       ("loss-type", "length-norm"), ("vllm_importance_sampling_cap", "trunc-c"),
+                                       ("off_policy_mask_threshold", "filter-g"), ("use_peft", "adapter"),
+                                       ("load_in_4bit", "quant")])
+def test_a_trl_name_is_an_error_naming_our_key(key, ours):
+    with pytest.raises(ValueError, match=rf"{key}: not a run-config key; TRL's {key.replace('-', '_')} is {ours}"):
+        validate_run_config({key: 8})
+    with pytest.raises(ValueError, match=rf"TRL's {key.replace('-', '_')} is {ours}"):
+        layered_overrides(ROOT, [f"{key}=8"])
+
+
+def test_names_without_a_counterpart_say_so():
+    assert trl_hint("beta").startswith("; TRL's beta has no ftis-fed key (no reference-model KL term")
+    assert trl_hint("no-such-thing") == ""
