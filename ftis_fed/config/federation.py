@@ -600,6 +600,11 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
             raise ValueError(f"{head} (participant {name}){sep}{tail}") from None
         if check_models if check_models is not None else simulation:
             check_model(spec.policy.model, f"p{i}-model", name)
+        longest = max(fed.max_new_tokens, fed.eval_max_new_tokens)
+        if 0 < spec.policy.max_model_len <= longest:
+            key = "max-model-len" if run_config.get(f"p{i}-max-model-len", -1) in (-1, "", None) else f"p{i}-max-model-len"
+            raise ValueError(f"{key}={spec.policy.max_model_len} (participant {name}): must be more than "
+                             f"max-new-tokens / eval-max-new-tokens ({longest}): the prompt and the completion must fit")
     if simulation:
         fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
     return fed
