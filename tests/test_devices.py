@@ -398,3 +398,29 @@ def test_card_lock_is_nothing_without_a_gpu(tmp_path):
     with card_lock("x", env={CUDA_ENV: "", "FTIS_FED_RUNTIME": str(tmp_path)}) as card:
         assert card is None
     assert not list(tmp_path.glob("gpu-*.lock"))
+
+
+# ----------------------------------------------------------------------------- the launcher, at start
+
+def test_the_launcher_says_in_one_line_that_torch_cannot_use_the_gpus(tmp_path, monkeypatch, capsys):
+    """`ftis-fed sim` on a pretend GPU machine (a fake nvidia-smi) with this CPU build of torch: one
+    line at start, and no run, since its participants (device auto) would stop at once."""
+    from pathlib import Path
+
+    from ftis_fed.commands.sim import gpu_check_at_start, simulate
+
+    fake_smi(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    root = Path(__file__).resolve().parent.parent
+    with pytest.raises(ValueError, match=r"^device='auto' \(participant smol-full\): this machine has 2 NVIDIA GPUs "
+                                         r"\(NVIDIA H200; driver 550.54.14, CUDA 12.4\) but torch .* CPU-only build"):
+        simulate(root, run_config=[f'output-dir="{tmp_path / "out"}"'])
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("[ftis-fed] CUDA: this machine has 2 NVIDIA GPUs")]
+    assert not (tmp_path / "out").exists()                                 # nothing started
+    # every participant on the CPU on purpose: reported, not refused; nothing to report: silent
+    gpu_check_at_start({"device": "cpu", "p1-device": ""}, 2, "the problem")
+    with pytest.raises(ValueError, match=r"^p1-device='cuda:1' \(participant p1\): the problem; set p1-device='cpu'"):
+        gpu_check_at_start({"device": "cpu", "p1-device": "cuda:1"}, 2, "the problem")
+    gpu_check_at_start({"device": "auto"}, 2, None)
