@@ -172,7 +172,7 @@ def count_visible(env: Mapping[str, str], python: str | None = None, ask_child: 
 
 def worker_device(setting: str, env: Mapping[str, str], key: str = "device",
                   count: int | None = None, index: int = 0,
-                  driver: "Driver | None" = None, probe: dict | None = None) -> tuple[dict[str, str], str, str]:
+                  driver: Driver | None = None, probe: dict | None = None) -> tuple[dict[str, str], str, str]:
     """Everything a participant worker does about its device, before anything initialises CUDA:
     select it among the devices ``env`` shows (``count`` asked with ``count_visible`` when None;
     ``auto`` spread by ``index``), then narrow the view to it. Returns (environment to apply, device
