@@ -6,7 +6,15 @@ shared Ray actors in simulation), so the model cannot live in the ClientApp. The
 runtime folder, starting it (detached) on first use; a request is ``{action, request}`` and is
 forwarded to the one entry point ``Participant.handle(action, request)`` (frames as bytes). The
 worker exits after answering ``finish`` (sent at the end of the run), after
-``worker-idle-timeout-s`` without requests, or when its state is unrecoverable.
+``worker-idle-timeout-s`` without requests, or when its state is unrecoverable; and within a
+second of the process that anchors it to the run ending (``anchors``): in simulation the Ray actor
+that started it, which lives exactly as long as the simulation (``flwr stop`` or a killed ServerApp
+end it); in deployment the SuperNode-side process that started the ClientApp. It then takes its
+process group with it (vLLM's engine processes included), so no GPU memory is left behind.
+
+A worker that cannot have the device its participant asked for (``devices.worker_device``: e.g. a
+GPU machine whose GPUs torch cannot use) exits with one line saying why, which ``ensure_worker``
+raises as the error of the ClientApp (and so the reason the server gives for refusing the node).
 
     python -m clients.worker --spec <json>     # normally started by ensure_worker
 """
@@ -32,13 +40,64 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
+from ftis_fed.policies.devices import (CUDA_ENV, FROM_ENV, VISIBLE_ENV, DeviceError, count_visible, lock_folder,
+                                       start_environment, worker_device, worker_env)
+
+#: Prefix of the line a worker prints before exiting because it cannot start (ensure_worker reads it).
+START_ERROR = "FTIS_FED_WORKER_START_ERROR: "
+#: How often the worker checks that its anchors are alive (seconds).
+LIVENESS_EVERY_S = 0.5
 
 def runtime_dir() -> Path:
-    """Private (0700) folder for sockets and auth keys."""
-    d = Path(os.environ.get("FTIS_FED_RUNTIME", f"/tmp/ftis-fed-{os.getuid()}"))
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
-    return d
+    """Private (0700) folder for sockets and auth keys (``FTIS_FED_RUNTIME``; the card locks live there too)."""
+    return lock_folder()
+
+
+# ----------------------------------------------------------------------------- the run's liveness
+
+def process_start(pid: int) -> str | None:
+    """An id of the process ``pid``'s start (its start time in ``/proc/<pid>/stat``), so a reused pid
+    is not mistaken for it; None where unknown (not Linux, or no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+def alive(pid: int, start: str | None = None) -> bool:
+    """Whether process ``pid`` (started at ``start``, from ``process_start``) still runs; a zombie
+    (exited, not yet reaped) or a reused pid is not alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return not sys.platform.startswith("linux")
+    fields = stat.rpartition(")")[2].split()
+    return fields[0] not in ("Z", "X") and (start is None or fields[19] == start)
+
+
+def liveness_anchors(node_config: dict[str, Any]) -> list[list]:
+    """The processes whose end means the run is over for this participant, as [pid, start] pairs:
+    in simulation (no ``participant`` in the node config) this process, a Ray actor that lives as
+    long as the simulation; in deployment, where Flower starts a ClientApp process per message,
+    its parent (the SuperNode's SuperExec, or the SuperNode)."""
+    pid = os.getpid() if "participant" not in node_config else os.getppid()
+    return [[pid, process_start(pid)]] if pid > 1 else []
+
+
+def end_process_group(code: int = 0) -> None:
+    """Exit now, taking the process group along when this process leads it (a worker started with
+    ``start_new_session``: vLLM's engine processes are in it), so nothing keeps its GPU memory."""
+    sys.stdout.flush()
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(code)
 
 
 def worker_id(run_key: str, participant: str) -> str:
@@ -88,14 +147,16 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
         spec_path = rt / f"{wid}.json"
-        spec_path.write_text(json.dumps({**payload, "socket": str(sock), "keyfile": str(keyfile)}))
+        spec_path.touch(mode=0o600)
         os.chmod(spec_path, 0o600)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        from ftis_fed.policies.devices import worker_env
-
-        env = worker_env(os.environ)                             # the launcher's GPUs, not Ray's mask
+        payload = {**payload, "anchors": liveness_anchors(payload.get("node_config", {}))}
+        spec_path.write_text(json.dumps({**payload, "socket": str(sock), "keyfile": str(keyfile)}))
+        # the launcher's GPUs, not Ray's mask (under a plain `flwr run`: this Ray actor's start environment)
+        env = worker_env(os.environ, start_environment() if "ray" in sys.modules else None)
         root = str(Path(__file__).resolve().parent.parent)          # the folder holding clients/, ftis_fed/
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        offset = log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "clients.worker", "--spec", str(spec_path)],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -105,14 +166,26 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
         authkey = keyfile.read_bytes()
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
-                raise WorkerError(f"participant {participant!r}: worker exited with code {proc.returncode} "
-                                  f"while starting; log {log_path}:\n{tail}")
+                raise WorkerError(_start_failure(participant, proc.returncode, log_path, offset))
             conn = _connect(sock, authkey)
             if conn is not None:
                 return conn
             time.sleep(0.2)
         raise WorkerError(f"participant {participant!r}: worker did not start within {start_timeout:.0f} s")
+
+
+def _start_failure(participant: str, code: int, log_path: Path, offset: int) -> str:
+    """The error of a worker that exited while starting: its one-line reason when it gave one
+    (``START_ERROR``), else the tail of what it wrote to its log in this start."""
+    text = ""
+    with contextlib.suppress(OSError):
+        with open(log_path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
+    reasons = [line[len(START_ERROR):] for line in text.splitlines() if line.startswith(START_ERROR)]
+    if reasons:
+        return f"participant {participant!r}: {reasons[-1]} (worker log {log_path})"
+    return f"participant {participant!r}: worker exited with code {code} while starting; log {log_path}:\n{text[-3000:]}"
 
 
 def kill_worker(run_key: str, participant: str) -> bool:
@@ -159,21 +232,20 @@ class Worker:
         self.run_config, self.node_config = spec["run_config"], spec["node_config"]
         fed = federation_from_run_config(self.run_config)
         pspec = participant_spec(self.run_config, self.node_config, fed)
-        from ftis_fed.policies.devices import CUDA_ENV, VISIBLE_ENV, worker_device
-
         parent_cvd = os.environ.get(CUDA_ENV, "<unset>")
         seen = dict(os.environ)
-        pinned, local, chosen = worker_device(pspec.policy.device, seen, key=f"{pspec.name}: device")
+        key = "device" if "participant" in self.node_config else f"p{pspec.partition_id}-device"
+        pinned, local, chosen = worker_device(pspec.policy.device, seen, key=key, index=pspec.partition_id)
         os.environ.update(pinned)                                # before anything initialises CUDA
         if (pspec.policy.backend == "vllm" and chosen.startswith("cuda") and not pspec.policy.gpu_memory_share
                 and "partition-id" in self.node_config):        # simulation: share the card with its peers
             from ftis_fed.config.federation import run_memory_share
-            from ftis_fed.policies.devices import count_visible
 
             share = run_memory_share(self.run_config, pspec.name, count_visible(seen))
             pspec = dataclasses.replace(pspec, policy=dataclasses.replace(pspec.policy, gpu_memory_share=share))
+        origin = os.environ.get(VISIBLE_ENV) or os.environ.get(FROM_ENV) or "<none>"
         print(f"[worker {pspec.name}] device {chosen} (in-process {local}); CUDA_VISIBLE_DEVICES at start "
-              f"{parent_cvd!r}, launcher's {os.environ.get(VISIBLE_ENV, '<none>')!r}", flush=True)
+              f"{parent_cvd!r}, restored from {origin!r}", flush=True)
         threads = fed.threads or max(1, (os.cpu_count() or 1) // max(1, int(spec.get("concurrent", 1))))
         torch.set_num_threads(threads)
         self.idle_timeout = fed.worker_idle_timeout_s
@@ -245,7 +317,18 @@ class Worker:
             time.sleep(5)
             if not self.busy and time.monotonic() - self.last_request > self.idle_timeout:
                 print(f"[worker] idle for {self.idle_timeout:.0f} s: exiting", flush=True)
-                os._exit(0)
+                end_process_group(0)
+
+
+def watch_anchors(anchors: list[tuple[int, str | None]], name: str = "") -> None:
+    """Exit (with the process group) as soon as one of ``anchors`` has ended: the run is over, and
+    nobody will send ``finish``. Runs on a thread for the worker's whole life."""
+    while True:
+        for pid, start in anchors:
+            if not alive(pid, start):
+                print(f"[worker {name}] pid {pid}, which ties this worker to its run, has ended: exiting", flush=True)
+                end_process_group(0)
+        time.sleep(LIVENESS_EVERY_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,10 +336,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True, help="JSON written by ensure_worker")
     a = ap.parse_args(argv)
     spec = json.loads(Path(a.spec).read_text())
-    worker = Worker(spec)
+    anchors = [(int(p), st) for p, st in spec.get("anchors", [])]
+    threading.Thread(target=watch_anchors, args=(anchors, Path(a.spec).stem), daemon=True).start()
+    try:
+        worker = Worker(spec)
+    except DeviceError as e:                                    # one line: ensure_worker raises it
+        print(f"{START_ERROR}{' '.join(str(e).split())}", flush=True)
+        return 3
     worker.serve(spec["socket"], Path(spec["keyfile"]).read_bytes())
     with contextlib.suppress(FileNotFoundError):
         Path(spec["socket"]).unlink()
+    end_process_group(0)                                        # finished: no engine process outlives it
     return 0
 
 

@@ -3,8 +3,18 @@
     sims/gpu_check.sh                     # on a CUDA machine (< 8 min on one GPU), prints one JSON line
     sims/gpu_check.sh --dry               # anywhere: the same code paths on the CPU with tiny models
 
+Without ``--dry`` the check fails (exit 1) unless it really ran on CUDA: the ``cuda`` check needs a
+kernel run on every visible GPU, and a check that could not run (no CUDA, no vLLM, no
+bitsandbytes) counts as failed, not skipped; only ``--skip`` leaves a check out. ``--dry`` runs on
+the CPU, reports ``"dry": true`` and ``"cuda_verified": false``, and says on stderr that nothing ran
+on a GPU (CI runs it: tests/test_gpu_check.py).
+
 Checks (each a key of the JSON line with ``ok``, ``seconds`` and its figures, or ``skipped`` with the
-reason, or ``error``):
+reason, or ``error``; on CUDA each also has ``peak_gpu_memory``):
+
+- ``cuda``: what the driver shows (``devices.nvidia_driver``), what torch sees, and a matmul on each
+  visible GPU compared with the CPU's; when torch sees no GPU, the one-line reason
+  (``devices.cuda_problem``: e.g. a driver too old for torch's CUDA build).
 
 - ``participants``: CUDA visible in every simulated participant. Real Ray actors that ask for no GPU
   (as Flower's simulation runs ClientApps) start a child process the way ``clients/worker.py``
@@ -15,16 +25,17 @@ reason, or ``error``):
   parameter is bf16, weight bytes halve, greedy generation runs and its logits are finite.
 - ``qlora``: bitsandbytes NF4 + LoRA (``HFPolicy``, quant=4bit): after ``generate`` every LoRA B
   matrix gets a non-zero gradient (the trap of ``ftis_fed/policies/quant.py``, here on CUDA).
-- ``vllm``: ``sims/verify_vllm.run_mode`` for the ``full`` and ``lora`` refresh: recorded log-probs vs
-  the trainer's teacher-forced ones (max error per sampling configuration), and the weights reaching
-  the engine after an update. Needs CUDA and vLLM.
+- ``vllm``: ``sims/verify_vllm.run_mode`` for the ``full`` and ``lora`` refresh, each in fp32 (the
+  tight check) and in bf16 (the path users get: ``weights-dtype = bf16``): recorded log-probs vs the
+  trainer's teacher-forced ones (max error per sampling configuration), the weights reaching the
+  engine after an update (fp32), and the peak GPU memory of each. Needs CUDA and vLLM.
 - ``throughput``: tokens/s of HF ``generate`` and of vLLM on the same model, prompts and sampling
   (vLLM's part needs CUDA and vLLM); the ratio.
 - ``federation``: a ``rounds``-round ``ftis-fed sim`` of the ``gpu-offline`` preset (dry:
   ``quick``), seconds per round from its metrics (``fed/round_seconds``). Off in ``--dry`` unless
   ``--federation``: on 2 CPU cores it takes minutes.
 
-Exit status: 0 when no check failed (skipped ones do not fail).
+Exit status: 0 when no check failed (and, without ``--dry``, CUDA really ran); 1 otherwise.
 """
 
 from __future__ import annotations
@@ -50,7 +61,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from ftis_fed.policies.devices import CUDA_ENV, VISIBLE_ENV, launcher_env, worker_env  # noqa: E402
+from ftis_fed.policies.devices import (CUDA_ENV, VISIBLE_ENV, cuda_problem, launcher_env, nvidia_driver,  # noqa: E402
+                                       worker_env)
+from sims.verify_vllm import PeakGpuMemory  # noqa: E402
 
 NO_CUDA = "no CUDA"
 PROMPTS = ["What is 17 + 25? Answer with a number.", "Name three colours of the rainbow.",
@@ -59,6 +72,39 @@ PROMPTS = ["What is 17 + 25? Answer with a number.", "Name three colours of the 
 
 def cuda() -> bool:
     return torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------- CUDA itself
+
+DRY_NOTE = "DRY RUN: CPU only, tiny models; nothing ran on a GPU, so this report proves nothing about CUDA"
+
+
+def check_cuda(a) -> dict:
+    """The driver's GPUs, torch's view, and a real kernel on every visible GPU (a matmul compared
+    with the CPU's result). Without CUDA: the one-line reason, and a failure unless dry."""
+    drv = nvidia_driver()
+    out: dict = {"driver_gpus": list(drv.gpus), "driver_version": drv.version, "driver_cuda": drv.cuda,
+                 "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                 "cuda_visible_devices": os.environ.get(CUDA_ENV, "<unset>")}
+    if not cuda():
+        why = cuda_problem(drv, {"count": 0, "torch": torch.__version__, "cuda": torch.version.cuda}, os.environ) \
+            or f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False; no NVIDIA GPU shown by the driver)"
+        if a.dry:
+            return {**out, "skipped": "dry run", "why_no_cuda": why}
+        return {**out, "ok": False, "error": why}
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
+    want = x @ y
+    runs = []
+    for i in range(torch.cuda.device_count()):
+        got = (x.to(f"cuda:{i}") @ y.to(f"cuda:{i}")).cpu()
+        torch.cuda.synchronize(i)
+        runs.append({"device": f"cuda:{i}", "name": torch.cuda.get_device_name(i),
+                     "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+                     "matmul_max_abs_err": float((got - want).abs().max())})
+    out["kernels"] = runs
+    out["ok"] = bool(runs) and all(r["matmul_max_abs_err"] < 1e-2 for r in runs)     # TF32 matmul: ~1e-3
+    return out
 
 
 # ----------------------------------------------------------------------------- participants
@@ -194,13 +240,16 @@ def check_vllm(a) -> dict:
                            fidelity_only=False, tol_max=verify_vllm.TOL_MAX, tol_mean=verify_vllm.TOL_MEAN)
     out: dict = {}
     for mode in a.vllm_modes:
-        res = verify_vllm.run_mode(mode, args)
-        fid = res["fidelity"]
-        out[mode] = {"ok": res["ok"], "init_s": res["init_s"],
-                     "fidelity_max_abs": max(v["max_abs"] for v in fid.values()),
-                     "fidelity_mean_abs": max(v["mean_abs"] for v in fid.values()),
-                     "refresh_ok": res.get("refresh_check", {}).get("ok"),
-                     "update_and_refresh_s": res.get("update_and_refresh_s")}
+        for dtype in a.vllm_dtypes:
+            res = verify_vllm.run_mode(mode, args, dtype)
+            fid = res["fidelity"]
+            out[mode if dtype == "fp32" else f"{mode}_{dtype}"] = {
+                "ok": res["ok"], "dtype": dtype, "init_s": res["init_s"], "tolerance": res["tolerance"],
+                "fidelity_max_abs": max(v["max_abs"] for v in fid.values()),
+                "fidelity_mean_abs": max(v["mean_abs"] for v in fid.values()),
+                "refresh_ok": res.get("refresh_check", {}).get("ok"),
+                "update_and_refresh_s": res.get("update_and_refresh_s"),
+                "peak_gpu_memory": res["peak_gpu_memory"]}
     out["ok"] = all(v["ok"] for v in out.values())
     return out
 
@@ -290,8 +339,24 @@ def check_federation(a) -> dict:
 
 # ----------------------------------------------------------------------------- main
 
-CHECKS = {"participants": check_participants, "bf16_weights": check_bf16, "qlora": check_qlora,
+CHECKS = {"cuda": check_cuda, "participants": check_participants, "bf16_weights": check_bf16, "qlora": check_qlora,
           "vllm": check_vllm, "throughput": check_throughput, "federation": check_federation}
+
+
+def fail_unrun(check: dict) -> bool:
+    """Outside a dry run a check that did not run (for want of CUDA, vLLM, ...) fails, and so does
+    the check holding such a part; only ``--skip`` leaves one out. True when it failed that way."""
+    bad = False
+    for v in list(check.values()):
+        if isinstance(v, dict) and fail_unrun(v):
+            bad = True
+    why = check.get("skipped")
+    if why and why != "--skip":
+        check.setdefault("error", f"not run ({why}): a real GPU check must run it")
+        bad = True
+    if bad:
+        check["ok"] = False
+    return bad
 
 
 def versions() -> dict:
@@ -314,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-prompts", type=int, default=8)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--vllm-modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    ap.add_argument("--vllm-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                    help="fp32: the tight fidelity check; bf16: the path users get (weights-dtype = bf16)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--preset", default="", help="federation preset (default gpu-offline; dry: quick)")
     ap.add_argument("--federation", action="store_true", help="with --dry: run the federation too")
@@ -336,24 +403,41 @@ def main(argv: list[str] | None = None) -> int:
                           "names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                           if cuda() else []},
                  "versions": versions()}
+    if a.dry:
+        res["dry_note"] = DRY_NOTE
+        print(f"[gpu_check] {DRY_NOTE}", file=sys.stderr, flush=True)
     t_all = time.perf_counter()
     for name, fn in CHECKS.items():
         if name in skip:
             res[name] = {"skipped": "--skip"}
             continue
         t0 = time.perf_counter()
+        if not a.dry and name != "cuda" and res.get("cuda", {}).get("ok") is not True:
+            res[name] = {"skipped": "the cuda check did not pass"}
+            fail_unrun(res[name])
+            continue
         try:
-            with contextlib.redirect_stdout(sys.stderr):                        # the JSON line stays alone
+            with contextlib.redirect_stdout(sys.stderr), PeakGpuMemory() as peak:   # the JSON line stays alone
                 res[name] = fn(a)
+            if cuda():
+                res[name]["peak_gpu_memory"] = peak.result
         except Exception as e:                                                  # noqa: BLE001 - reported
             res[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
                          "trace": traceback.format_exc()[-1500:]}
+        if not a.dry:
+            fail_unrun(res[name])
         res[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"[gpu_check] {name}: {json.dumps(res[name])[:300]}", file=sys.stderr, flush=True)
     res["total_s"] = round(time.perf_counter() - t_all, 1)
     failed = [k for k in CHECKS if isinstance(res.get(k), dict) and res[k].get("ok") is False]
     res["failed"] = failed
-    res["ok"] = not failed
+    res["cuda_verified"] = bool(not a.dry and res.get("cuda", {}).get("ok") is True)
+    res["ok"] = not failed and (a.dry or res["cuda_verified"])
+    if a.dry:
+        print(f"[gpu_check] {DRY_NOTE}", file=sys.stderr, flush=True)
+    elif not res["ok"]:
+        print(f"[gpu_check] FAILED: {', '.join(failed)}; cuda: {res.get('cuda', {}).get('error', 'ok')}",
+              file=sys.stderr, flush=True)
     line = json.dumps(res)
     print(line, flush=True)
     if a.out:

@@ -87,7 +87,7 @@ def test_count_visible_asks_a_child_process():
 _ACTOR_PROBE = r"""
 import json, os, subprocess, sys
 import ray
-from ftis_fed.policies.devices import worker_env
+from ftis_fed.policies.devices import VISIBLE_ENV, start_environment, worker_env
 
 ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False)
 
@@ -97,7 +97,9 @@ class ClientAppActor:                      # like Flower's simulation actors: no
         child = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'))"]
         out = lambda env: subprocess.run(child, env=env, capture_output=True, text=True).stdout.strip()
         return {"actor": os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"),
-                "plain_child": out(dict(os.environ)), "worker": out(worker_env(os.environ))}
+                "plain_child": out(dict(os.environ)), "worker": out(worker_env(os.environ)),
+                "plain_flwr_run": out(worker_env({k: v for k, v in os.environ.items() if k != VISIBLE_ENV},
+                                                 start_environment()))}
 
 print(json.dumps(ray.get(ClientAppActor.remote().probe.remote())))
 ray.shutdown()
@@ -108,7 +110,8 @@ ray.shutdown()
 def test_through_a_real_ray_actor_the_worker_sees_the_launchers_gpus():
     """A real Ray actor without GPUs (Flower's simulation backend): Ray masks CUDA_VISIBLE_DEVICES
     for it and any process it starts the plain way; the worker environment built from the
-    launcher's variable restores the launcher's devices."""
+    launcher's variable restores the launcher's devices, and so does, without the launcher (a
+    plain `flwr run`), the actor's start environment (Ray masks os.environ at run time)."""
     pytest.importorskip("ray")
     env = launcher_env({**os.environ, CUDA_ENV: "0,1"})
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
@@ -123,6 +126,7 @@ def test_through_a_real_ray_actor_the_worker_sees_the_launchers_gpus():
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["actor"] == "" and got["plain_child"] == ""           # Ray's mask (the bug being fixed)
     assert got["worker"] == "0,1"                                    # the launcher's devices
+    assert got["plain_flwr_run"] == "0,1"                            # no launcher: the actor's start environment
 
 
 # ----------------------------------------------------------------------------- memory shares
@@ -178,3 +182,245 @@ def test_run_memory_share_splits_a_card_between_the_run_s_participants():
     rc.update({"p1-gpu-memory-share": 0.5, "p2-gpu-memory-share": 0.2})
     with pytest.raises(DeviceError, match="oversubscribes cuda:0"):
         run_memory_share(rc, "smol-full", 1)
+
+
+# ----------------------------------------------------------------------------- spreading over the cards
+
+def test_auto_spreads_participants_over_the_visible_cards_by_index():
+    assert [select_device("auto", 4, index=i) for i in range(6)] == [
+        "cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    assert select_device("auto", 0, index=5) == "cpu"
+    assert select_device("cuda:1", 2, index=0) == "cuda:1"                  # an explicit card is kept
+    # pinned in the launcher's numbering: participant 1 of 2 on CUDA_VISIBLE_DEVICES=4,7 gets card 7
+    assert worker_device("auto", {CUDA_ENV: "4,7"}, count=2, index=1) == ({CUDA_ENV: "7"}, "cuda:0", "cuda:1")
+    with pytest.raises(DeviceError, match="index -1: must be >= 0"):
+        select_device("auto", 2, index=-1)
+
+
+def test_run_memory_share_follows_the_spreading():
+    """Four participants on two cards: two per card, so each gets half of the budget."""
+    import tomllib
+    from pathlib import Path
+
+    from ftis_fed.config.federation import participant_names, run_memory_share
+
+    cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    rc = dict(cfg["tool"]["flwr"]["app"]["config"])
+    names = participant_names(rc)
+    assert len(names) >= 3
+    one = run_memory_share(rc, names[0], 1)
+    two = run_memory_share(rc, names[0], 2)
+    on_card0 = len(range(0, len(names), 2))
+    assert one == pytest.approx(0.9 / len(names)) and two == pytest.approx(0.9 / on_card0)
+
+
+# ----------------------------------------------------------------------------- plain `flwr run`: Ray's mask
+
+def test_without_a_launcher_the_worker_takes_the_actors_start_environment():
+    """Ray writes CUDA_VISIBLE_DEVICES='' into an actor's os.environ after the actor started; the
+    value it started with (its /proc environment) is what the machine's user gave the run."""
+    from ftis_fed.policies.devices import FROM_ENV
+
+    env = worker_env({CUDA_ENV: "", "PATH": "/bin"}, start_env={CUDA_ENV: "2,3"})
+    assert env[CUDA_ENV] == "2,3" and FROM_ENV in env
+    env = worker_env({CUDA_ENV: ""}, start_env={"PATH": "/bin"})             # unset at start: every GPU
+    assert CUDA_ENV not in env
+    assert worker_env({CUDA_ENV: ""}, start_env={CUDA_ENV: ""})[CUDA_ENV] == ""     # hidden on purpose
+    assert worker_env({CUDA_ENV: "1"}, start_env={CUDA_ENV: "0,1"})[CUDA_ENV] == "1"  # not masked: kept
+    assert worker_env({CUDA_ENV: ""})[CUDA_ENV] == ""                          # nothing to go by
+
+
+def test_start_environment_reads_the_environment_a_process_started_with(tmp_path):
+    from ftis_fed.policies.devices import start_environment
+
+    f = tmp_path / "environ"
+    f.write_bytes(b"A=1\0CUDA_VISIBLE_DEVICES=0,1\0EMPTY=\0")
+    assert start_environment(f) == {"A": "1", CUDA_ENV: "0,1", "EMPTY": ""}
+    assert start_environment(tmp_path / "missing") is None
+    r = subprocess.run([sys.executable, "-c", _LOAD_DEVICES + "import os, json; os.environ['CUDA_VISIBLE_DEVICES'] = ''; "
+                        "print(json.dumps(devices.start_environment().get('CUDA_VISIBLE_DEVICES', '<unset>')))",
+                        DEVICES_PY],
+                       env={**os.environ, CUDA_ENV: "5"}, capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == "5"                                  # not the value set at run time
+
+
+# ----------------------------------------------------------------------------- what the driver shows
+
+_SMI_Q = """
+==============NVSMI LOG==============
+
+Timestamp                                 : Tue Dec  1 07:00:00 2026
+Driver Version                            : {driver}
+CUDA Version                              : {cuda}
+
+Attached GPUs                             : 2
+GPU 00000000:17:00.0
+    Product Name                          : NVIDIA H200
+    Product Brand                         : NVIDIA
+GPU 00000000:2A:00.0
+    Product Name                          : NVIDIA H200
+"""
+
+
+def fake_smi(tmp_path, driver="550.54.14", cuda="12.4", code=0):
+    exe = tmp_path / "nvidia-smi"
+    (tmp_path / "smi.txt").write_text(_SMI_Q.format(driver=driver, cuda=cuda))
+    exe.write_text(f"#!/bin/sh\ncat {tmp_path / 'smi.txt'}\nexit {code}\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_nvidia_driver_reads_nvidia_smi_else_proc(tmp_path):
+    from ftis_fed.policies.devices import Driver, nvidia_driver
+
+    assert nvidia_driver(fake_smi(tmp_path)) == Driver(("NVIDIA H200", "NVIDIA H200"), "550.54.14", "12.4")
+    proc = tmp_path / "proc"
+    (proc / "gpus" / "0000:17:00.0").mkdir(parents=True)
+    (proc / "gpus" / "0000:17:00.0" / "information").write_text("Model: \t\t NVIDIA A10\nIRQ:   1\n")
+    (proc / "version").write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 UTC 2023\n")
+    broken = fake_smi(tmp_path / "x" if (tmp_path / "x").mkdir() is None else tmp_path, code=9)
+    assert nvidia_driver(broken, proc) == Driver(("NVIDIA A10",), "535.104.05", "")
+    assert nvidia_driver(str(tmp_path / "none"), tmp_path / "no-proc") == Driver()
+
+
+def test_cuda_problem_names_the_cause_in_one_line():
+    from ftis_fed.policies.devices import Driver, cuda_problem
+
+    h200 = Driver(("NVIDIA H200", "NVIDIA H200"), "550.54.14", "12.4")
+    cu13 = {"count": 0, "torch": "2.11.0+cu130", "cuda": "13.0", "warning": ""}
+    msg = cuda_problem(h200, cu13, {})
+    assert msg == ("this machine has 2 NVIDIA GPUs (NVIDIA H200; driver 550.54.14, CUDA 12.4) but torch 2.11.0+cu130 "
+                   "is built for CUDA 13.0, which needs a driver for CUDA 13 (>= 580.65.06): update the NVIDIA "
+                   "driver or install a torch built for CUDA 12.4")
+    assert "\n" not in msg
+    # no CUDA version from nvidia-smi: the driver version against NVIDIA's minimum
+    assert "needs a driver for CUDA 13" in cuda_problem(Driver(("A10",), "535.104.05", ""), cu13)
+    assert cuda_problem(Driver(("A10",), "580.95.05", ""), cu13).endswith("(torch.cuda.is_available() is False)")
+    assert "CPU-only build" in cuda_problem(h200, {"count": 0, "torch": "2.11.0+cpu", "cuda": None})
+    assert "CUDA_VISIBLE_DEVICES='' hides them" in cuda_problem(h200, cu13, {CUDA_ENV: ""})
+    said = {**cu13, "cuda": "12.1", "warning": "CUDA initialization: Unexpected error from cudaGetDeviceCount()"}
+    assert cuda_problem(h200, said).endswith("sees none: CUDA initialization: Unexpected error from cudaGetDeviceCount()")
+    assert cuda_problem(h200, {**cu13, "count": 2}) is None                   # torch sees them: nothing to say
+    assert cuda_problem(Driver(), cu13) is None                              # no GPU on this machine
+
+
+def test_a_gpu_machine_never_runs_an_auto_participant_on_the_cpu_silently():
+    from ftis_fed.policies.devices import Driver
+
+    h200 = Driver(("NVIDIA H200",), "550.54.14", "12.4")
+    probe = {"count": 0, "torch": "2.11.0+cu130", "cuda": "13.0", "warning": ""}
+    with pytest.raises(DeviceError, match=r"^p1: device='auto': this machine has 1 NVIDIA GPU .* needs a driver "
+                                          r"for CUDA 13 .*; set device='cpu' to run on the CPU$"):
+        worker_device("auto", {}, key="p1: device", count=0, driver=h200, probe=probe)
+    with pytest.raises(DeviceError, match="CUDA_VISIBLE_DEVICES='' hides it"):
+        worker_device("cuda:0", {CUDA_ENV: ""}, count=0, driver=h200)
+    assert worker_device("cpu", {}, driver=h200)[1:] == ("cpu", "cpu")      # asked for the CPU: fine
+    assert worker_device("auto", {}, count=0, driver=Driver())[1:] == ("cpu", "cpu")   # no GPU at all
+
+
+def test_launcher_cuda_problem_costs_nothing_without_a_driver(tmp_path, monkeypatch):
+    from ftis_fed.policies import devices
+
+    assert devices.launcher_cuda_problem({}, devices.Driver()) is None
+    h200 = devices.Driver(("NVIDIA H200",), "550.54.14", "12.4")
+    monkeypatch.setattr(devices, "cuda_probe", lambda env, python=None: {"count": 0, "torch": "2.9+cpu", "cuda": None})
+    assert "CPU-only build" in devices.launcher_cuda_problem({}, h200)
+
+
+# ----------------------------------------------------------------------------- one start-up per card
+
+#: devices.py alone (standard library only), without the package (torch): fast child processes
+_LOAD_DEVICES = ("import importlib.util as u, sys; s = u.spec_from_file_location('devices', sys.argv[-1]); "
+                 "devices = sys.modules['devices'] = u.module_from_spec(s); s.loader.exec_module(devices)\n")
+DEVICES_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ftis_fed", "policies",
+                          "devices.py")
+
+_LOCKER = _LOAD_DEVICES + r"""
+import time
+from pathlib import Path
+card_lock = devices.card_lock
+name, events, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+def log(line):
+    with open(events, "a") as fh:
+        fh.write(f"{name} {line}\n")
+with card_lock(f"participant {name}", log=lambda m: log("waiting " + m)) as card:
+    log(f"enter {card}")
+    while not go.exists():
+        time.sleep(0.05)
+    log("exit")
+"""
+
+
+def test_engine_start_ups_on_one_card_run_one_after_another(tmp_path):
+    """Two processes pinned to the same card: the second finds the lock held (it says by whom) and
+    enters only after the first has left; a process on another card does not wait."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    events = tmp_path / "events"
+    env = {**os.environ, "FTIS_FED_RUNTIME": str(tmp_path / "rt"), CUDA_ENV: "3", "PYTHONPATH": root}
+
+    def start(name, go, **extra):
+        return subprocess.Popen([sys.executable, "-c", _LOCKER, name, str(events), str(go), DEVICES_PY], env={**env, **extra},
+                                cwd=root)
+
+    def wait_for(pred, procs):
+        for _ in range(2400):                          # an event, not a speed: fails only if it never comes
+            if pred(events.read_text() if events.exists() else ""):
+                return
+            assert all(p.poll() is None for p in procs), events.read_text() if events.exists() else ""
+            subprocess.run(["sleep", "0.05"])
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"never happened; events: {events.read_text() if events.exists() else ''}")
+
+    a = start("a", tmp_path / "go-a")
+    wait_for(lambda t: "a enter 3" in t, [a])
+    b = start("b", tmp_path / "go-b")
+    c = start("c", tmp_path / "go-c", CUDA_VISIBLE_DEVICES="4")           # another card
+    wait_for(lambda t: "b waiting" in t and "c enter 4" in t, [a, b, c])
+    text = events.read_text()
+    assert "b enter" not in text and f"pid {a.pid} (participant a)" in text   # b waits, naming the holder
+    (tmp_path / "go-a").touch()
+    (tmp_path / "go-b").touch()
+    (tmp_path / "go-c").touch()
+    for p in (a, b, c):
+        assert p.wait(timeout=60) == 0
+    lines = [line for line in events.read_text().splitlines() if line.startswith(("a ", "b "))]
+    assert [line.split()[:2] for line in lines] == [["a", "enter"], ["b", "waiting"], ["a", "exit"],
+                                                     ["b", "enter"], ["b", "exit"]]
+
+
+def test_card_lock_is_nothing_without_a_gpu(tmp_path):
+    from ftis_fed.policies.devices import card_lock, card_of
+
+    assert card_of({CUDA_ENV: ""}) is None and card_of({}) == "0" and card_of({CUDA_ENV: "GPU-ab,1"}) == "GPU-ab"
+    with card_lock("x", env={CUDA_ENV: "", "FTIS_FED_RUNTIME": str(tmp_path)}) as card:
+        assert card is None
+    assert not list(tmp_path.glob("gpu-*.lock"))
+
+
+# ----------------------------------------------------------------------------- the launcher, at start
+
+def test_the_launcher_says_in_one_line_that_torch_cannot_use_the_gpus(tmp_path, monkeypatch, capsys):
+    """`ftis-fed sim` on a pretend GPU machine (a fake nvidia-smi) with this CPU build of torch: one
+    line at start, and no run, since its participants (device auto) would stop at once."""
+    from pathlib import Path
+
+    from ftis_fed.commands.sim import gpu_check_at_start, simulate
+
+    fake_smi(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    root = Path(__file__).resolve().parent.parent
+    with pytest.raises(ValueError, match=r"^device='auto' \(participant smol-full\): this machine has 2 NVIDIA GPUs "
+                                         r"\(NVIDIA H200; driver 550.54.14, CUDA 12.4\) but torch .* CPU-only build"):
+        simulate(root, run_config=[f'output-dir="{tmp_path / "out"}"'])
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("[ftis-fed] CUDA: this machine has 2 NVIDIA GPUs")]
+    assert not (tmp_path / "out").exists()                                 # nothing started
+    # every participant on the CPU on purpose: reported, not refused; nothing to report: silent
+    gpu_check_at_start({"device": "cpu", "p1-device": ""}, 2, "the problem")
+    with pytest.raises(ValueError, match=r"^p1-device='cuda:1' \(participant p1\): the problem; set p1-device='cpu'"):
+        gpu_check_at_start({"device": "cpu", "p1-device": "cuda:1"}, 2, "the problem")
+    gpu_check_at_start({"device": "auto"}, 2, None)

@@ -289,6 +289,21 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     return overrides, len(participant_names(cfg))
 
 
+def gpu_check_at_start(cfg: dict, n: int, problem: str | None) -> None:
+    """A machine whose GPUs torch cannot use (``problem``: ``devices.launcher_cuda_problem``) is
+    reported in one line at start; when a participant asks for CUDA (``device`` auto or cuda:N) the
+    run does not start (ValueError naming its key), since that participant would stop at once."""
+    if problem is None:
+        return
+    print(f"[ftis-fed] CUDA: {problem}", flush=True)
+    for i in range(n):
+        key = f"p{i}-device" if str(cfg.get(f"p{i}-device", "")).strip() else "device"
+        value = str(cfg.get(key, "") or "auto").strip().lower()
+        if value != "cpu":
+            who = cfg.get(f"p{i}-participant") or f"p{i}"
+            raise ValueError(f"{key}={value!r} (participant {who}): {problem}; set {key}='cpu' to run on the CPU")
+
+
 def simulate(app: str | Path = ".", connection: str | None = None, run_config: list[str] | None = None,
              keep_superlink: bool = False, stream: bool = True, address: str | None = None,
              preset: str | None = None, reuse_superlink: bool = False) -> int:
@@ -312,12 +327,13 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     # the SuperLink starts `flower-superexec` (which starts the apps) by name: our interpreter's
     # bin directory goes first on PATH so `.venv/bin/ftis-fed` works without an activated venv
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    from ftis_fed.policies.devices import launcher_env
+    from ftis_fed.policies.devices import launcher_cuda_problem, launcher_env
 
     # launcher_env records the GPUs visible here (FTIS_FED_VISIBLE_DEVICES) before Ray masks them
     env = launcher_env({**os.environ, "PATH": path, "FLWR_HOME": str(home),
                         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
                         "PYTHONUNBUFFERED": "1"})     # progress lines reach a redirected log as they come
+    gpu_check_at_start(merged_run_config(app, overrides), n, launcher_cuda_problem(env))
     link = None
     if conn.get("ftis-managed"):
         link = acquire_superlink(conn["address"], home, env, reuse_superlink)

@@ -617,6 +617,11 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
             raise ValueError(f"{head} (participant {name}){sep}{tail}") from None
         if check_models if check_models is not None else simulation:
             check_model(spec.policy.model, f"p{i}-model", name)
+        longest = max(fed.max_new_tokens, fed.eval_max_new_tokens)
+        if 0 < spec.policy.max_model_len <= longest:
+            key = "max-model-len" if run_config.get(f"p{i}-max-model-len", -1) in (-1, "", None) else f"p{i}-max-model-len"
+            raise ValueError(f"{key}={spec.policy.max_model_len} (participant {name}): must be more than "
+                             f"max-new-tokens / eval-max-new-tokens ({longest}): the prompt and the completion must fit")
     if simulation:
         fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
     return fed
@@ -712,7 +717,7 @@ if __name__ == "__main__":  # pragma: no cover - documentation generator
 
 def run_memory_share(run_config: Mapping[str, object], participant: str, cuda_count: int) -> float:
     """``participant``'s share of its card in a simulation: every declared participant's ``device``
-    resolved against ``cuda_count`` cards, an explicit ``gpu-memory-share`` kept, the others sharing
+    resolved against ``cuda_count`` cards (``auto`` spread by partition id), an explicit ``gpu-memory-share`` kept, the others sharing
     what is left of their card (``memory_shares``); 0.0 on the CPU. Its vLLM engine gets
     ``ENGINE_FRACTION`` of it."""
     from ftis_fed.policies.devices import memory_shares, select_device
@@ -722,7 +727,7 @@ def run_memory_share(run_config: Mapping[str, object], participant: str, cuda_co
     devices, explicit, engines = {}, {}, []
     for pid, name in enumerate(names):
         spec = participant_spec(run_config, {"partition-id": pid, "num-partitions": len(names)}, fed)
-        devices[name] = select_device(spec.policy.device, cuda_count, key=f"p{pid}-device")
+        devices[name] = select_device(spec.policy.device, cuda_count, key=f"p{pid}-device", index=pid)
         explicit[name] = spec.policy.gpu_memory_share
         if spec.policy.backend == "vllm":
             engines.append(name)

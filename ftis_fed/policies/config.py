@@ -92,13 +92,25 @@ class PolicyConfig:
         PagedAdamW8bit: the same, its state paged to CPU memory under GPU memory pressure; on a CPU
         it runs unpaged). The 8-bit options need the ``quant`` extra (bitsandbytes).""")
     device: str = knob("device", "auto", """
-        ``auto`` (the first CUDA device the launcher saw, else the CPU), ``cuda:N`` or ``cpu``. In
-        simulation the launcher passes the GPUs it sees through to the participant processes (Ray
-        hides them from actors that ask for none); see docs/gpu.md.""", per_participant=True)
+        ``auto`` (a visible CUDA device chosen by the participant's partition id, ``cuda:(id mod
+        count)``, so participants spread over the cards; the CPU only on a machine without NVIDIA
+        GPUs: GPUs that torch cannot use stop the participant with the reason), ``cuda:N`` or
+        ``cpu``. In simulation the participant processes get the GPUs the launcher (or, under a plain
+        ``flwr run``, the Ray actor's start) saw, not Ray's empty mask; see docs/gpu.md.""", per_participant=True)
     gpu_memory_share: float = knob("gpu-memory-share", 0.0, """
         this participant's share of its GPU's memory for a vLLM engine, in [0, 0.9]; 0 = derived
         from the number of participants on the same device (``ftis_fed.policies.devices.memory_shares``).""",
         per_participant=True)
+    max_model_len: int = knob("max-model-len", 0, """
+        vLLM participants (backend = vllm): the longest prompt + completion the engine serves, in
+        tokens (vLLM ``max_model_len``; its KV cache is sized for it), >= 0; 0 = the model's own
+        context length (a 12 GB card may not hold a KV cache that long). More than max-new-tokens,
+        at most the model's context (``max_position_embeddings``).""", per_participant=True)
+    gpu_memory_utilization: float = knob("gpu-memory-utilization", 0.0, """
+        vLLM participants (backend = vllm): the fraction of the whole card the engine reserves for
+        its weights and KV cache (vLLM ``gpu_memory_utilization``), in [0, 0.95]; 0 = derived: 0.4
+        of the participant's gpu-memory-share (the rest is its trainer's). At most gpu-memory-share
+        when that is set.""", per_participant=True)
     seed: int = knob("policy-seed", 0, "torch seed for the initialisation of adapters.")
     name: str = knob("model-id", "", """
         label recorded in batches as the generator's model id ('' = derived from model, quant and
@@ -135,6 +147,15 @@ class PolicyConfig:
         except DeviceError:
             need(False, "device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N >= 0)")
         need(0.0 <= self.gpu_memory_share <= 0.9, "gpu_memory_share", "must be in [0, 0.9] (0 = derived)")
+        need(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 = the model's context length)")
+        need(0.0 <= self.gpu_memory_utilization <= 0.95, "gpu_memory_utilization",
+             "must be in [0, 0.95] (0 = derived from gpu-memory-share)")
+        for f in ("max_model_len", "gpu_memory_utilization"):
+            need(self.backend == "vllm" or not getattr(self, f), f,
+                 f"applies to vLLM participants only (backend='vllm'; backend is {self.backend!r}): leave it 0")
+        need(not (self.gpu_memory_share and self.gpu_memory_utilization > self.gpu_memory_share),
+             "gpu_memory_utilization", f"more than this participant's gpu-memory-share={self.gpu_memory_share:g} "
+             "(the engine's part of the share): lower it or raise the share")
 
     @property
     def effective_lr(self) -> float:

@@ -51,6 +51,7 @@ load) it calls ``weights_changed()``, which pushes the new weights into the engi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -62,7 +63,7 @@ import numpy as np
 import torch
 
 from ftis_fed.wire.batch import SamplingParams
-from ftis_fed.policies.devices import ENGINE_FRACTION
+from ftis_fed.policies.devices import ENGINE_FRACTION, card_lock
 from ftis_fed.policies.base import Policy, Prompt, Rollout, tokenizer_fingerprint
 
 #: The message every missing-vLLM path raises (tests match on it).
@@ -188,6 +189,26 @@ def _vllm_dtype(cfg_dtype: str, weights_dtype: str = "fp32") -> str:
     return {"fp32": "float32", "bf16": "bfloat16"}.get(cfg_dtype, "auto")
 
 
+def engine_memory_kwargs(cfg, model: torch.nn.Module) -> dict[str, Any]:
+    """The engine's memory arguments from the participant's keys: ``gpu_memory_utilization`` (on
+    CUDA: ``gpu-memory-utilization``, else ``ENGINE_FRACTION`` of ``gpu-memory-share``, else 0.35)
+    and ``max_model_len`` (``max-model-len``, checked against the model's context). Errors name the
+    key and the limit."""
+    kw: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        util = float(getattr(cfg, "gpu_memory_utilization", 0.0) or 0.0)
+        share = float(getattr(cfg, "gpu_memory_share", 0.0) or 0.0)
+        kw["gpu_memory_utilization"] = util or (share * ENGINE_FRACTION if share > 0 else 0.35)
+    n = int(getattr(cfg, "max_model_len", 0) or 0)
+    if n:
+        ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if isinstance(ctx, int) and n > ctx:
+            raise ValueError(f"max-model-len={n}: more than the model's context, {ctx} tokens "
+                             f"(max_position_embeddings of {getattr(cfg, 'model', 'the model')})")
+        kw["max_model_len"] = n
+    return kw
+
+
 class VLLMPolicy(Policy):
     """vLLM generates, ``trainer`` (default: ``HFPolicy(cfg)``) scores and holds the trainable weights.
 
@@ -199,12 +220,16 @@ class VLLMPolicy(Policy):
         which is fine because the recorded log-probs are vLLM's own (the IS ratio corrects for it).
     model_path: what vLLM loads (default: ``resolve_model(cfg.model)``), the same base checkpoint
         the trainer started from.
-    engine_kwargs: extra ``vllm.LLM`` arguments (``max_model_len``, ``kv_cache_memory_bytes``,
-        ``enforce_eager``, ``gpu_memory_utilization`` (default 0.35 here: the trainer shares the
-        GPU), ...). ``logprobs_mode``, ``enable_lora``, ``generation_config`` and
+    engine_kwargs: extra ``vllm.LLM`` arguments (``kv_cache_memory_bytes``, ``enforce_eager``, ...;
+        ``max_model_len`` and ``gpu_memory_utilization`` come from the participant's keys,
+        ``engine_memory_kwargs``, unless given here). ``logprobs_mode``, ``enable_lora``, ``generation_config`` and
         ``worker_extension_cls`` are owned here (rejected).
     sync_on_init: push the trainer's current weights into the engine at once (it may have loaded
         a checkpoint or a fresh adapter); default True.
+
+    On CUDA the whole start-up (the trainer's load, the engine's start and memory profiling, the
+    first weight push) holds the card's ``devices.card_lock``: participants sharing a GPU start one
+    after another.
     """
 
     def __init__(self, cfg=None, *, trainer=None, refresh: str = "auto",
@@ -218,9 +243,16 @@ class VLLMPolicy(Policy):
             if k in engine_kwargs:
                 raise ValueError(f"engine_kwargs[{k!r}] is set by VLLMPolicy (recorded log-probs / refresh "
                                  "depend on it); remove it")
+        if trainer is None and cfg is None:
+            raise ValueError("VLLMPolicy needs a PolicyConfig (cfg) or a trainer")
+        # One start-up per card: the trainer's load and the engine's memory profiling must not
+        # overlap with another participant's on the same GPU (vLLM issues 9198, 17979).
+        label = getattr(cfg, "label", None) or getattr(trainer, "model_id", None) or "vllm"
+        with card_lock(f"vLLM start-up of {label}") if torch.cuda.is_available() else contextlib.nullcontext():
+            self._start(vllm, cfg, trainer, refresh, model_path, engine_kwargs, sync_on_init, work_dir)
+
+    def _start(self, vllm, cfg, trainer, refresh, model_path, engine_kwargs, sync_on_init, work_dir) -> None:
         if trainer is None:
-            if cfg is None:
-                raise ValueError("VLLMPolicy needs a PolicyConfig (cfg) or a trainer")
             from ftis_fed.policies.hf import HFPolicy
 
             trainer = HFPolicy(cfg)
@@ -250,11 +282,7 @@ class VLLMPolicy(Policy):
         kw: dict[str, Any] = dict(tokenizer=self.model_path, seed=int(getattr(self.cfg, "seed", 0) or 0),
                                   dtype=_vllm_dtype(getattr(self.cfg, "dtype", "auto"),
                                                     getattr(self.cfg, "weights_dtype", "fp32")))
-        if torch.cuda.is_available():
-            # this participant's engine share of its card (devices.memory_shares), set by the worker
-            # from the run's participants (gpu-memory-share); 0.35 when nothing set it
-            share = float(getattr(self.cfg, "gpu_memory_share", 0.0) or 0.0)
-            kw["gpu_memory_utilization"] = share * ENGINE_FRACTION if share > 0 else 0.35
+        kw.update(engine_memory_kwargs(self.cfg, model))
         if self.refresh_mode == "lora":
             r = int(getattr(self.cfg, "lora_r", 0) or _peft_rank(model))
             kw.update(enable_lora=True, max_lora_rank=_lora_rank_limit(r), max_loras=1)

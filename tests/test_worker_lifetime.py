@@ -1,0 +1,124 @@
+"""The participant worker ends with its run (clients/worker.py): it watches the process that ties it
+to the run and exits, with its process group, as soon as that process is gone; a worker that
+cannot have its device exits at once with one line saying why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from clients.worker import alive, liveness_anchors, process_start
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_alive_tells_a_running_process_from_an_ended_or_reused_one():
+    me = os.getpid()
+    assert alive(me) and alive(me, process_start(me))
+    assert not alive(me, "0")                                        # same pid, another start: reused
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = process_start(p.pid)
+    subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    assert not alive(p.pid, start)                                   # exited, not yet reaped: a zombie
+    p.wait()
+    assert not alive(p.pid, start)
+
+
+def test_anchors_are_the_simulation_actor_or_the_supernode_side_parent():
+    assert liveness_anchors({"partition-id": 0, "num-partitions": 2}) == [[os.getpid(), process_start(os.getpid())]]
+    assert liveness_anchors({"participant": "alice"}) == [[os.getppid(), process_start(os.getppid())]]
+
+
+def _run_config(tmp: Path, **over) -> dict:
+    rc = dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+    rc.update({"output-dir": str(tmp / "out"), "p0-model": "tiny-llama", "p1-model": "tiny-llama", "p2-model": "",
+               "worker-idle-timeout-s": 3600.0, **over})
+    return rc
+
+
+# A stand-in for the ClientApp process (a Ray actor in simulation): starts the participant's
+# worker with ensure_worker, says so, and stays until it is killed.
+_CLIENTAPP = textwrap.dedent(r"""
+    import json, sys, time
+    from pathlib import Path
+    from clients.worker import WorkerError, call, ensure_worker
+    payload = json.loads(sys.argv[1])
+    try:
+        conn = ensure_worker("run-1", "p0", payload, Path(sys.argv[2]), start_timeout=600)
+    except WorkerError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+        sys.exit(0)
+    pid = int((Path(sys.argv[3]) / sorted(p.name for p in Path(sys.argv[3]).glob("*.pid"))[0]).read_text())
+    print(json.dumps({"worker_pid": pid}), flush=True)
+    conn.close()
+    time.sleep(3600)
+""")
+
+
+def _clientapp(tmp: Path, run_config: dict, extra_env: dict | None = None) -> subprocess.Popen:
+    payload = {"run_config": run_config, "node_config": {"partition-id": 0, "num-partitions": 2}, "run_key": "run-1"}
+    env = {**os.environ, "FTIS_FED_RUNTIME": str(tmp / "rt"), "PYTHONPATH": str(ROOT), **(extra_env or {})}
+    return subprocess.Popen([sys.executable, "-c", _CLIENTAPP, json.dumps(payload), str(tmp / "worker.log"),
+                             str(tmp / "rt")], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow                       # a worker loading a tiny model: ~20-40 s on 2 busy cores
+def test_a_worker_whose_run_is_gone_exits(tmp_path):
+    """The worker's idle timeout is an hour; killing the process that started it (what ending a
+    simulation does to its Ray actors) ends the worker within its liveness check, not the hour."""
+    from ftis_fed.config.federation import participant_names
+    from ftis_fed.trust.signing import generate_keypair
+
+    rc = _run_config(tmp_path)
+    generate_keypair(participant_names(rc)[0], tmp_path / "out" / "keys")     # what the ServerApp prepares
+    app = _clientapp(tmp_path, rc)
+    line = json.loads(app.stdout.readline())
+    assert "worker_pid" in line, line
+    pid = line["worker_pid"]
+    start = process_start(pid)
+    assert alive(pid, start)
+    app.kill()
+    app.wait()
+    for _ in range(600):                # an event, not a speed: fails only if the worker stays
+        if not alive(pid, start):
+            break
+        subprocess.run(["sleep", "0.1"])
+    log = (tmp_path / "worker.log").read_text()
+    assert not alive(pid, start), log[-2000:]
+    assert "which ties this worker to its run, has ended: exiting" in log
+
+
+@pytest.mark.slow                       # two processes importing torch: ~20 s
+def test_a_worker_that_cannot_have_its_device_stops_with_one_line(tmp_path):
+    app = _clientapp(tmp_path, _run_config(tmp_path, **{"p0-device": "cuda:3"}))
+    out = json.loads(app.stdout.readline())
+    app.wait(timeout=120)
+    err = out["error"]
+    assert err.startswith("participant 'p0': p0-device='cuda:3': not visible; visible CUDA devices: none"), err
+    assert "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.slow                       # three processes importing torch: ~30 s
+def test_on_a_gpu_machine_torch_cannot_use_the_worker_says_why(tmp_path):
+    """A fake nvidia-smi shows two GPUs; this machine's torch cannot use them (a CPU build here; on a
+    GPU box with an old driver: the CUDA build's driver requirement): the run's participant stops
+    with that one line instead of training on the CPU."""
+    from tests.test_devices import fake_smi
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_smi(bin_dir)
+    app = _clientapp(tmp_path, _run_config(tmp_path), {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    out = json.loads(app.stdout.readline())
+    app.wait(timeout=300)
+    err = out["error"]
+    assert "p0-device='auto': this machine has 2 NVIDIA GPUs (NVIDIA H200; driver 550.54.14, CUDA 12.4) but torch" in err
+    assert err.endswith(f"set p0-device='cpu' to run on the CPU (worker log {tmp_path / 'worker.log'})")
+    assert "\n" not in err
