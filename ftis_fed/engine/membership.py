@@ -4,7 +4,8 @@ The engine admits the nodes connected at the start (``Engine.admit``); from then
 boundary, :meth:`Membership.begin_round`:
 
 1. **retires** a participant absent ``retire-after-rounds`` rounds in a row (asked and no usable reply,
-   or no longer connected): it is no longer asked; it may come back with a new hello;
+   or no longer connected): it is no longer asked, nor is its node while that stays connected; it
+   may come back with a new hello from a new node (or from the same one after it went away);
 2. sends **hello** to every connected node not admitted yet (``join-timeout-s``), with the same
    proof of possession as at the start (``Engine._admit_one``): a **late joiner** (a participant not
    seen in this run) or a **rejoiner** (a participant seen before: retired, or restarted with a new
@@ -49,7 +50,9 @@ class Membership:
         self.round_nodes: list[Address] = []             # this round's sample
         self.asked: set[Address] = set()
         self.failed: set[Address] = set()                # asked this round and dropped in a phase
+        self.gone: set[Address] = set()                  # admitted but not connected at this round's boundary
         self.retired: dict[str, int] = {}                # participant -> round it was retired before
+        self.retired_nodes: set[Address] = set()         # their nodes, not asked again while they stay connected
 
     def start(self) -> None:
         """After the admission at the start."""
@@ -62,9 +65,10 @@ class Membership:
         Returns the federation row's membership metrics."""
         e, fed = self.engine, self.engine.fed
         events: Counter = Counter()
+        self.gone = set()
         if boundary:
             self._boundary(rnd, events)
-        names = {e.name(a): a for a in e.nodes}
+        names = {e.name(a): a for a in e.nodes if a not in self.gone}       # sampled from the connected ones
         chosen = sample_participants(list(names), fed.fraction_train, fed.min_train_participants, fed.seed, rnd)
         self.round_nodes = sorted((names[n] for n in chosen), key=_order)
         self.asked, self.failed = set(self.round_nodes), set()
@@ -80,10 +84,14 @@ class Membership:
         self.failed |= set(dropped)
 
     def end_round(self) -> None:
-        for addr in self.asked:
-            if addr in self.engine.nodes:
-                name = self.engine.name(addr)
-                self.misses[name] = self.misses.get(name, 0) + 1 if addr in self.failed else 0
+        """A round absent (not connected, or asked and no usable reply) adds one to a participant's
+        count; a round it answered sets it back to 0."""
+        for addr in self.engine.nodes:
+            name = self.engine.name(addr)
+            if addr in self.gone or addr in self.failed:
+                self.misses[name] = self.misses.get(name, 0) + 1
+            elif addr in self.asked:
+                self.misses[name] = 0
 
     # ------------------------------------------------------------------ the boundary
     def _boundary(self, rnd: int, events: Counter) -> None:
@@ -93,23 +101,23 @@ class Membership:
         except Exception as err:                         # noqa: BLE001 - the round goes on with who it has
             e.log(WARNING, "round %d: listing connected nodes failed: %s", rnd, err)
             return
-        for addr in list(e.nodes):                       # gone and not already counted as failed
-            if addr not in connected and addr not in self.failed:
-                name = e.name(addr)
-                self.misses[name] = self.misses.get(name, 0) + 1
         if fed.retire_after_rounds > 0:
             gone = [a for a in e.nodes if self.misses.get(e.name(a), 0) >= fed.retire_after_rounds]
             names = []
             for addr in gone:
                 name = e.nodes.pop(addr)["participant"]
                 self.retired[name] = rnd
+                self.retired_nodes.add(addr)
                 self.misses.pop(name, None)
                 events["retired"] += 1
                 names.append(name)
             if names:
                 e.log(INFO, "round %d: retired %d (absent %d rounds in a row): %s", rnd, len(names),
                       fed.retire_after_rounds, name_list(sorted(names)))
-        new = sorted((a for a in connected if a not in e.nodes and e.refused.get(a) not in PERMANENT), key=_order)
+        self.gone = {a for a in e.nodes if a not in connected}      # not asked this round; absent
+        self.retired_nodes &= connected                  # a retired node that went away may come back later
+        new = sorted((a for a in connected if a not in e.nodes and a not in self.retired_nodes
+                      and e.refused.get(a) not in PERMANENT), key=_order)
         if new:
             self._hello(rnd, new, connected, events)
         if events["retired"] or new:
