@@ -12,8 +12,11 @@ so restarts can be tested through the in-process transport.
 The engine runs everything the product runs (admission, sampling, relay, verification, replay guard,
 metrics rows, CSV, plots, ``server_state.json``) over ``InProcessTransport``. **Server CPU** per round
 is the process CPU time of the round minus the CPU time the participants' ``handle`` calls spent
-(thread CPU clocks): what the engine and the transport cost. One JSON line per N, then the slope
-(least squares over the Ns: server CPU seconds, RSS and relayed bytes per participant).
+(thread CPU clocks): what the engine and the transport cost (``plot_cpu_s``: the part of it that
+redraws the PNGs). RSS is the whole process's (server and participants). One JSON line per N, then
+the slope (least squares over the Ns: server CPU seconds, RSS and relayed bytes per participant);
+``--results`` files from separate processes (one N each, so RSS is not carried over) are combined
+with ``--slope FILE ...``.
 """
 
 from __future__ import annotations
@@ -153,11 +156,14 @@ def measure(n: int, rounds: int, peers: int, fraction: float, out: Path, plots: 
 
     def save_and_mark(rnd: int) -> None:                 # after the round, its state and before plots
         orig_save(rnd)
+        p0 = time.process_time()
         if plots:
             engine.writer.plot()
+        plot_cpu = time.process_time() - p0
         cpu, wall, part = time.process_time(), time.perf_counter(), sum(p.cpu for p in parts.values())
         fed_row = [r for r in engine.writer.rows() if r["round"] == rnd and r["participant"] == "_federation"][-1]
         per_round.append({"round": rnd, "server_cpu_s": (cpu - marks["cpu"]) - (part - marks["part"]),
+                          "plot_cpu_s": plot_cpu,
                           "participants_cpu_s": part - marks["part"], "wall_s": wall - marks["wall"],
                           "rss_mb": proc.memory_info().rss / 2**20,
                           "bytes_relayed": fed_row.get("fed/bytes_relayed", 0.0),
@@ -171,7 +177,8 @@ def measure(n: int, rounds: int, peers: int, fraction: float, out: Path, plots: 
     steady = per_round[1:] or per_round                  # round 1 also pays for the first plots/CSV
     mean = lambda k: float(np.mean([r[k] for r in steady]))  # noqa: E731
     return {"participants": n, "rounds": rounds, "peers_per_round": peers, "fraction_train": fraction,
-            "server_cpu_s_per_round": mean("server_cpu_s"), "participants_cpu_s_per_round": mean("participants_cpu_s"),
+            "server_cpu_s_per_round": mean("server_cpu_s"), "plot_cpu_s_per_round": mean("plot_cpu_s"),
+            "participants_cpu_s_per_round": mean("participants_cpu_s"),
             "wall_s_per_round": mean("wall_s"), "rss_mb_end": per_round[-1]["rss_mb"],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "bytes_relayed_per_round": mean("bytes_relayed"), "frames_relayed_per_round": mean("frames_relayed"),
@@ -193,8 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction-train", type=float, default=1.0)
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="", help="folder for the runs ('' = a temporary one)")
+    ap.add_argument("--slope", nargs="+", default=[], help="only combine these files of JSON lines into the slope")
     a = ap.parse_args(argv)
     results = []
+    if a.slope:
+        results = [json.loads(line) for f in a.slope for line in Path(f).read_text().splitlines()
+                   if line.startswith('{"participants"')]
+        a.participants = []
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(a.out or tmp)
         for n in a.participants:
@@ -203,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: v for k, v in r.items() if k != "per_round"}), flush=True)
     if len(results) > 1:
         print(json.dumps({"slope_per_participant": {
-            k: slope(results, k) for k in ("server_cpu_s_per_round", "rss_mb_end", "bytes_relayed_per_round",
+            k: slope(results, k) for k in ("server_cpu_s_per_round", "plot_cpu_s_per_round", "rss_mb_end", "bytes_relayed_per_round",
                                            "server_state_bytes")}, "load": os.getloadavg()}), flush=True)
     return 0
 
