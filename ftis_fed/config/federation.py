@@ -657,16 +657,22 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
         if name in seen:
             raise ValueError(f"p{i}-participant={name!r}: the same name as p{seen[name]}; names must be distinct")
         seen[name] = i
-        try:
-            spec = participant_spec(run_config, {"partition-id": i, "num-partitions": len(names)}, fed)
-        except ValueError as e:
-            head, sep, tail = str(e).partition(": ")
-            raise ValueError(f"{head} (participant {name}){sep}{tail}") from None
+        spec = _checked_spec(run_config, fed, i, len(names), name)
         if check_models if check_models is not None else simulation:
             check_model(spec.policy.model, f"p{i}-model", name)
     if simulation:
         fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
     return fed
+
+
+def _checked_spec(run_config: Mapping[str, Any], fed: FederationConfig, i: int, n: int, name: str,
+                  where: str = "") -> ParticipantSpec:
+    """Simulated participant ``i`` of ``n``; an error names the participant (after ``where``)."""
+    try:
+        return participant_spec(run_config, {"partition-id": i, "num-partitions": n}, fed)
+    except ValueError as e:
+        head, sep, tail = str(e).partition(": ")
+        raise ValueError(f"{where}{head} (participant {name}){sep}{tail}") from None
 
 
 def _validate_population(run_config: Mapping[str, Any], fed: FederationConfig, members: list[population.Member],
@@ -685,11 +691,7 @@ def _validate_population(run_config: Mapping[str, Any], fed: FederationConfig, m
         raise ValueError(f"min-participants={fed.min_participants}: more than the {len(members)} participants "
                          f"of {source}")
     for i, m in enumerate(members):
-        try:
-            spec = participant_spec(run_config, {"partition-id": i, "num-partitions": len(members)}, fed)
-        except ValueError as e:
-            head, sep, tail = str(e).partition(": ")
-            raise ValueError(f"{source}: {head} (participant {m.name}){sep}{tail}") from None
+        spec = _checked_spec(run_config, fed, i, len(members), m.name, f"{source}: ")
         if check_models if check_models is not None else simulation:
             try:
                 check_model(spec.policy.model, m.key_name("model"), m.name)

@@ -106,6 +106,15 @@ def wire_metrics(sent: Mapping[bool, list[tuple[int, int]]]) -> dict[str, float]
     return out
 
 
+def server_usage(cpu0: float) -> dict[str, float]:
+    """``fed/server_cpu_s``: this process's CPU seconds since ``cpu0`` (the round; in-process
+    transports include the participants'), ``fed/server_rss_mb``: its resident memory now."""
+    import psutil
+
+    return {"fed/server_cpu_s": time.process_time() - cpu0,
+            "fed/server_rss_mb": psutil.Process().memory_info().rss / 2**20}
+
+
 def _loaded(info: Mapping[str, Any]) -> str:
     """`` (model loaded in X s)`` from a hello's ``load_seconds``, if it carries a number."""
     s = info.get("load_seconds")
@@ -188,7 +197,7 @@ class Engine:
             self.writer.plot()
 
     def run_round(self, rnd: int) -> RoundStats:
-        t0 = self.clock()
+        t0, cpu0 = self.clock(), time.process_time()
         stats = RoundStats(rnd)
         stats.fed.update(self.members.begin_round(rnd, boundary=rnd > self.start_round))
         self.schedule(self, rnd, stats)
@@ -196,6 +205,7 @@ class Engine:
         stats.fed.update({"fed/participants": float(len(self.nodes)),
                           "fed/rejected": float(sum(stats.rejected.values())),
                           "fed/round_seconds": self.clock() - t0,
+                          **server_usage(cpu0),
                           "fed/complete": float(stats.fed.get("fed/replies", 0.0) >= self.fed.min_participants)})
         stats.fed.update({f"fed/rejected/{k}": float(v) for k, v in stats.rejected.items()})
         stats.fed.update({f"fed/dropped/{k}": float(v) for k, v in stats.dropped.items()})
