@@ -139,6 +139,13 @@ class FederationConfig:
     retire_after_rounds: int = knob("retire-after-rounds", 0, """
         a participant that was asked and did not reply (or is no longer connected) this many rounds
         in a row is retired: no longer asked; it may come back with a new hello. >= 0; 0 = never.""")
+    participants_per_worker: int = knob("participants-per-worker", 1, """
+        simulation: this many participants (consecutive partition ids) share one worker process, so
+        torch and the libraries are loaded once per process instead of once per participant (memory,
+        docs/scale.md); 1 = a process each. Co-hosted participants are served one request at a time;
+        an error in one is that participant's error reply only, but a crash or hang of one also drops
+        its process-mates from that phase (each dropped and, after the restart, rejoining on its own).
+        Co-hosted participants share the first one's device. >= 1; deployment nodes always run one.""")
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     task: TaskSpec = field(default_factory=TaskSpec)
     reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
@@ -177,6 +184,7 @@ class FederationConfig:
         need(self.min_train_participants >= 1, "min_train_participants", "must be >= 1")
         need(self.peers_per_round >= 0, "peers_per_round", "must be >= 0 (0 = every peer)")
         need(self.join_timeout_s > 0, "join_timeout_s", "must be > 0")
+        need(self.participants_per_worker >= 1, "participants_per_worker", "must be >= 1")
         need(self.retire_after_rounds >= 0, "retire_after_rounds", "must be >= 0 (0 = never)")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
