@@ -471,8 +471,8 @@ class Engine:
         self.writer.write(rows)
 
     def finish(self) -> None:
-        """Stop every participant (short deadline: it only acknowledges)."""
-        self.finish_nodes(list(self.nodes))
+        """Stop every participant (short deadline: it only acknowledges), retired ones still connected too."""
+        self.finish_nodes(list(self.nodes) + [a for a in self.members.retired_nodes if a not in self.nodes])
 
     def finish_nodes(self, addrs: list[Address]) -> None:
         try:
