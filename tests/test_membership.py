@@ -172,6 +172,30 @@ def test_a_retired_participant_that_reconnects_rejoins(tmp_path):
     assert c.trained == [1, 5, 6]
 
 
+def test_console_lines_do_not_grow_with_the_participants(tmp_path):
+    """Above 8 participants the console prints aggregates and the extremes: apart from the admission
+    list (16 lines at most), a 20-participant run logs as many lines as a 10-participant one, none
+    naming more than 8 participants (then '(+N more)'); the plots are drawn."""
+    counts = {}
+    for n in (10, 20):
+        out = tmp_path / f"n{n}"
+        parts, keys = light_federation(out, n)
+        lines: list[str] = []
+        fed = FederationConfig(num_rounds=2, min_participants=2, run_name=RUN, output_dir=str(out), eval_every=0,
+                               progress_every_s=0, peers_per_round=3)
+        Engine(fed, keys, out, InProcessTransport(parts), plots=n > 10,
+               log=lambda level, msg, *args: lines.append(msg % args if args else msg)).run()
+        admission = [line for line in lines if line.startswith(("participant ", "... and "))]
+        assert len(admission) == min(n, 16) + (n > 16)              # 16 listed at most, then one line
+        counts[n] = len(lines) - len(admission)
+        for line in lines:
+            assert sum(p in line for p in parts) <= 8, line
+        assert any("(+" in line and "more)" in line for line in lines)
+        assert any(line.strip().startswith("reward") and "over" in line and "[min" in line for line in lines)
+        assert n == 10 or ((out / "fed.png").exists() and (out / "training.png").exists())
+    assert counts[10] == counts[20], counts
+
+
 @pytest.mark.slow
 def test_256_light_participants_through_the_engine(tmp_path):
     """The N = 256 scale run (docs/scale.md): every participant admitted with its proof, k = 4 peers'

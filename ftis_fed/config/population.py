@@ -25,7 +25,8 @@ of the ``population`` run-config key itself (it starts with ``{``). A file path 
 app folder (the one holding ``pyproject.toml`` and ``ftis_fed/``: in ``flwr run`` the app bundle's
 copy, which carries .toml/.json/.yaml files), or absolute.
 
-An entry's keys are any participant key (``participant_keys``: the per-participant keys and every
+A ``model`` that is a local folder should be an absolute path (workers run in the app bundle's
+folder). An entry's keys are any participant key (``participant_keys``: the per-participant keys and every
 policy key, e.g. ``lr``, ``micro-batch``), which win over the run-wide values. No cap on the
 number of participants but memory. Errors are one line naming the source, the entry (``participants[2]``)
 and the field. Nothing here imports the rest of the config (``federation.py`` passes the keys in).

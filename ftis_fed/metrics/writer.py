@@ -128,6 +128,8 @@ class MetricsWriter:
         for fname, (title, series) in {**PLOTS, "fed.png": ("Relay", [("fed/bytes_relayed", "bytes relayed"),
                                                                       ("fed/rejected", "rejected batches"),
                                                                       ("fed/replies", "replies"),
+                                                                      ("fed/participants", "admitted"),
+                                                                      ("fed/sampled", "sampled per round"),
                                                                       ("fed/round_seconds", "round seconds")])}.items():
             present = [(k, lab) for k, lab in series if any(k in r for r in rows)]
             if not present:
