@@ -36,14 +36,22 @@ def _spec(context: Context):
 def _worker(context: Context):
     """(connection to this participant's worker, seconds to wait for its answer)."""
     run_config, node_config, fed, spec = _spec(context)
-    concurrent = 1 if "participant" in node_config else int(node_config.get("num-partitions", 1))
+    host, per = worker_host(fed, spec, node_config)
+    concurrent = 1 if "participant" in node_config else -(-int(node_config.get("num-partitions", 1)) // per)
     payload = {"run_config": run_config, "node_config": node_config, "concurrent": concurrent,
                "run_key": str(context.run_id)}
-    conn = ensure_worker(str(context.run_id), spec.name, payload, Path(spec.state_dir) / "worker.log",
+    conn = ensure_worker(str(context.run_id), host, payload, Path(spec.state_dir) / "worker.log",
                          start_timeout=fed.wait_for_participants_s)
     # The server stops waiting after round-timeout-s; so does the ClientApp, which frees it (and a
     # simulation's actor) from a hung participant.
-    return conn, fed.round_timeout_s
+    return conn, fed.round_timeout_s, (spec.name, node_config)
+
+
+def worker_host(fed, spec, node_config) -> tuple[str, int]:
+    """(the worker this participant lives in, participants per worker): its own (``spec.name``),
+    or with ``participants-per-worker`` k > 1 in simulation the one of partitions [i*k, (i+1)*k)."""
+    per = 1 if "participant" in node_config else fed.participants_per_worker
+    return (spec.name if per <= 1 else f"host{spec.partition_id // per}-of-{per}"), per
 
 
 def _node_facts(context: Context) -> dict:
@@ -60,8 +68,9 @@ def forward(msg: Message, context: Context) -> Message:
     if action == "finish":
         reply = _finish(context)
     else:
-        conn, timeout = _worker(context)
-        reply = call(conn, action, content_to_request(msg.content), timeout=timeout)
+        conn, timeout, (name, node_config) = _worker(context)
+        reply = call(conn, action, content_to_request(msg.content), timeout=timeout, participant=name,
+                     node_config=node_config)
         if action == "hello":
             reply["info"].update(_node_facts(context))
     return Message(reply_to_content(reply), reply_to=msg)
@@ -69,7 +78,8 @@ def forward(msg: Message, context: Context) -> Message:
 
 def _finish(context: Context) -> dict:
     """End of run: stop the worker; one that does not answer (hung) is killed."""
-    name = _spec(context)[3].name
+    _, node_config, fed, spec = _spec(context)
+    name = worker_host(fed, spec, node_config)[0]
     conn = existing_worker(str(context.run_id), name)
     if conn is None:
         return {"info": {"stopped": False}}

@@ -198,13 +198,15 @@ def kill_worker(run_key: str, participant: str) -> bool:
         return False
 
 
-def call(conn, action: str, request: dict | None = None, timeout: float | None = None) -> Any:
-    """``Participant.handle(action, request)`` in the worker; raises WorkerError when it raised,
-    ConnectionError when the worker died, TimeoutError when it did not answer within ``timeout``
-    seconds (it keeps running)."""
+def call(conn, action: str, request: dict | None = None, timeout: float | None = None, participant: str | None = None,
+         node_config: dict | None = None) -> Any:
+    """``Participant.handle(action, request)`` in the worker (of ``participant`` with its
+    ``node_config`` when the worker hosts several: ``participants-per-worker``); raises WorkerError
+    when it raised, ConnectionError when the worker died, TimeoutError when it did not answer within
+    ``timeout`` seconds (it keeps running)."""
     try:
-        conn.send({"action": action, "request": dict(request or {}),
-                   "deadline": None if timeout is None else time.time() + timeout})
+        conn.send({"action": action, "request": dict(request or {}), "participant": participant,
+                   "node_config": node_config, "deadline": None if timeout is None else time.time() + timeout})
         if timeout is not None and not conn.poll(timeout):
             raise TimeoutError(f"worker did not answer {action!r} within {timeout:.0f} s")
         reply = conn.recv()
@@ -256,9 +258,28 @@ class Worker:
         t0 = time.perf_counter()
         self.participant = Participant(pspec, fed, run_key=str(spec.get("run_key", "")))
         print(f"[worker {pspec.name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        self.fed, self.run_key = fed, str(spec.get("run_key", ""))
+        self.hosted = {pspec.name: self.participant}     # participants-per-worker > 1: its process-mates
 
     def handle(self, req: dict[str, Any]) -> Any:
-        return self.participant.handle(req["action"], req["request"])
+        return self._participant(req).handle(req["action"], req["request"])
+
+    def _participant(self, req: dict[str, Any]):
+        """The request's participant: the first one, or a process-mate built on its first request
+        (same device as the first; its own spec, keys, state dir and counters)."""
+        name = req.get("participant") or self.participant.name
+        if name not in self.hosted:
+            from ftis_fed.config.federation import participant_spec
+            from ftis_fed.participant import Participant
+
+            pspec = participant_spec(self.run_config, req["node_config"], self.fed)
+            if pspec.name != name:
+                raise ValueError(f"request for participant {name!r} with the node config of {pspec.name!r}")
+            t0 = time.perf_counter()
+            self.hosted[name] = Participant(pspec, self.fed, run_key=self.run_key)
+            print(f"[worker {self.participant.name}] also hosts {name} ({pspec.policy.label}, "
+                  f"{time.perf_counter() - t0:.1f} s)", flush=True)
+        return self.hosted[name]
 
     def serve(self, sock: str, authkey: bytes) -> None:
         """Accept (and authenticate) connections on a thread, so a client never blocks on a busy
@@ -285,7 +306,8 @@ class Worker:
                     req = conn.recv()
                 except (EOFError, OSError):
                     continue
-                what = f"{req.get('action')} round {req.get('request', {}).get('round', '-')}"
+                what = (f"{req.get('action')} round {req.get('request', {}).get('round', '-')}"
+                        + (f" for {req['participant']}" if len(self.hosted) > 1 and req.get("participant") else ""))
                 if req.get("deadline") is not None and time.time() > req["deadline"]:
                     print(f"[worker {self.participant.name}] {what}: "
                           "skipped, its caller stopped waiting", flush=True)

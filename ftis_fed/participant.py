@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ftis_fed.atomic import atomic_write
+from ftis_fed import participant_state
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.learn.evaluation import evaluate as evaluate_policy
@@ -92,6 +93,7 @@ class Participant:
         self.heldout: dict[int, dict[str, float]] = {}      # round -> held-out accuracies (card)
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
+        self._rejoin()
         self.inbox = Inbox(self.keys, self._inbox_config(), self.guard)
 
     def _saved_run_id(self) -> str:
@@ -192,6 +194,7 @@ class Participant:
         # Strictly increasing per sender, also across a restart without checkpoint (the round
         # moves on): receivers' replay guards reject any seq they have seen.
         self.seq = max(self.seq + 1, round << 16)
+        participant_state.save(self.state_dir, self.run_key, self.seq, self.completed_round, self.guard)
         batch = CompletionBatch(sender=self.name, run_id=self.run_id, round=round, seq=self.seq,
                                 model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
                                 vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))
@@ -218,6 +221,9 @@ class Participant:
         """Verify peers' frames (signature with the sender's key, replay, validation), re-check their
         rewards, then one F-TIS update on my batch of ``round`` and the accepted peer batches."""
         self._fault("learn", round)
+        if round <= self.completed_round:                   # trained on it before a restart: never twice
+            self.own.pop(round, None)
+            return {"train/already_trained": 1.0, "train/seconds": 0.0, "worker/pid": float(os.getpid())}
         t0 = time.perf_counter()
         own = self.own.pop(round, None)
         peer_round = round if peer_round is None else peer_round
@@ -240,6 +246,7 @@ class Participant:
         metrics["worker/pid"] = float(os.getpid())
         metrics["worker/model_loads"] = float(self.model_loads)
         self.completed_round = round
+        participant_state.save(self.state_dir, self.run_key, self.seq, self.completed_round, self.guard)
         if checkpoint_due(round, self.fed.num_rounds, self.fed.checkpoint_every):
             self.save()
         if round >= self.fed.num_rounds and self.fed.export_final:
@@ -324,10 +331,24 @@ class Participant:
         self.trainer.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
                  "adapt": self.adapt.to_json(), "model_id": self.policy.model_id, "run_id": self.run_id,
-                 "peer_models": self.peer_models, "heldout": {str(k): v for k, v in self.heldout.items()}}
+                 "peer_models": self.peer_models, "heldout": {str(k): v for k, v in self.heldout.items()},
+                 "run_key": self.run_key}
         tmp = self.state_dir / "participant.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_dir / "participant.json")
+
+    def _rejoin(self) -> None:
+        """A restart within this run (``participant_state``): continue from the counters and, when it
+        is of this run, the last checkpoint; never reuse a sequence number or train a round twice."""
+        got = participant_state.load(self.state_dir, self.run_key)
+        if got is None:
+            return
+        ckpt = self.state_dir / "participant.json"
+        if not self.fed.resume and ckpt.exists() and json.loads(ckpt.read_text()).get("run_key") == self.run_key:
+            self._load()
+        self.seq = max(self.seq, got.seq)
+        self.completed_round = max(self.completed_round, got.trained_round)
+        self.guard = got.guard
 
     def _load(self) -> None:
         state = json.loads((self.state_dir / "participant.json").read_text())

@@ -239,7 +239,7 @@ def test_run_config_layers_later_wins_and_unknown_keys_are_named(tmp_path):
     items = expand_run_config(ROOT, [str(f), "num-rounds=9 group-size=2"], preset="quick")
     got = dict(i.split("=", 1) for i in items)
     assert got["num-rounds"] == "9" and got["scheme"] == '"pipelined"' and got["group-size"] == "2"
-    assert got["p0-model"] == '"tiny-arith"'                          # from the preset
+    assert got["population"] == '"sims/populations/quick.toml"'        # from the preset
     f.write_text("num-rouns = 7\n")
     with pytest.raises(ValueError, match=r"'num-rouns'.*mine\.toml"):
         expand_run_config(ROOT, [str(f)])

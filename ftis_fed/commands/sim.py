@@ -17,8 +17,9 @@ What it does, so the same can be done by hand:
    so the next run reuses it). A SuperLink that ftis-fed did not start on that address (for example
    one that plain ``flwr run`` started) is not used unless ``--reuse-superlink`` says so.
 5. ``flwr run <app> <connection> --run-config ... --federation-config "num-supernodes=N
-   init-args-num-cpus=N client-resources-num-cpus=1"``: one simulated SuperNode per participant
-   (``p<i>-model``), all able to work at once (each runs its model in its own process);
+   init-args-num-cpus=W client-resources-num-cpus=1"``: one simulated SuperNode per participant
+   (``p<i>-model`` or the ``population``), W = N / ``participants-per-worker`` of them able to work at
+   once (one per worker process, which runs its participants' models);
    ``output-dir`` (and a ``p<i>-model`` that is a relative folder, ``task-data``,
    ``task-eval-data`` and file-form ``task-rewards``) is made absolute against the current directory.
 6. The run's log is streamed; the exit status is the run's (``flwr run`` itself exits 0 even when the
@@ -320,6 +321,10 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     if address:
         conn = {**conn, "address": address}
     overrides, n = checked_run_config(app, overrides)
+    from ftis_fed.config.federation import federation_from_run_config
+
+    per = federation_from_run_config(merged_run_config(app, overrides)).participants_per_worker
+    actors = -(-n // per)                                        # one ClientApp actor per worker process
     out = overrides["output-dir"]
     home = Path(os.environ.get("FLWR_HOME", app / ".flwr")).resolve()
     merged = merge_flower_config(app, home, connection, address)
@@ -342,7 +347,7 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
               flush=True)
     try:
         cmd = [_flwr_bin("flwr"), "run", str(app), connection, "--format", "json",
-               "--federation-config", f"num-supernodes={n} init-args-num-cpus={n} client-resources-num-cpus=1"]
+               "--federation-config", f"num-supernodes={n} init-args-num-cpus={actors} client-resources-num-cpus=1"]
         for item in run_config_items(overrides):
             cmd += ["--run-config", item]
         print("[ftis-fed] " + " ".join(cmd), flush=True)

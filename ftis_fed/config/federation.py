@@ -12,8 +12,10 @@ declarations. ``validate_run_config`` checks a whole run config before anything 
 - deployment: a SuperNode's ``--node-config`` gives ``participant``, ``model``, ``adapter``, ...,
   ``keys-dir`` and ``state-dir`` for its own participant (unprefixed), falling back to the run config.
 
-At most ``MAX_PARTICIPANTS`` simulated participants (``p0`` ... ``p7``: each is declared in
-``pyproject.toml``, since Flower rejects run-config keys the app does not declare).
+At most ``MAX_PARTICIPANTS`` simulated participants in that numbered form (``p0`` ... ``p7``: each is
+declared in ``pyproject.toml``, since Flower rejects run-config keys the app does not declare); a
+``population`` (``ftis_fed.config.population``: one table of participants or groups, a file in the
+app bundle) has no cap and is read the same way in simulation and by a deployment node.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any, Collection, Mapping
 
 from ftis_fed.wire.batch import SamplingParams
+from ftis_fed.config import population
 from ftis_fed.config.knobs import Knob, knob, knobs
 from ftis_fed.config.trl_names import reference_section, trl_hint
 from ftis_fed.learn.objective import MODES, ObjectiveConfig
@@ -121,6 +124,34 @@ class FederationConfig:
         ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
         TRL; ``none`` = only metrics.jsonl/.csv. Optional extras: ``pip install
         'ftis-fed[tensorboard]'`` / ``'ftis-fed[wandb]'``; a missing package stops the run at start.""")
+    population: str = knob("population", "", """
+        the participants as one table of participants or groups (``ftis_fed/config/population.py``):
+        a .toml/.json/.yaml file relative to the app folder (carried in the app bundle) or absolute,
+        or the same table as inline JSON; '' = the numbered ``p<i>-*`` keys (at most 8). No cap but
+        memory; the ``p<i>-*`` keys must then stay unset.""")
+    fraction_train: float = knob("fraction-train", 1.0, """
+        participant sampling (Flower's fraction-train): the share of the admitted participants asked
+        to generate and train each round, in (0, 1]; drawn afresh each round from seed and round.""")
+    min_train_participants: int = knob("min-train-participants", 2, """
+        at least this many participants are sampled per round (every admitted one when fewer), >= 1.""")
+    peers_per_round: int = knob("peers-per-round", 0, """
+        peer sampling: each receiver gets the frames of at most k peers per round, taken on a ring
+        ordered from seed that shifts every round, so every sender reaches receivers equally often
+        (exactly k receivers per round when every sampled participant's frame verified); relayed
+        bytes O(N k); applied before peer-budget. 0 = every peer.""")
+    join_timeout_s: float = knob("join-timeout-s", 120.0, """
+        nodes that connect after the start (late joiners, restarted participants with a new node id)
+        answer hello at the next round boundary within this many seconds (the round waits), > 0.""")
+    retire_after_rounds: int = knob("retire-after-rounds", 0, """
+        a participant that was asked and did not reply (or is no longer connected) this many rounds
+        in a row is retired: no longer asked; it may come back with a new hello. >= 0; 0 = never.""")
+    participants_per_worker: int = knob("participants-per-worker", 1, """
+        simulation: this many participants (consecutive partition ids) share one worker process, so
+        torch and the libraries are loaded once per process instead of once per participant (memory,
+        docs/scale.md); 1 = a process each. Co-hosted participants are served one request at a time;
+        an error in one is that participant's error reply only, but a crash or hang of one also drops
+        its process-mates from that phase (each dropped and, after the restart, rejoining on its own).
+        Co-hosted participants share the first one's device. >= 1; deployment nodes always run one.""")
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     task: TaskSpec = field(default_factory=TaskSpec)
     reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
@@ -157,6 +188,12 @@ class FederationConfig:
         from ftis_fed.metrics.sinks import parse_report_to
 
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
+        need(0.0 < self.fraction_train <= 1.0, "fraction_train", "must be in (0, 1]")
+        need(self.min_train_participants >= 1, "min_train_participants", "must be >= 1")
+        need(self.peers_per_round >= 0, "peers_per_round", "must be >= 0 (0 = every peer)")
+        need(self.join_timeout_s > 0, "join_timeout_s", "must be > 0")
+        need(self.participants_per_worker >= 1, "participants_per_worker", "must be >= 1")
+        need(self.retire_after_rounds >= 0, "retire_after_rounds", "must be >= 0 (0 = never)")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
         self._resolve_horizontal()
@@ -445,8 +482,21 @@ def _first_set(*values: Any) -> Any:
     return values[-1]
 
 
+#: keys a population entry may set: every participant key but its id (``name``) and the node's folders
+POPULATION_KEYS: tuple[str, ...] = tuple(k for k in PARTICIPANT_KEYS if k not in ("participant", "keys-dir", "state-dir"))
+
+
+def population_members(run_config: Mapping[str, Any]) -> list[population.Member]:
+    """The run config's ``population`` (``ftis_fed.config.population``), [] when it has none."""
+    return population.members(str(run_config.get("population", "") or ""), POPULATION_KEYS)
+
+
 def participant_names(run_config: Mapping[str, Any]) -> list[str]:
-    """Simulation participants in partition order: p0, p1, ... while ``p<i>-model`` is set."""
+    """Simulation participants in partition order: the population's, else p0, p1, ... while
+    ``p<i>-model`` is set."""
+    members = population_members(run_config)
+    if members:
+        return [m.name for m in members]
     names = []
     for i in range(MAX_PARTICIPANTS):
         if not str(run_config.get(f"p{i}-model", "")).strip():
@@ -461,36 +511,55 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
     the node config's unprefixed keys (deployment, ``--node-config "participant=... model=..."``).
     Bad values raise ValueError naming the key as it was set (``p2-lr=...`` or ``lr=...``)."""
     deployment = "participant" in node_config
+    members = population_members(run_config)
+    member: population.Member | None = None
     if deployment:
+        found = population.find(members, str(node_config["participant"]))   # its row, if the population has it
+        member = found[1] if found else None
         # every node must reach the same num-partitions (it sets the prompt partition and, with
-        # horizontal groups, the share ceil(G/N) receivers accept): default min-participants, never
-        # a value derived from the node's own partition-id
-        pid = int(node_config.get("partition-id", 0))
-        n = int(node_config.get("num-partitions", fed.min_participants))
+        # horizontal groups, the share ceil(G/N) receivers accept): the population's size, else
+        # min-participants, never a value derived from the node's own partition-id
+        pid = int(node_config.get("partition-id", found[0] if found else 0))
+        n = int(node_config.get("num-partitions", len(members) if found else fed.min_participants))
         if not 0 <= pid < n:
             raise ValueError(f"partition-id={pid}: must be in [0, num-partitions={n}) (num-partitions "
                              f"{'as set' if 'num-partitions' in node_config else f'defaults to min-participants={n}'}"
                              "; set the same num-partitions in every node config)")
 
         def get(k: str, default: Any) -> Any:
-            return _first_set(node_config.get(k), run_config.get(k), default)
+            own = member.values.get(k) if member is not None else None
+            return _first_set(node_config.get(k), own, run_config.get(k), default)
 
         def named(k: str) -> str:
+            if member is not None and _first_set(node_config.get(k), None) is None and k in member.values:
+                return member.key_name(k)
             return k
     else:
         if "partition-id" not in node_config:
             raise ValueError("node config has neither 'participant' (deployment) nor 'partition-id' (simulation)")
         pid, n = int(node_config["partition-id"]), int(node_config["num-partitions"])
-        names = participant_names(run_config)
-        if pid >= len(names):
-            raise ValueError(f"partition-id={pid}: the run config defines {len(names)} participants "
-                             f"(p0-model ... p{len(names) - 1}-model); set num-supernodes={len(names)}")
+        if members:
+            if pid >= len(members):
+                raise ValueError(f"partition-id={pid}: the population declares {len(members)} participants; "
+                                 f"set num-supernodes={len(members)}")
+            member = members[pid]
 
-        def get(k: str, default: Any) -> Any:
-            return _first_set(run_config.get(f"p{pid}-{k}"), run_config.get(k), default)
+            def get(k: str, default: Any) -> Any:
+                return _first_set(member.values.get(k), run_config.get(k), default)
 
-        def named(k: str) -> str:
-            return f"p{pid}-{k}" if _first_set(run_config.get(f"p{pid}-{k}"), None) is not None else k
+            def named(k: str) -> str:
+                return member.key_name(k) if _first_set(member.values.get(k), None) is not None else k
+        else:
+            names = participant_names(run_config)
+            if pid >= len(names):
+                raise ValueError(f"partition-id={pid}: the run config defines {len(names)} participants "
+                                 f"(p0-model ... p{len(names) - 1}-model); set num-supernodes={len(names)}")
+
+            def get(k: str, default: Any) -> Any:
+                return _first_set(run_config.get(f"p{pid}-{k}"), run_config.get(k), default)
+
+            def named(k: str) -> str:
+                return f"p{pid}-{k}" if _first_set(run_config.get(f"p{pid}-{k}"), None) is not None else k
     base = PolicyConfig()
     kwargs = {}
     for key, f in POLICY_KEYS.items():
@@ -504,7 +573,7 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
         for key, f in POLICY_KEYS.items():
             msg = msg.replace(f"policy.{f}=", f"{named(key)}=")
         raise ValueError(msg) from None
-    name = str(get("participant", "") or f"p{pid}")
+    name = member.name if member is not None and not deployment else str(get("participant", "") or f"p{pid}")
     out = Path(fed.output_dir).resolve()
     keys_dir = str(Path(get("keys-dir", "") or fed.keys_dir or out / "keys").resolve())
     state_dir = str(Path(get("state-dir", "") or out / "participants" / name).resolve())
@@ -587,6 +656,9 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
                                  "MAX_PARTICIPANTS in ftis_fed/config/federation.py)")
             raise ValueError(f"{key}: not a run-config key{trl_hint(key)} (see docs/configuration.md)")
     fed = federation_from_run_config(run_config)
+    members = population_members(run_config)
+    if members:
+        return _validate_population(run_config, fed, members, check_models, explicit)
     names = participant_names(run_config)
     for i in range(len(names) + 1, MAX_PARTICIPANTS):
         if f"p{i}-model" in explicit and str(run_config.get(f"p{i}-model", "")).strip():
@@ -610,11 +682,7 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
         if name in seen:
             raise ValueError(f"p{i}-participant={name!r}: the same name as p{seen[name]}; names must be distinct")
         seen[name] = i
-        try:
-            spec = participant_spec(run_config, {"partition-id": i, "num-partitions": len(names)}, fed)
-        except ValueError as e:
-            head, sep, tail = str(e).partition(": ")
-            raise ValueError(f"{head} (participant {name}){sep}{tail}") from None
+        spec = _checked_spec(run_config, fed, i, len(names), name)
         if check_models if check_models is not None else simulation:
             check_model(spec.policy.model, f"p{i}-model", name)
         longest = max(fed.max_new_tokens, fed.eval_max_new_tokens)
@@ -624,6 +692,43 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
                              f"max-new-tokens / eval-max-new-tokens ({longest}): the prompt and the completion must fit")
     if simulation:
         fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
+    return fed
+
+
+def _checked_spec(run_config: Mapping[str, Any], fed: FederationConfig, i: int, n: int, name: str,
+                  where: str = "") -> ParticipantSpec:
+    """Simulated participant ``i`` of ``n``; an error names the participant (after ``where``)."""
+    try:
+        return participant_spec(run_config, {"partition-id": i, "num-partitions": n}, fed)
+    except ValueError as e:
+        head, sep, tail = str(e).partition(": ")
+        raise ValueError(f"{where}{head} (participant {name}){sep}{tail}") from None
+
+
+def _validate_population(run_config: Mapping[str, Any], fed: FederationConfig, members: list[population.Member],
+                         check_models: bool | None, explicit: Collection[str]) -> FederationConfig:
+    """``validate_run_config`` for a run config with a ``population``: no ``p<i>-*`` key set beside it,
+    every member's spec built and (simulation) its model resolvable; errors name the entry and field."""
+    source = f"population {run_config['population']}" if not str(run_config["population"]).lstrip().startswith("{") \
+        else "population (inline JSON)"
+    for key in explicit:
+        m = re.match(r"^p(\d+)-(.+)$", key)
+        if m and m.group(2) in PER_PARTICIPANT_KEYS:
+            raise ValueError(f"{key}: the run config declares its participants in {source}; set their keys there "
+                             "(an entry's field or overrides), not as p<i>-* keys")
+    simulation = not fed.keys_dir
+    if simulation and fed.min_participants > len(members):
+        raise ValueError(f"min-participants={fed.min_participants}: more than the {len(members)} participants "
+                         f"of {source}")
+    for i, m in enumerate(members):
+        spec = _checked_spec(run_config, fed, i, len(members), m.name, f"{source}: ")
+        if check_models if check_models is not None else simulation:
+            try:
+                check_model(spec.policy.model, m.key_name("model"), m.name)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
+    if simulation:
+        fed.completions_per_prompt(len(members))
     return fed
 
 
@@ -703,6 +808,16 @@ def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
               "participant's settings are built and its `model` must resolve offline (a registered offline "
               "model, a local model folder, or a hub id already in the local Hugging Face cache).", ""]
     lines += [f"- `p<i>-{k.key}`: {k.help}" for k in per]
+    lines += ["", "Population (no cap but memory): `population = \"sims/populations/NAME.toml\"` (a .toml, .json or "
+              ".yaml file relative to the app folder, carried in the app bundle; or the same table as inline JSON) "
+              "declares the participants instead of the `p<i>-*` keys, which must then stay unset. Each "
+              "`[[participants]]` entry has a `name`, a `count` (default 1; with more, the participants are "
+              "`<name>-0` ... `<name>-<count-1>`), any participant key (the `p<i>-` keys above without the "
+              "prefix, and every policy key, e.g. `lr` or `micro-batch`), and `overrides` (index in the entry -> "
+              "keys of that one participant); a `[defaults]` table applies to every entry. Entry values win over "
+              "the run-wide keys. Errors name the file, the entry and the field (`participants[2].lr`). A "
+              "deployment node whose `participant` is in the population starts from its row (its node config "
+              "wins). Format and example: `ftis_fed/config/population.py`, `sims/populations/`."]
     node_only = [k for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig)) if not k.run and not k.per_participant]
     lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
               "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]

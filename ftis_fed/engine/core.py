@@ -51,15 +51,19 @@ from ftis_fed.metrics.sinks import open_sinks, parse_report_to
 from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_run_id, verify_challenge, verify_frame
 from ftis_fed.wire.codec import parse_header
 from ftis_fed.engine.boundary import Boundary
+from ftis_fed.engine.membership import Membership
 from ftis_fed.engine.metric_names import MetricNames
-from ftis_fed.engine.progress import PhaseProgress, phase_summary
+from ftis_fed.engine.progress import PhaseProgress, name_list, phase_summary, spread
 from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
                     texts_differ)
+from ftis_fed.engine.sampling import peer_plan, reach
 from ftis_fed.engine.schedules import get_schedule
 from ftis_fed.engine.transport import Address, Failure, Transport
 from ftis_fed.engine.validation import Reply, ReplyLimits, max_frame_bytes_for
 
 LogFn = Callable[..., None]
+#: above this many participants the console prints aggregates and extremes, not one line each
+CONSOLE_ROWS = 8
 
 
 def _order(addr: Address) -> tuple[str, Any]:
@@ -128,6 +132,15 @@ def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def server_usage(cpu0: float) -> dict[str, float]:
+    """``fed/server_cpu_s``: this process's CPU seconds since ``cpu0`` (the round; in-process
+    transports include the participants'), ``fed/server_rss_mb``: its resident memory now."""
+    import psutil
+
+    return {"fed/server_cpu_s": time.process_time() - cpu0,
+            "fed/server_rss_mb": psutil.Process().memory_info().rss / 2**20}
+
+
 def _loaded(info: Mapping[str, Any]) -> str:
     """`` (model loaded in X s)`` from a hello's ``load_seconds``, if it carries a number."""
     s = info.get("load_seconds")
@@ -180,6 +193,8 @@ class Engine:
         self.completed_round = 0
         self.writer: MetricsWriter | None = None
         self.plots = plots
+        self.fps: dict[str, str] = {}                   # participant -> tokenizer fingerprint (admitted ones)
+        self.members = Membership(self)                 # sampling, late joiners, rejoiners, retirement
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -196,6 +211,7 @@ class Engine:
         self.log(INFO, "ftis-fed engine: scheme=%s, rounds=%d, G=%d, loss=%s, output=%s", fed.scheme,
                  fed.num_rounds, fed.group_size, fed.objective.mode, self.out_dir)
         self.admit()
+        self.members.start()
         try:
             if self.start_round == 1 and fed.eval_initial and is_eval_round(0, fed.num_rounds, fed.eval_every):
                 self.evaluate(0)
@@ -216,12 +232,15 @@ class Engine:
             self.writer.plot()
 
     def run_round(self, rnd: int) -> RoundStats:
-        t0 = self.clock()
+        t0, cpu0 = self.clock(), time.process_time()
         stats = RoundStats(rnd)
+        stats.fed.update(self.members.begin_round(rnd, boundary=rnd > self.start_round))
         self.schedule(self, rnd, stats)
+        self.members.end_round()
         stats.fed.update({"fed/participants": float(len(self.nodes)),
                           "fed/rejected": float(sum(stats.rejected.values())),
                           "fed/round_seconds": self.clock() - t0,
+                          **server_usage(cpu0),
                           "fed/complete": float(stats.fed.get("fed/replies", 0.0) >= self.fed.min_participants)})
         stats.fed.update({f"fed/rejected/{k}": float(v) for k, v in stats.rejected.items()})
         stats.fed.update({f"fed/dropped/{k}": float(v) for k, v in stats.dropped.items()})
@@ -264,24 +283,32 @@ class Engine:
                 self._hello(new, max(1.0, deadline - self.clock()))
                 self._check_supernodes()
         self._check_partitions()
+        self.roster_changed()
+        for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"])[:16]:
+            self.log(INFO, "participant %-12s node %s model %-22s tokenizer %s key %s%s", info["participant"], node,
+                     info["model_id"], info["tokenizer_fp"], info["key_fp"], _loaded(info))
+        if len(self.nodes) > 16:
+            self.log(INFO, "... and %d more participants (models: %s)", len(self.nodes) - 16,
+                     ", ".join(f"{m} x{c}" for m, c in Counter(i["model_id"] for i in self.nodes.values()).items()))
+        self.log(INFO, "completion texts (wire-texts=%s) only to receivers with another tokenizer: %s",
+                 self.fed.wire_texts, name_list([f"{n} signs {'+'.join('texts' if t else 'no-texts' for t in v)}"
+                                                 for n, v in sorted(self.variants.items())]))
+
+    def roster_changed(self) -> None:
+        """After admission (at the start or at a round boundary): peer budgets, tokenizers, text variants."""
         for info in self.nodes.values():
             own = info.get("peer_budget")                   # a participant may ask for fewer peers' samples
             ok = isinstance(own, int) and not isinstance(own, bool) and own >= 0
             if ok and self.fed.peer_budget > 0 and not 0 < own <= self.fed.peer_budget:
                 own = self.fed.peer_budget                  # never more than the run's (0 = all)
             self.budgets.setdefault(info["participant"], own if ok else self.fed.peer_budget)
-        fps = {i["participant"]: i["tokenizer_fp"] for i in self.nodes.values()}
-        self.variants = {n: text_variants(self.fed.wire_texts, fp, [f for m, f in fps.items() if m != n])
+        self.fps = fps = {i["participant"]: i["tokenizer_fp"] for i in self.nodes.values()}
+        count = Counter(fps.values())                       # the receivers' distinct tokenizers, O(N)
+        self.variants = {n: text_variants(self.fed.wire_texts, fp, [f for f in count if f != fp or count[f] > 1])
                          for n, fp in fps.items()}
         self.texts = any(True in v for v in self.variants.values())
         said = {i["participant"]: (i["tokenizer_fp"], _int_or_none(i.get("vocab_size"))) for i in self.nodes.values()}
         self.inbox.config = dataclasses.replace(self.inbox.config, tokenizers=said)
-        for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"]):
-            self.log(INFO, "participant %-12s node %s model %-22s tokenizer %s key %s%s", info["participant"], node,
-                     info["model_id"], info["tokenizer_fp"], info["key_fp"], _loaded(info))
-        self.log(INFO, "completion texts (wire-texts=%s) only to receivers with another tokenizer: %s",
-                 self.fed.wire_texts, ", ".join(f"{n} signs {'+'.join('texts' if t else 'no-texts' for t in v)}"
-                                                for n, v in sorted(self.variants.items())))
 
     def _hello(self, addrs: list[Address], timeout: float) -> None:
         """Say hello to ``addrs`` (fresh challenges) and admit the nodes whose proofs hold."""
@@ -361,7 +388,7 @@ class Engine:
         return v[0] if len(v) == 1 else list(v)
 
     def _needs_texts(self, receiver: str, sender: str) -> bool:
-        fp = {i["participant"]: i["tokenizer_fp"] for i in self.nodes.values()}
+        fp = self.fps
         return receiver_needs_texts(self.fed.wire_texts, fp.get(sender, ""), fp.get(receiver, ""))
 
     def ask(self, action: str, requests: Mapping[Address, dict], stats: RoundStats | None,
@@ -378,13 +405,15 @@ class Engine:
                      self.nodes.get(addr, {}).get("participant", addr), action, why.reason, why.detail[-300:])
             if stats is not None:
                 stats.dropped[why.reason] += 1
+        if stats is not None:
+            self.members.record(dropped)
         return replies, dropped
 
     def generate(self, rnd: int, stats: RoundStats) -> list[VerifiedFrame]:
         """Every admitted participant generates and signs its batch of round ``rnd``; returns the
         verified frames (the participants' generate metrics go to their rows)."""
-        replies, failed = self.ask("generate", {a: {"round": rnd, "texts": self.texts_request(a)} for a in self.nodes},
-                                   stats)
+        replies, failed = self.ask("generate", {a: {"round": rnd, "texts": self.texts_request(a)}
+                                                for a in self.members.round_nodes}, stats)
         stats.fed["fed/generate_failures"] = float(len(failed))
         for addr, r in replies.items():
             stats.row(self.name(addr)).update(self._kept_metrics(addr, r, stats))
@@ -396,9 +425,15 @@ class Engine:
         their metrics go to their rows. Returns the checked replies."""
         requests = {}
         sent: dict[bool, list[tuple[int, int]]] = {False: [], True: []}   # variant -> per receiver (bytes, tokens)
-        for i, addr in enumerate(sorted(self.nodes, key=_order)):
+        receivers = sorted(self.members.round_nodes, key=_order)
+        by_sender: dict[str, list[VerifiedFrame]] = {}
+        for f in frames:
+            by_sender.setdefault(f.sender, []).append(f)
+        plan = peer_plan(list(by_sender), [self.name(a) for a in receivers], self.fed.peers_per_round, self.fed.seed, rnd)
+        for i, addr in enumerate(receivers):
             name = self.name(addr)
-            chosen = select_for_receiver(frames, name, self.budgets.get(name, self.fed.peer_budget), rotation=rnd + i)
+            chosen = select_for_receiver([f for s in plan[name] for f in by_sender[s]], name,
+                                         self.budgets.get(name, self.fed.peer_budget), rotation=rnd + i)
             out, tally = [], {False: [0, 0], True: [0, 0]}
             for f in chosen:
                 frame = f.for_receiver(self._needs_texts(name, f.sender))
@@ -415,6 +450,10 @@ class Engine:
                           "fed/bytes_relayed": float(sum(len(f) for q in requests.values() for f in q["frames"])),
                           "fed/frames_relayed": float(sum(len(q["frames"]) for q in requests.values()))})
         stats.fed.update(wire_metrics(sent))
+        got = reach(plan)
+        stats.fed.update({"fed/peers_per_receiver": float(sum(map(len, plan.values())) / max(1, len(plan))),
+                          "fed/sender_reach_min": float(min((got.get(s, 0) for s in by_sender), default=0)),
+                          "fed/sender_reach_max": float(max((got.get(s, 0) for s in by_sender), default=0))})
         self._log_phase(rnd, action, replies)
         for addr, r in list(replies.items()):
             name = self.name(addr)
@@ -442,6 +481,11 @@ class Engine:
 
     def _log_phase(self, rnd: int, action: str, replies: Mapping[Address, Reply]) -> None:
         """One console line when a phase ends: per participant its seconds and tokens/s."""
+        if len(replies) > CONSOLE_ROWS:
+            secs = {self.name(a): float(r.metrics.get("gen/seconds", 0.0)) + float(r.metrics.get("train/seconds", 0.0))
+                    for a, r in replies.items()}
+            self.log(INFO, "round %d %s done: %d replies, seconds %s", rnd, action, len(replies), spread(secs, "{:.1f}"))
+            return
         parts = [phase_summary(self.name(a), r.metrics) for a, r in sorted(replies.items(), key=lambda kv: self.name(kv[0]))]
         if parts:
             self.log(INFO, "round %d %s done: %s", rnd, action, "; ".join(parts))
@@ -529,13 +573,18 @@ class Engine:
         for addr in sorted(replies, key=lambda a: self.name(a)):
             name, m = self.name(addr), self._kept_metrics(addr, replies[addr], None)
             rows.append({"round": rnd, "participant": name, "phase": "eval", **m})
-            self.log(INFO, "  eval r%d %-12s ID %.3f  OOD %.3f", rnd, name, m.get("eval/id/accuracy", float("nan")),
-                     m.get("eval/ood/accuracy", float("nan")))
+            if len(replies) <= CONSOLE_ROWS:
+                self.log(INFO, "  eval r%d %-12s ID %.3f  OOD %.3f", rnd, name, m.get("eval/id/accuracy", float("nan")),
+                         m.get("eval/ood/accuracy", float("nan")))
+        if len(replies) > CONSOLE_ROWS:
+            for key in ("eval/id/accuracy", "eval/ood/accuracy"):
+                vals = {r["participant"]: float(r[key]) for r in rows if isinstance(r.get(key), (int, float))}
+                self.log(INFO, "  eval r%d %s over %d participants: %s", rnd, key, len(vals), spread(vals))
         self.writer.write(rows)
 
     def finish(self) -> None:
-        """Stop every participant (short deadline: it only acknowledges)."""
-        self.finish_nodes(list(self.nodes))
+        """Stop every participant (short deadline: it only acknowledges), retired ones still connected too."""
+        self.finish_nodes(list(self.nodes) + [a for a in self.members.retired_nodes if a not in self.nodes])
 
     def finish_nodes(self, addrs: list[Address]) -> None:
         try:
@@ -547,6 +596,13 @@ class Engine:
         self.log(INFO, "round %d/%d: %d replies, %d dropped, %d rejected, %.0f bytes relayed, %.1f s", rnd,
                  self.fed.num_rounds, int(fed_row.get("fed/replies", 0)), sum(stats.dropped.values()),
                  int(fed_row["fed/rejected"]), fed_row.get("fed/bytes_relayed", 0.0), fed_row["fed/round_seconds"])
+        if len(rows) > CONSOLE_ROWS:                     # many participants: aggregates and the extremes
+            for key, label in (("reward/mean", "reward"), ("train/loss", "loss"), ("train/peer_samples", "peers"),
+                               ("offpolicy/ratio_mean", "ratio")):
+                vals = {r["participant"]: float(r[key]) for r in rows if isinstance(r.get(key), (int, float))}
+                if vals:
+                    self.log(INFO, "  %-7s over %d participants: %s", label, len(vals), spread(vals))
+            return
         for row in sorted(rows, key=lambda r: r["participant"]):
             self.log(INFO, "  %-12s reward %.3f  solved %.2f  loss %+.4f  peers %3d  filtered %.2f  ratio %.3f",
                      row["participant"], row.get("reward/mean", float("nan")),

@@ -37,6 +37,15 @@ class InProcessTransport:
     def addresses(self) -> list[Address]:
         return list(self.participants)
 
+    def connect(self, addr: Address, participant: Handles) -> None:
+        """A node connecting (a late joiner, or a restarted participant at a new address)."""
+        self._locks.setdefault(addr, threading.Lock())
+        self.participants[addr] = participant
+
+    def disconnect(self, addr: Address) -> None:
+        """A node going away: no longer listed; a request to it fails with ``unknown_node``."""
+        self.participants.pop(addr, None)
+
     def send(self, action: str, requests: Mapping[Address, dict], timeout: float,
              on_reply: Callable[[Address], None] | None = None) -> dict[Address, Any]:
         results: dict[Address, Any] = {}

@@ -17,6 +17,25 @@ from logging import INFO
 from typing import Callable, Hashable, Mapping
 
 
+def name_list(names: list[str], limit: int = 8) -> str:
+    """``a, b, c`` or, past ``limit`` names, the first ones and ``... (+N more)``: console lines stay
+    short at hundreds of participants."""
+    names = list(names)
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f" ... (+{len(names) - limit} more)"
+
+
+def spread(values: Mapping[str, float], fmt: str = "{:.3f}") -> str:
+    """``mean 0.41 [min 0.10 bob, max 0.90 carol]``: aggregates and the extremes of a per-participant value."""
+    items = [(v, n) for n, v in values.items() if v == v]                   # drop NaN
+    if not items:
+        return "n/a"
+    lo, hi = min(items), max(items)
+    mean = sum(v for v, _ in items) / len(items)
+    return (f"mean {fmt.format(mean)} [min {fmt.format(lo[0])} {lo[1]}, max {fmt.format(hi[0])} {hi[1]}]")
+
+
 def phase_summary(name: str, m: Mapping[str, float]) -> str:
     """``alice generate 14.2 s 240 tokens 16.9 tok/s, train 41.0 s`` from a reply's metrics."""
     out = [name]
@@ -52,10 +71,10 @@ class PhaseProgress:
         elapsed = self.clock() - self.t0
         waiting = [self.names[a] for a in self.names if a not in done]
         if not self.tracked:
-            return f"{self.label}: {elapsed:.0f} s, waiting for replies from {', '.join(sorted(waiting))}"
-        got = ", ".join(f"{self.names.get(a, a)} {s:.0f} s" for a, s in sorted(done.items(), key=lambda kv: kv[1]))
+            return f"{self.label}: {elapsed:.0f} s, waiting for replies from {name_list(sorted(waiting))}"
+        got = name_list([f"{self.names.get(a, a)} {s:.0f} s" for a, s in sorted(done.items(), key=lambda kv: kv[1])])
         return (f"{self.label}: {len(done)}/{len(self.names)} replied" + (f" ({got})" if got else "")
-                + (f"; waiting for {', '.join(sorted(waiting))}" if waiting else "") + f" ({elapsed:.0f} s)")
+                + (f"; waiting for {name_list(sorted(waiting))}" if waiting else "") + f" ({elapsed:.0f} s)")
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):

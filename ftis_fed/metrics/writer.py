@@ -19,6 +19,8 @@ from typing import Any
 from ftis_fed.atomic import atomic_path
 
 FEDERATION = "_federation"
+#: above this many participants a plot shows their mean and min-max band, not one line each
+PLOT_LINES = 8
 
 #: plot file -> (title, [(metric key, y label)]); one line per participant.
 PLOTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -126,6 +128,8 @@ class MetricsWriter:
         for fname, (title, series) in {**PLOTS, "fed.png": ("Relay", [("fed/bytes_relayed", "bytes relayed"),
                                                                       ("fed/rejected", "rejected batches"),
                                                                       ("fed/replies", "replies"),
+                                                                      ("fed/participants", "admitted"),
+                                                                      ("fed/sampled", "sampled per round"),
                                                                       ("fed/round_seconds", "round seconds")])}.items():
             present = [(k, lab) for k, lab in series if any(k in r for r in rows)]
             if not present:
@@ -136,7 +140,9 @@ class MetricsWriter:
                 for r in rows:
                     if key in r and isinstance(r[key], (int, float)) and math.isfinite(r[key]):
                         by_p[r["participant"]].append((int(r["round"]), float(r[key])))
-                for name, pts in sorted(by_p.items()):
+                if len(by_p) > PLOT_LINES:                # many participants: mean, and the min-max band
+                    _plot_spread(ax, by_p)
+                for name, pts in (sorted(by_p.items()) if len(by_p) <= PLOT_LINES else ()):
                     pts.sort()
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                             label=name.lstrip("_"))               # matplotlib hides "_..." labels
@@ -153,6 +159,23 @@ class MetricsWriter:
             plt.close(fig)
             written.append(path)
         return written
+
+
+def _plot_spread(ax, by_p: dict[str, list[tuple[int, float]]]) -> None:
+    """Per round over all participants: the mean line and the min-max band, the extremes named."""
+    per_round: dict[int, list[tuple[float, str]]] = defaultdict(list)
+    for name, pts in by_p.items():
+        for rnd, v in pts:
+            per_round[rnd].append((v, name))
+    rounds = sorted(per_round)
+    lo = [min(per_round[r])[0] for r in rounds]
+    hi = [max(per_round[r])[0] for r in rounds]
+    mean = [sum(v for v, _ in per_round[r]) / len(per_round[r]) for r in rounds]
+    ax.fill_between(rounds, lo, hi, alpha=0.25, label=f"min-max over {len(by_p)} participants")
+    ax.plot(rounds, mean, marker="o", label="mean")
+    last = rounds[-1]
+    for v, name in (min(per_round[last]), max(per_round[last])):
+        ax.annotate(name.lstrip("_"), (last, v), fontsize=7, xytext=(3, 0), textcoords="offset points")
 
 
 def _clean(v: Any) -> Any:

@@ -1,0 +1,165 @@
+"""Who takes part in each round: sampling, late joiners, rejoiners and retirement (server side).
+
+The engine admits the nodes connected at the start (``Engine.admit``); from then on, at every round
+boundary, :meth:`Membership.begin_round`:
+
+1. **retires** a participant absent ``retire-after-rounds`` rounds in a row (asked and no usable reply,
+   or no longer connected): it is no longer asked, nor is its node while that stays connected; it
+   may come back with a new hello from a new node (or from the same one after it went away);
+2. sends **hello** to every connected node not admitted yet (``join-timeout-s``), with the same
+   proof of possession as at the start (``Engine._admit_one``): a **late joiner** (a participant not
+   seen in this run) or a **rejoiner** (a participant seen before: retired, or restarted with a new
+   node id while its old node is gone) is admitted for this round; a node claiming a participant
+   whose node is still connected is refused (``duplicate_participant``) and asked again at the next
+   boundary; a node refused for its key (unknown, mismatching, revoked, bad proof) is not asked again;
+3. **samples** the round's participants (``fraction-train``, ``min-train-participants``;
+   :mod:`ftis_fed.engine.sampling`).
+
+A rejoiner continues from its own saved state (``ftis_fed.participant_state``: its sequence number,
+replay guard and last trained round survive the restart), so it is neither trained twice on a round
+nor able to reuse a sequence number (the server's replay guard would refuse it anyway). Every event
+is counted in the federation row (``fed/joined``, ``fed/rejoined``, ``fed/retired``, ``fed/sampled``,
+...) and logged in one line per kind.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from logging import INFO, WARNING
+from typing import Any, Hashable
+
+from ftis_fed.engine.progress import name_list
+from ftis_fed.engine.sampling import sample_participants
+
+Address = Hashable
+
+#: refusals for the key itself: such a node is not asked again in this run
+PERMANENT = frozenset({"unknown_participant", "key_mismatch", "revoked_key", "bad_proof"})
+
+
+def _order(addr: Address) -> tuple[str, Any]:
+    return (type(addr).__name__, addr)
+
+
+class Membership:
+    def __init__(self, engine):                          # engine.core.Engine (not imported: core imports this)
+        self.engine = engine
+        self.misses: dict[str, int] = {}                 # participant -> rounds absent in a row
+        self.seen: set[str] = set()                      # participants admitted at some point of this run
+        self.round_nodes: list[Address] = []             # this round's sample
+        self.asked: set[Address] = set()
+        self.failed: set[Address] = set()                # asked this round and dropped in a phase
+        self.gone: set[Address] = set()                  # admitted but not connected at this round's boundary
+        self.retired: dict[str, int] = {}                # participant -> round it was retired before
+        self.retired_nodes: set[Address] = set()         # their nodes, not asked again while they stay connected
+
+    def start(self) -> None:
+        """After the admission at the start."""
+        self.seen = {i["participant"] for i in self.engine.nodes.values()}
+        self.round_nodes = sorted(self.engine.nodes, key=_order)
+
+    # ------------------------------------------------------------------ per round
+    def begin_round(self, rnd: int, boundary: bool) -> dict[str, float]:
+        """Retire, admit newcomers (when ``boundary``: not the first round of this process), sample.
+        Returns the federation row's membership metrics."""
+        e, fed = self.engine, self.engine.fed
+        events: Counter = Counter()
+        self.gone = set()
+        if boundary:
+            self._boundary(rnd, events)
+        names = {e.name(a): a for a in e.nodes if a not in self.gone}       # sampled from the connected ones
+        chosen = sample_participants(list(names), fed.fraction_train, fed.min_train_participants, fed.seed, rnd)
+        self.round_nodes = sorted((names[n] for n in chosen), key=_order)
+        self.asked, self.failed = set(self.round_nodes), set()
+        if len(self.round_nodes) < len(names):
+            e.log(INFO, "round %d: %d of %d participants sampled (fraction-train=%g, min-train-participants=%d)",
+                  rnd, len(self.round_nodes), len(names), fed.fraction_train, fed.min_train_participants)
+        return {"fed/sampled": float(len(self.round_nodes)), "fed/joined": float(events["joined"]),
+                "fed/rejoined": float(events["rejoined"]), "fed/retired": float(events["retired"]),
+                "fed/refused_at_boundary": float(events["refused"])}
+
+    def record(self, dropped) -> None:
+        """Addresses dropped from a phase of this round (``Engine.ask``)."""
+        self.failed |= set(dropped)
+
+    def end_round(self) -> None:
+        """A round absent (not connected, or asked and no usable reply) adds one to a participant's
+        count; a round it answered sets it back to 0."""
+        for addr in self.engine.nodes:
+            name = self.engine.name(addr)
+            if addr in self.gone or addr in self.failed:
+                self.misses[name] = self.misses.get(name, 0) + 1
+            elif addr in self.asked:
+                self.misses[name] = 0
+
+    # ------------------------------------------------------------------ the boundary
+    def _boundary(self, rnd: int, events: Counter) -> None:
+        e, fed = self.engine, self.engine.fed
+        try:
+            connected = set(e.transport.addresses())
+        except Exception as err:                         # noqa: BLE001 - the round goes on with who it has
+            e.log(WARNING, "round %d: listing connected nodes failed: %s", rnd, err)
+            return
+        if fed.retire_after_rounds > 0:
+            gone = [a for a in e.nodes if self.misses.get(e.name(a), 0) >= fed.retire_after_rounds]
+            names = []
+            for addr in gone:
+                name = e.nodes.pop(addr)["participant"]
+                self.retired[name] = rnd
+                self.retired_nodes.add(addr)
+                self.misses.pop(name, None)
+                events["retired"] += 1
+                names.append(name)
+            if names:
+                e.log(INFO, "round %d: retired %d (absent %d rounds in a row): %s", rnd, len(names),
+                      fed.retire_after_rounds, name_list(sorted(names)))
+        self.gone = {a for a in e.nodes if a not in connected}      # not asked this round; absent
+        self.retired_nodes &= connected                  # a retired node that went away may come back later
+        new = sorted((a for a in connected if a not in e.nodes and a not in self.retired_nodes
+                      and e.refused.get(a) not in PERMANENT), key=_order)
+        if new:
+            self._hello(rnd, new, connected, events)
+        if events["retired"] or new:
+            e.roster_changed()
+
+    def _hello(self, rnd: int, addrs: list[Address], connected: set, events: Counter) -> None:
+        e, fed = self.engine, self.engine.fed
+        challenges = {a: secrets.token_bytes(32) for a in addrs}
+        requests = {a: {"run": e.run_id, "node": str(a), "challenge": challenges[a]} for a in addrs}
+        replies, dropped = e.io.send("hello", requests, fed.join_timeout_s)
+        for a, why in dropped.items():
+            e.log(WARNING, "round %d: node %s did not answer hello (%s): %s", rnd, a, why.reason, why.detail[-200:])
+            events["refused"] += 1
+        joined, rejoined = [], []
+        for a in sorted(replies, key=_order):
+            info = replies[a].info
+            name = info.get("participant")
+            old = next((b for b, i in e.nodes.items() if i["participant"] == name), None)
+            if old is not None and old in connected:
+                e._refuse(a, "duplicate_participant", f"participant {name!r} is still connected at node {old}; "
+                                                      "asked again at the next round boundary")
+                events["refused"] += 1
+                continue
+            kept = e.nodes.pop(old) if old is not None else None      # a restart: its old node is gone
+            e._admit_one(a, info, challenges[a])
+            if a not in e.nodes:
+                if kept is not None:
+                    e.nodes[old] = kept
+                events["refused"] += 1
+                continue
+            e.refused.pop(a, None)
+            self.misses[name] = 0
+            self.retired.pop(name, None)
+            trained = info.get("completed_round")
+            if name in self.seen:
+                events["rejoined"] += 1
+                rejoined.append(f"{name} (node {a}, last trained round {trained})")
+            else:
+                events["joined"] += 1
+                joined.append(f"{name} (node {a})")
+            self.seen.add(name)
+        if joined:
+            e.log(INFO, "round %d: %d late joiner(s) admitted: %s", rnd, len(joined), name_list(joined))
+        if rejoined:
+            e.log(INFO, "round %d: %d participant(s) rejoined: %s", rnd, len(rejoined), name_list(rejoined))

@@ -1,0 +1,60 @@
+"""What a participant needs to continue after a restart within the same run (a rejoin).
+
+A participant process that dies and starts again (a SuperNode restart: a new node id, the same key)
+is admitted again at the next round boundary (``ftis_fed.engine.membership``). To continue rather
+than start over it keeps, in its state dir, ``rejoin.json`` (written atomically after every generate
+and every update, small: no weights):
+
+- ``seq``: the last sequence number it signed, so a restarted participant never signs a used one
+  (every peer's replay guard, and the server's, would refuse it);
+- ``trained_round``: the last round it trained on, so it is never trained twice on a round;
+- ``guard``: its replay guard of peers' batches, so a replayed peer batch stays refused;
+- ``run_key``: the run these belong to (the Flower run id), so a later run in the same state dir
+  starts fresh.
+
+The model and optimizer come from its last checkpoint (``participant.json`` + ``policy.pt``,
+``checkpoint-every``) when that checkpoint is of the same run: with ``checkpoint-every = 1`` a
+rejoiner loses nothing; with k > 1 the updates since its last checkpoint are lost, and the rounds
+they came from are not trained again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftis_fed.atomic import atomic_write
+from ftis_fed.trust.signing import ReplayGuard
+
+FILE = "rejoin.json"
+FORMAT = "ftis-fed/rejoin/v1"
+
+
+@dataclass
+class Counters:
+    seq: int
+    trained_round: int
+    guard: ReplayGuard
+
+
+def load(state_dir: str | Path, run_key: str) -> Counters | None:
+    """The counters saved by this participant earlier in run ``run_key``; None when there are none
+    (first start, another run, or no run key: in-process tests)."""
+    path = Path(state_dir) / FILE
+    if not run_key or not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path}: format must be {FORMAT!r}")
+    if data.get("run_key") != run_key:
+        return None
+    return Counters(int(data["seq"]), int(data["trained_round"]), ReplayGuard.from_json(data["guard"]))
+
+
+def save(state_dir: str | Path, run_key: str, seq: int, trained_round: int, guard: ReplayGuard) -> None:
+    if not run_key:
+        return
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(state_dir) / FILE, json.dumps({"format": FORMAT, "run_key": run_key, "seq": seq,
+                                                     "trained_round": trained_round, "guard": guard.to_json()}))

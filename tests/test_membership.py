@@ -1,0 +1,215 @@
+"""Late joiners, rejoiners and retirement through the in-process transport, with light participants
+that sign and verify real frames (ftis_fed/bench/swarm.py): a node connecting after the start is
+admitted at the next round boundary with the same proof of possession; a participant restarted at a
+new address with its state dir continues (no round trained twice, no sequence number reused); an
+absent one is retired; everything counted in the federation row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ftis_fed.bench.swarm import LightParticipant, light_federation
+from ftis_fed.config.federation import FederationConfig
+from ftis_fed.engine.core import Engine
+from ftis_fed.engine.inprocess import InProcessTransport
+from ftis_fed.trust.signing import fingerprint, key_paths, load_key_directory, load_private_key
+
+RUN = "swarm"
+
+
+class Scripted:
+    """A participant with ``before[(action, round)]`` / ``after[(action, round)]`` callbacks; an
+    ``after`` callback that raises loses the reply (a crash after the work was done)."""
+
+    def __init__(self, inner, before=None, after=None):
+        self.inner, self.before, self.after = inner, dict(before or {}), dict(after or {})
+        self.calls: list[tuple[str, int]] = []
+
+    def handle(self, action: str, request: dict) -> dict:
+        rnd = int(request.get("round", -1))
+        self.calls.append((action, rnd))
+        if (action, rnd) in self.before:
+            self.before[(action, rnd)]()
+        reply = self.inner.handle(action, request)
+        if (action, rnd) in self.after:
+            self.after[(action, rnd)]()
+        return reply
+
+
+class Imposter(LightParticipant):
+    """Claims a participant and its key fingerprint without holding its private key."""
+
+    def handle(self, action, request):
+        reply = super().handle(action, request)
+        if action == "hello":
+            reply["info"]["key_fp"] = fingerprint(self.inbox.keys[self.name])
+        return reply
+
+
+def _fed(tmp_path, rounds, **kw):
+    return FederationConfig(num_rounds=rounds, min_participants=2, run_name=RUN, output_dir=str(tmp_path),
+                            eval_every=0, progress_every_s=0, join_timeout_s=30, **kw)
+
+
+def _fed_rows(tmp_path):
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return {r["round"]: r for r in rows if r["participant"] == "_federation"}
+
+
+def test_a_late_joiner_is_admitted_at_the_next_round_boundary_with_its_proof(tmp_path):
+    parts, keys = light_federation(tmp_path, 3)                     # p0000, p0001, p0002 (all keys known)
+    a, b, c = (parts[n] for n in sorted(parts))
+    transport = InProcessTransport({})
+    late = Scripted(c)
+    imposter = Scripted(Imposter(c.name, Ed25519PrivateKey.generate(), keys, RUN))   # c's name and fingerprint
+
+    def connect():
+        transport.connect("late", late)
+        transport.connect("imposter", imposter)
+
+    transport.connect("a", Scripted(a, after={("learn", 1): connect}))
+    transport.connect("b", Scripted(b))
+    eng = Engine(_fed(tmp_path, 3), keys, tmp_path, transport, plots=False)
+    assert eng.run() == 3
+    assert late.calls[0] == ("hello", -1) and [r for act, r in late.calls if act == "generate"] == [2, 3]
+    assert c.trained == [2, 3] and a.trained == [1, 2, 3]
+    assert imposter.calls == [("hello", -1)]                        # refused for its proof, never asked again
+    assert eng.refused["imposter"] == "bad_proof"
+    rows = _fed_rows(tmp_path)
+    assert [rows[r]["fed/joined"] for r in (1, 2, 3)] == [0, 1, 0]
+    assert [rows[r]["fed/participants"] for r in (1, 2, 3)] == [2, 3, 3]
+    assert rows[2]["fed/refused_at_boundary"] == 1 and rows[3]["fed/refused_at_boundary"] == 0
+    assert {s for got in a.accepted.values() for s in got} == {b.name, c.name}    # the joiner's frames relayed
+
+
+def test_a_restarted_participant_continues_without_training_twice_or_reusing_a_seq(tmp_path):
+    parts, keys = light_federation(tmp_path, 3, run_key="run-7", state=True)
+    a, b, c = (parts[n] for n in sorted(parts))
+    transport = InProcessTransport({})
+    restarted: list[LightParticipant] = []
+
+    def crash():                                                    # c trained round 2, then its node died
+        transport.disconnect("c@1")
+        raise RuntimeError("node lost")
+
+    def restart():                                                  # a new process, a new node id, same key
+        again = LightParticipant(c.name, load_private_key(key_paths(c.name, tmp_path / "keys").private),
+                                 load_key_directory(tmp_path / "keys" / "public"), RUN, c.state_dir, "run-7")
+        restarted.append(again)
+        transport.connect("c@2", again)
+
+    transport.connect("a", Scripted(a, after={("learn", 3): restart}))
+    transport.connect("b", Scripted(b))
+    transport.connect("c@1", Scripted(c, after={("learn", 2): crash}))
+    eng = Engine(_fed(tmp_path, 5), keys, tmp_path, transport, plots=False)
+    assert eng.run() == 5
+    again = restarted[0]
+    assert again.trained_round == 5 and c.trained == [1, 2] and again.trained == [4, 5]
+    assert not set(c.trained) & set(again.trained)                  # no round trained twice
+    assert min(again.signed) > max(c.signed)                        # no sequence number reused
+    assert again.handle("learn", {"round": 4, "frames": []}) == {"metrics": {"train/already_trained": 1.0}}
+    rows = _fed_rows(tmp_path)
+    assert [rows[r]["fed/rejoined"] for r in range(1, 6)] == [0, 0, 0, 1, 0]
+    assert [rows[r]["fed/participants"] for r in range(1, 6)] == [3, 3, 3, 3, 3]
+    assert rows[2]["fed/dropped/error"] == 1 and rows[3]["fed/sampled"] == 2     # its lost node is not asked
+    assert all(rows[r]["fed/rejected"] == 0 for r in range(1, 6))   # the server's replay guard saw no reuse
+    assert eng.nodes["c@2"]["completed_round"] == 2                 # it said where it was at its hello
+    assert "c@1" not in eng.nodes
+
+
+def test_a_node_claiming_a_connected_participant_is_refused_and_asked_again(tmp_path):
+    parts, keys = light_federation(tmp_path, 2)
+    a, b = (parts[n] for n in sorted(parts))
+    transport = InProcessTransport({})
+    twin = Scripted(LightParticipant(b.name, load_private_key(key_paths(b.name, tmp_path / "keys").private), keys, RUN))
+    transport.connect("a", Scripted(a, after={("learn", 1): lambda: transport.connect("twin", twin)}))
+    transport.connect("b", Scripted(b))
+    eng = Engine(_fed(tmp_path, 3), keys, tmp_path, transport, plots=False)
+    eng.run()
+    assert twin.calls == [("hello", -1), ("hello", -1)]             # boundaries 2 and 3, refused both times
+    assert eng.refused["twin"] == "duplicate_participant" and "twin" not in eng.nodes
+
+
+def test_an_absent_participant_is_retired_and_may_come_back(tmp_path):
+    parts, keys = light_federation(tmp_path, 3)
+    a, b, c = (parts[n] for n in sorted(parts))
+    transport = InProcessTransport({})
+    flaky = Scripted(c, before={(act, r): _fail for act in ("generate",) for r in (2, 3)})
+    transport.connect("a", Scripted(a, after={("learn", 4): lambda: transport.disconnect("c")}))
+    transport.connect("b", Scripted(b))
+    transport.connect("c", flaky)
+    eng = Engine(_fed(tmp_path, 6, retire_after_rounds=2), keys, tmp_path, transport, plots=False)
+    assert eng.run() == 6
+    rows = _fed_rows(tmp_path)
+    assert [rows[r]["fed/retired"] for r in range(1, 7)] == [0, 0, 0, 1, 0, 0]
+    assert [rows[r]["fed/participants"] for r in range(1, 7)] == [3, 3, 3, 2, 2, 2]
+    assert [r for act, r in flaky.calls if act == "generate"] == [1, 2, 3]     # not asked once retired
+    assert c.name not in {s for rnd, got in a.accepted.items() if rnd >= 4 for s in got}
+
+
+def _fail():
+    raise RuntimeError("flaky")
+
+
+def test_a_retired_participant_that_reconnects_rejoins(tmp_path):
+    parts, keys = light_federation(tmp_path, 3)
+    a, b, c = (parts[n] for n in sorted(parts))
+    transport = InProcessTransport({})
+    transport.connect("a", Scripted(a, after={("learn", 4): lambda: transport.connect("c2", Scripted(c))}))
+    transport.connect("b", Scripted(b))
+    transport.connect("c", Scripted(c, after={("learn", 1): lambda: transport.disconnect("c")}))
+    eng = Engine(_fed(tmp_path, 6, retire_after_rounds=2), keys, tmp_path, transport, plots=False)
+    eng.run()
+    rows = _fed_rows(tmp_path)
+    # gone after round 1: absent in rounds 2 and 3 (not asked) -> retired at the boundary of round 4
+    assert [rows[r]["fed/sampled"] for r in range(1, 7)] == [3, 2, 2, 2, 3, 3]
+    assert [rows[r]["fed/retired"] for r in range(1, 7)] == [0, 0, 0, 1, 0, 0]
+    assert [rows[r]["fed/rejoined"] for r in range(1, 7)] == [0, 0, 0, 0, 1, 0]
+    assert [rows[r]["fed/participants"] for r in range(1, 7)] == [3, 3, 3, 2, 3, 3]
+    assert c.trained == [1, 5, 6]
+
+
+def test_console_lines_do_not_grow_with_the_participants(tmp_path):
+    """Above 8 participants the console prints aggregates and the extremes: apart from the admission
+    list (16 lines at most), a 20-participant run logs as many lines as a 10-participant one, none
+    naming more than 8 participants (then '(+N more)'); the plots are drawn."""
+    counts = {}
+    for n in (10, 20):
+        out = tmp_path / f"n{n}"
+        parts, keys = light_federation(out, n)
+        lines: list[str] = []
+        fed = FederationConfig(num_rounds=2, min_participants=2, run_name=RUN, output_dir=str(out), eval_every=0,
+                               progress_every_s=0, peers_per_round=3)
+        Engine(fed, keys, out, InProcessTransport(parts), plots=n > 10,
+               log=lambda level, msg, *args: lines.append(msg % args if args else msg)).run()
+        admission = [line for line in lines if line.startswith(("participant ", "... and "))]
+        assert len(admission) == min(n, 16) + (n > 16)              # 16 listed at most, then one line
+        counts[n] = len(lines) - len(admission)
+        for line in lines:
+            assert sum(p in line for p in parts) <= 8, line
+        assert any("(+" in line and "more)" in line for line in lines)
+        assert any(line.strip().startswith("reward") and "over" in line and "[min" in line for line in lines)
+        assert n == 10 or ((out / "fed.png").exists() and (out / "training.png").exists())
+    assert counts[10] == counts[20], counts
+
+
+@pytest.mark.slow
+def test_256_light_participants_through_the_engine(tmp_path):
+    """The N = 256 scale run (docs/scale.md): every participant admitted with its proof, k = 4 peers'
+    frames per receiver (N * k frames relayed per round, every sender reaching exactly k), sampling
+    off, server state and rows linear in N, plots drawn as aggregates."""
+    from ftis_fed.bench.swarm import measure
+
+    n, k = 256, 4
+    r = measure(n, rounds=3, peers=k, fraction=1.0, out=tmp_path, plots=True)
+    rows = _fed_rows(tmp_path)
+    assert all(rows[i]["fed/participants"] == n and rows[i]["fed/replies"] == n for i in (1, 2, 3))
+    assert all(rows[i]["fed/frames_relayed"] == n * k and rows[i]["fed/rejected"] == 0 for i in (1, 2, 3))
+    assert all(rows[i]["fed/sender_reach_min"] == rows[i]["fed/sender_reach_max"] == k for i in (1, 2, 3))
+    assert r["frames_relayed_per_round"] == n * k and r["bytes_relayed_per_round"] > 0
+    state = json.loads((tmp_path / "server_state.json").read_text())
+    assert len(json.loads(state["guard"])["entries"]) == n          # one replay-guard entry per sender
+    assert (tmp_path / "reward.png").exists()
