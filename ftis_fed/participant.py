@@ -3,7 +3,9 @@
 It is what lives in the long-lived per-participant process (``clients/worker.py``); the Flower
 ClientApp only forwards messages to it. Nothing here imports Flower.
 
-One entry point, one name per action end to end (engine -> transport -> here)::
+One entry point, one name per action end to end (engine -> transport -> here): ``handle`` reads
+the request's fields as the action table (``ftis_fed.actions``) lists them and calls the method of
+the same name with them, in that order; its return value becomes the reply's fields::
 
     handle(action, request) -> reply
       hello    {run, node, challenge}  -> {info: who I am + proof: my signature of the challenge}
@@ -13,7 +15,7 @@ One entry point, one name per action end to end (engine -> transport -> here)::
                                           texts: bool, or [False, True] = the batch twice: without
                                           and with its texts (one per kind of receiver), same seq
       learn    {round, frames}         -> {metrics}: verify + re-check peers' batches, train (phase 2)
-      exchange {round, texts, frames}  -> {frames, metrics}: pipelined: generate, then learn from it
+      exchange {round, frames, texts}  -> {frames, metrics}: pipelined: generate, then learn from it
                                           and peers' batches of the previous round
       evaluate {round}                 -> {metrics}: greedy pass@1 on held-out ID / OOD sets
       finish   {}                      -> {info: {stopped}}
@@ -28,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ftis_fed.actions import reply_fields, request_args, variants_of
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.learn.evaluation import evaluate as evaluate_policy
-from ftis_fed.engine.validation import requested_variants
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
 from ftis_fed.tasks.rewards import Verifier
@@ -94,27 +96,11 @@ class Participant:
         return sum(1 for line in path.read_text().splitlines() if json.loads(line)["run"] == self.run_key)
 
     # ------------------------------------------------------------------ the entry point
-    ACTIONS = ("hello", "generate", "learn", "exchange", "evaluate", "finish")
-
     def handle(self, action: str, request: dict) -> dict:
         """The one entry point (see the module docstring); raises on an unknown action or a
         request without its fields (the caller turns that into an error reply)."""
-        r = request
-        if action == "hello":
-            return {"info": self.hello(str(r["run"]), str(r["node"]), bytes(r["challenge"]))}
-        if action == "generate":
-            frames, metrics = self.generate(int(r["round"]), r["texts"])
-            return {"frames": frames, "metrics": metrics}
-        if action == "learn":
-            return {"metrics": self.learn(int(r["round"]), list(r["frames"]))}
-        if action == "exchange":
-            frames, metrics = self.exchange(int(r["round"]), list(r["frames"]), r["texts"])
-            return {"frames": frames, "metrics": metrics}
-        if action == "evaluate":
-            return {"metrics": self.evaluate(int(r["round"]))}
-        if action == "finish":
-            return {"info": {"stopped": True}}
-        raise ValueError(f"unknown action {action!r} (known: {', '.join(self.ACTIONS)})")
+        args = request_args(action, request)                # ValueError: not an action, or a field missing
+        return reply_fields(action, getattr(self, action)(*args))
 
     # ------------------------------------------------------------------ identity
     def hello(self, run: str, node: str, challenge: bytes) -> dict:
@@ -145,7 +131,7 @@ class Participant:
         """Sample this round's prompts, reward them, sign the batch: one frame per entry of ``texts``
         (a bool = one frame; ``(False, True)`` = without and with the completion texts, same seq).
         Returns (frames, metrics); an attacker (``byzantine``) returns what ``_attack`` makes of it."""
-        variants = requested_variants({"texts": texts})        # the engine's reading of the same field
+        variants = variants_of(texts)                           # the engine's reading of the same field
         if not 1 <= len(variants) <= 2:
             raise ValueError(f"texts={texts!r}: a bool or a list of one or two bools")
         self._fault("generate", round)
@@ -266,6 +252,10 @@ class Participant:
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)
         out["eval/seconds"] = time.perf_counter() - t0
         return out
+
+    def finish(self) -> dict:
+        """End of run: acknowledge (the worker process exits after answering)."""
+        return {"stopped": True}
 
     # ------------------------------------------------------------------ resume
     def save(self) -> None:

@@ -10,7 +10,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 import clients.client_app as client_app
 from ftis_fed.engine.validation import check_reply
-from ftis_fed.flower_io import action_of, content_to_reply, message_type, request_to_content
+from ftis_fed.actions import action_of, message_type
+from ftis_fed.flower_io import content_to_reply, request_to_content
 
 SIM = {"partition-id": 0, "num-partitions": 2}
 DEPLOY = {"participant": "alice", "model": "smollm2"}
