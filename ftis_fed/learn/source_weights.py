@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 
 from ftis_fed.config.knobs import knob
 
-MODES = ("off", "kl")
+SOURCE_ADAPT_MODES = ("off", "kl")
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class SourceAdaptConfig:
         in (0, 1]; weight of the newest update's measurement in m_s (1 = only the last update counts).""")
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"source-adapt={self.mode!r}: must be one of {', '.join(MODES)}")
+        if self.mode not in SOURCE_ADAPT_MODES:
+            raise ValueError(f"source-adapt={self.mode!r}: must be one of {', '.join(SOURCE_ADAPT_MODES)}")
         if not (self.tau > 0 and math.isfinite(self.tau)):
             raise ValueError(f"source-adapt-tau={self.tau}: must be a finite number > 0")
         if not 0 < self.decay <= 1:
