@@ -38,12 +38,12 @@ from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import BatchValidationError
 from ftis_fed.config.federation import FederationConfig, to_jsonable
 from ftis_fed.trust.inbox import Inbox, InboxConfig
-from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, summarize_sources
+from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, phase_summary, summarize_sources
 from ftis_fed.metrics.sinks import open_sinks, parse_report_to
 from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, verify_challenge, verify_frame
 from ftis_fed.wire.codec import decode_payload, parse_header
 from ftis_fed.engine.boundary import Boundary
-from ftis_fed.engine.progress import PhaseProgress, phase_summary
+from ftis_fed.engine.progress import PhaseProgress
 from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
                     texts_differ)
 from ftis_fed.engine.schedules import get_schedule
