@@ -32,6 +32,8 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
+from ftis_fed.metrics.writer import phase_summary
+
 
 def runtime_dir() -> Path:
     """Private (0700) folder for sockets and auth keys."""
@@ -71,7 +73,8 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
                   start_timeout: float = 1800.0):
     """A connection to the participant's worker, starting it when none runs.
 
-    payload: what the worker needs to build its Participant (run config, node config, run key).
+    payload: what the worker needs to build its Participant (run config, node config, the resolved
+    participant spec as ``to_jsonable`` writes it, run key).
     Concurrent callers are serialised by a lock file, so a participant is started once.
     """
     rt = runtime_dir()
@@ -153,12 +156,12 @@ class Worker:
     def __init__(self, spec: dict[str, Any]):
         import torch
 
-        from ftis_fed.config.federation import federation_from_run_config, participant_spec
+        from ftis_fed.config.federation import federation_from_run_config, spec_from_jsonable
         from ftis_fed.participant import Participant
 
         self.run_config, self.node_config = spec["run_config"], spec["node_config"]
-        fed = federation_from_run_config(self.run_config)
-        pspec = participant_spec(self.run_config, self.node_config, fed)
+        fed = federation_from_run_config(self.run_config)       # once per process
+        pspec = spec_from_jsonable(spec["participant"])          # resolved by the ClientApp
         from ftis_fed.policies.devices import CUDA_ENV, VISIBLE_ENV, worker_device
 
         parent_cvd = os.environ.get(CUDA_ENV, "<unset>")
@@ -219,7 +222,6 @@ class Worker:
                           "skipped, its caller stopped waiting", flush=True)
                     continue
                 t0 = time.perf_counter()
-                from ftis_fed.engine.progress import phase_summary
                 self.busy = True
                 try:
                     reply = {"result": self.handle(req)}

@@ -253,5 +253,5 @@ def test_evaluation_follows_the_trained_families_and_too_large_sets_fail_at_star
     assert len(sets["id"]) == 8 and all(p.task_id.startswith("add1") for p in sets["id"])
     assert len(sets["mul15"]) == fed.eval_ood_size
     with pytest.raises(ValueError, match=r"eval-size=64 .*task-families=add1.*only 22 distinct"):
-        federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 64})
-    federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 64, "eval-every": 0})
+        federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 64}).check_data()
+    federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 64, "eval-every": 0}).check_data()

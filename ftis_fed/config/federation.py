@@ -5,7 +5,8 @@ default, help): ``FederationConfig`` below, ``ObjectiveConfig``, ``TaskSpec``, `
 ``PolicyConfig`` and ``ParticipantSpec``. The key tables here, the error names, the reference in
 ``docs/configuration.md`` (``python -m ftis_fed.config.federation``) and the check of ``pyproject.toml``'s
 ``[tool.flwr.app.config]`` (``tests/test_config.py``: same keys, same defaults) derive from those
-declarations. ``validate_run_config`` checks a whole run config before anything starts. Participants:
+declarations. Constructing a config does no I/O; ``validate_run_config`` checks a whole run config,
+the data it reads included (``FederationConfig.check_data``), before anything starts. Participants:
 
 - simulation: participant ``i`` (Flower partition id ``i``) reads ``p<i>-<key>`` (e.g. ``p2-quant``)
   and falls back to the run-wide ``<key>``;
@@ -152,6 +153,12 @@ class FederationConfig:
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
         self._resolve_horizontal()
+
+    def check_data(self) -> None:
+        """What a run reads, checked once where it starts (``validate_run_config``, called by the
+        launcher and the ServerApp) so that nothing fails mid-run: a benchmark's train file loads,
+        math-verify is installed when MATH-500 answers are compared, the held-out sets exist.
+        ValueError naming the key. (The constructor only checks values: it does no I/O.)"""
         if self.task.source != "procedural":                    # the train file must load now, not mid-run
             self.task.train_pool()
         if self.task.source == "math500" or self.task.math500_data:
@@ -555,7 +562,8 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
                         explicit: Collection[str] = ()) -> FederationConfig:
     """The whole run configuration checked before anything starts (launcher and ServerApp): every key
     declared, every value within its limits, every simulated participant's spec built and its model
-    resolvable offline. Raises ValueError with one line naming the key, the value and the limit.
+    resolvable offline, the data it reads loaded (``FederationConfig.check_data``). Raises ValueError with
+    one line naming the key, the value and the limit.
 
     ``check_models``: None = only in simulation (``keys-dir`` = ''), where participants' models are
     loaded on this machine; in deployment each SuperNode names its own model. ``explicit``: the keys
@@ -602,6 +610,7 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
             check_model(spec.policy.model, f"p{i}-model", name)
     if simulation:
         fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
+    fed.check_data()
     return fed
 
 
@@ -615,6 +624,12 @@ def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]
                     or k.endswith(("-keys-dir", "-state-dir"))) and cfg[k]:
                 cfg[k] = str(Path(str(cfg[k])).resolve())
     return rc, nc
+
+
+def spec_from_jsonable(data: Mapping[str, Any]) -> ParticipantSpec:
+    """A resolved participant spec back from ``to_jsonable(spec)`` (the ClientApp hands it to the
+    participant's worker process, which does not resolve it again)."""
+    return ParticipantSpec(**{**data, "policy": PolicyConfig(**data["policy"])})
 
 
 def to_jsonable(obj: Any) -> Any:
