@@ -325,9 +325,9 @@ class Engine:
             chosen = select_for_receiver(frames, name, self.budgets.get(name, self.fed.peer_budget), rotation=rnd + i)
             out, tally = [], {False: [0, 0], True: [0, 0]}
             for f in chosen:
-                frame = f.for_receiver(self._needs_texts(name, f.sender))
+                frame, has_texts = f.for_receiver(self._needs_texts(name, f.sender))
                 out.append(frame)
-                t = tally[parse_header(frame).has_texts]
+                t = tally[has_texts]
                 t[0] += len(frame)
                 t[1] += f.tokens
             for variant, (nbytes, ntok) in tally.items():
@@ -385,10 +385,8 @@ class Engine:
                     stats.rejected["internal_error"] += 1
                     self.log(WARNING, "round %d: batch from %s: %s: %s", rnd, name, type(e).__name__, e)
                     continue
-                h = parse_header(frame)
                 with_texts = self._verify_texts_variant(texts_variant, acc.batch, rnd, stats) if texts_variant else None
-                out.append(VerifiedFrame(acc.batch.sender, rnd, h.n_completions, h.n_completion_tokens, frame,
-                                         with_texts))
+                out.append(VerifiedFrame(acc.header, frame, with_texts))
         return out
 
     def _verify_texts_variant(self, frame: bytes, plain, rnd: int, stats: RoundStats) -> bytes | None:
@@ -462,10 +460,9 @@ class Engine:
                              f"not {self.fed.run_name!r}")
         self.guard = ReplayGuard.from_json(state["guard"])
         self.inbox = Inbox(self.keys, self.inbox.config, self.guard)
-        self.pending = [VerifiedFrame(p["sender"], p["round"], p["completions"], p["tokens"],
-                                      base64.b64decode(p["frame"]),
-                                      base64.b64decode(p["frame_texts"]) if p.get("frame_texts") else None)
-                        for p in state["pending"]]
+        frames = [(base64.b64decode(p["frame"]), base64.b64decode(p["frame_texts"]) if p.get("frame_texts") else None)
+                  for p in state["pending"]]
+        self.pending = [VerifiedFrame(parse_header(f, self.inbox.config.limits), f, t) for f, t in frames]
         self.completed_round = int(state["completed_round"])
         self.start_round = self.completed_round + 1
         self.log(INFO, "resume: round %d done, continuing at round %d", self.start_round - 1, self.start_round)
