@@ -185,7 +185,7 @@ class Participant:
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
         if samples:
             metrics.update(self.trainer.step(samples, self.fed.sampling))
-            self.adapt.observe(metrics)
+            self.adapt.observe(self.trainer.source_kl)
             metrics.update(self.adapt.metrics())
         metrics["train/seconds"] = time.perf_counter() - t0
         metrics["worker/pid"] = float(os.getpid())

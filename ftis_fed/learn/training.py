@@ -336,10 +336,12 @@ class Trainer:
         self.params = list(policy.trainable_parameters())
         self.optimizer = make_optimizer(self.params, self.cfg)
         self.steps = 0
+        self.source_kl: dict[str, float] = {}      # the last step's mean sample KL per peer source with samples
 
     def step(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> dict[str, float]:
         """One F-TIS optimizer step on ``samples``; ``sampling`` defines pi_theta's distribution.
-        Returns the metrics of ``ftis_step`` and ``advantage_group_metrics``."""
+        Returns the metrics of ``ftis_step`` and ``advantage_group_metrics``; ``source_kl`` then holds
+        each peer source's mean sample KL of this step (what ``source-adapt`` adapts to)."""
         pol = self.policy
         pol.train_mode(True)
         try:
@@ -351,6 +353,8 @@ class Trainer:
             pol.train_mode(False)
         self.steps += 1
         pol.weights_changed()
+        peers = dict.fromkeys(s.source for s in samples if not s.local)
+        self.source_kl = {p: metrics[f"offpolicy/{p}/kl_mean"] for p in peers if f"offpolicy/{p}/kl_mean" in metrics}
         metrics.update(advantage_group_metrics(samples, self.objective))
         return metrics
 
