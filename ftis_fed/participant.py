@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ftis_fed.actions import reply_fields, request_args, variants_of
+from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.learn.evaluation import evaluate as evaluate_policy
@@ -264,9 +265,7 @@ class Participant:
         self.trainer.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
                  "adapt": self.adapt.to_json(), "model_id": self.policy.model_id}
-        tmp = self.state_dir / "participant.json.tmp"
-        tmp.write_text(json.dumps(state))
-        tmp.replace(self.state_dir / "participant.json")
+        atomic_write(self.state_dir / "participant.json", json.dumps(state))
 
     def _load(self) -> None:
         state = json.loads((self.state_dir / "participant.json").read_text())

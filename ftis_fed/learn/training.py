@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
+from ftis_fed.atomic import atomic_path
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.learn.objective import (LOGP_GEN_FLOOR, LossInputs, ObjectiveConfig, compute_advantages, count_denominators,
                         ftis_loss, merge_stats, finalize_stats, MODES)
@@ -360,12 +360,9 @@ class Trainer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Trainable parameters + optimizer state + step count (resume), written atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
-                    "steps": self.steps, "model_id": self.policy.model_id}, tmp)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            torch.save({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                        "steps": self.steps, "model_id": self.policy.model_id}, tmp)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore what ``save`` wrote (the backend's weights first, then the optimizer)."""
