@@ -20,21 +20,11 @@ class VerifiedFrame:
     frame: bytes
     frame_texts: bytes | None = None    # the same batch signed with its texts (for other tokenizers)
 
-    @property
-    def sender(self) -> str:
-        return self.header.sender
-
-    @property
-    def round(self) -> int:
-        return self.header.round
-
-    @property
-    def completions(self) -> int:
-        return self.header.n_completions
-
-    @property
-    def tokens(self) -> int:
-        return self.header.n_completion_tokens
+    # who signed it, for which round, how many completions and completion tokens: read from the header
+    sender = property(lambda self: self.header.sender)
+    round = property(lambda self: self.header.round)
+    completions = property(lambda self: self.header.n_completions)
+    tokens = property(lambda self: self.header.n_completion_tokens)
 
     def for_receiver(self, texts: bool) -> tuple[bytes, bool]:
         """(the variant a receiver gets, whether it carries texts): with texts when it needs them
