@@ -30,7 +30,7 @@ import time
 import traceback
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ftis_fed.metrics.writer import phase_summary
 
@@ -45,6 +45,24 @@ def runtime_dir() -> Path:
 
 def worker_id(run_key: str, participant: str) -> str:
     return hashlib.sha256(f"{run_key}\0{participant}".encode()).hexdigest()[:20]
+
+
+#: Fault injection for the end-to-end tests only (no run-config key; never set in a run):
+#: ``<participant>=<raise|exit|hang>:<action>:<round>``, comma-separated. A worker serving that
+#: participant then raises, exits (as a crash would) or hangs when that request arrives.
+FAULT_ENV = "FTIS_FED_TEST_FAULT"
+
+
+def inject_fault(participant: str, action: str, round: int, env: Mapping[str, str] = os.environ) -> None:
+    for item in filter(None, env.get(FAULT_ENV, "").split(",")):
+        who, _, what = item.partition("=")
+        kind, at_action, at_round = what.split(":")
+        if who == participant and at_action == action and int(at_round) == round:
+            if kind == "exit":
+                os._exit(3)
+            if kind == "hang":
+                time.sleep(1e6)
+            raise RuntimeError(f"{participant}: injected fault at {action} round {round} ({FAULT_ENV})")
 
 
 class WorkerError(RuntimeError):
@@ -189,6 +207,7 @@ class Worker:
         print(f"[worker {pspec.name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def handle(self, req: dict[str, Any]) -> Any:
+        inject_fault(self.participant.name, req["action"], int(req["request"].get("round", -1)))
         return self.participant.handle(req["action"], req["request"])
 
     def serve(self, sock: str, authkey: bytes) -> None:

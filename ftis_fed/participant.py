@@ -54,10 +54,6 @@ def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
     return round >= num_rounds or (every > 0 and round % every == 0)
 
 
-class InjectedFault(RuntimeError):
-    """Raised by a participant configured with ``fault=raise:<phase>:<round>`` (tests)."""
-
-
 class Participant:
     def __init__(self, spec: ParticipantSpec, fed: FederationConfig, policy=None, run_key: str = ""):
         self.spec, self.fed = spec, fed
@@ -116,17 +112,6 @@ class Participant:
                 "local_budget": self.spec.local_budget, "load_seconds": round(self.load_seconds, 2),
                 "proof": sign_challenge(self.key, run, node, self.name, challenge)}
 
-    def _fault(self, phase: str, round: int) -> None:
-        if not self.spec.fault:
-            return
-        kind, at_phase, at_round = self.spec.fault.split(":")
-        if at_phase == phase and int(at_round) == round:
-            if kind == "exit":
-                os._exit(3)
-            if kind == "hang":
-                time.sleep(1e6)
-            raise InjectedFault(f"{self.name}: injected fault at {phase} round {round}")
-
     # ------------------------------------------------------------------ phase 1
     def generate(self, round: int, texts: bool | tuple[bool, ...]) -> tuple[list[bytes], dict[str, float]]:
         """Sample this round's prompts, reward them, sign the batch: one frame per entry of ``texts``
@@ -135,7 +120,6 @@ class Participant:
         variants = variants_of(texts)                           # the engine's reading of the same field
         if not 1 <= len(variants) <= 2:
             raise ValueError(f"texts={texts!r}: a bool or a list of one or two bools")
-        self._fault("generate", round)
         t0 = time.perf_counter()
         fed = self.fed
         prompts = fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions, round)
@@ -170,7 +154,6 @@ class Participant:
     def learn(self, round: int, peer_frames: list[bytes], peer_round: int | None = None) -> dict[str, float]:
         """Verify peers' frames (signature with the sender's key, replay, validation), re-check their
         rewards, then one F-TIS update on my batch of ``round`` and the accepted peer batches."""
-        self._fault("learn", round)
         t0 = time.perf_counter()
         own = self.own.pop(round, None)
         peer_round = round if peer_round is None else peer_round
@@ -247,7 +230,6 @@ class Participant:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, round: int) -> dict[str, float]:
-        self._fault("evaluate", round)
         t0 = time.perf_counter()
         sets = self.fed.eval_sets()
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)

@@ -29,10 +29,15 @@ from typing import Any, Collection, Mapping
 from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.config.knobs import Knob, knob, knobs
 from ftis_fed.learn.objective import MODES, ObjectiveConfig
+from ftis_fed.metrics.sinks import parse_report_to
 from ftis_fed.policies.config import PolicyConfig
+from ftis_fed.trust.attacks import parse_kinds
 from ftis_fed.trust.reverify import ReverifyConfig
+from ftis_fed.trust.signing import check_participant
 from ftis_fed.learn.source_weights import SourceAdaptConfig
-from ftis_fed.tasks.suite import TaskSpec
+from ftis_fed.tasks.benchmarks import eval_pool
+from ftis_fed.tasks.suite import TaskSpec, eval_sets
+from ftis_fed.tasks.symbolic import require_math_verify
 
 
 @dataclass(frozen=True)
@@ -147,8 +152,6 @@ class FederationConfig:
         need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.progress_every_s >= 0, "progress_every_s", "must be >= 0 (0 = off)")
-        from ftis_fed.metrics.sinks import parse_report_to
-
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
@@ -162,8 +165,6 @@ class FederationConfig:
         if self.task.source != "procedural":                    # the train file must load now, not mid-run
             self.task.train_pool()
         if self.task.source == "math500" or self.task.math500_data:
-            from ftis_fed.tasks.symbolic import require_math_verify
-
             try:
                 require_math_verify()
             except ImportError as e:
@@ -219,9 +220,6 @@ class FederationConfig:
         each) when training on procedural tasks or when no other benchmark file is given; a
         benchmark not trained on whose file is given (``gsm8k``: its test file; ``math500``: all of
         it), at most ``eval-ood-size`` (0: ``eval-size``) items."""
-        from ftis_fed.tasks.benchmarks import eval_pool
-        from ftis_fed.tasks.suite import eval_sets
-
         t, n_ood = self.task, self.eval_ood_size or self.eval_size
         others = {b: path for b, path in (("gsm8k", t.gsm8k_data), ("math500", t.math500_data))
                   if path and b != t.source}
@@ -264,9 +262,6 @@ class ParticipantSpec:
     state_dir: str = knob("state-dir", help="""
         where its checkpoint (trainable weights, optimizer, counters) goes (node config; simulation:
         output-dir/participants/<participant>).""", run=False)
-    fault: str = knob("fault", "", """
-        fault injection for tests: '' or ``<raise|exit|hang>:<generate|learn|evaluate>:<round>``.""",
-        run=False, per_participant=True)
     local_budget: int = knob("local-budget", 0, "this participant's local-budget (default: the run-wide value).",
                              run=False, per_participant=True)
     peer_budget: int = knob("peer-budget", 0, "this participant's peer-budget (default: the run-wide value).",
@@ -279,14 +274,7 @@ class ParticipantSpec:
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.peer_budget < 0:
             raise ValueError(f"local-budget={self.local_budget}, peer-budget={self.peer_budget}: must be >= 0")
-        if self.fault:
-            parts = self.fault.split(":")
-            if (len(parts) != 3 or parts[0] not in ("raise", "exit", "hang")
-                    or parts[1] not in ("generate", "learn", "evaluate") or not parts[2].isdigit()):
-                raise ValueError(f"fault={self.fault!r}: must be '' or <raise|exit|hang>:<generate|learn|evaluate>:<round>")
         if self.byzantine:
-            from ftis_fed.trust.attacks import parse_kinds
-
             parse_kinds(self.byzantine)
 
 
@@ -499,7 +487,7 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
     keys_dir = str(Path(get("keys-dir", "") or fed.keys_dir or out / "keys").resolve())
     state_dir = str(Path(get("state-dir", "") or out / "participants" / name).resolve())
     return ParticipantSpec(name=name, policy=policy, partition_id=pid, num_partitions=n,
-                           keys_dir=keys_dir, state_dir=state_dir, fault=str(get("fault", "")),
+                           keys_dir=keys_dir, state_dir=state_dir,
                            byzantine=str(get("byzantine", "")),
                            local_budget=_coerce(get("local-budget", fed.local_budget), 0, named("local-budget")),
                            peer_budget=_coerce(get("peer-budget", fed.peer_budget), 0, named("peer-budget")))
@@ -589,8 +577,6 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
     if simulation and fed.min_participants > len(names):
         raise ValueError(f"min-participants={fed.min_participants}: more than the {len(names)} participants "
                          f"declared (p0-model ... p{len(names) - 1}-model)")
-    from ftis_fed.trust.signing import check_participant
-
     seen: dict[str, int] = {}
     for i, name in enumerate(names):
         try:
