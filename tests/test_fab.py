@@ -45,7 +45,7 @@ def test_every_file_of_the_packages_goes_into_the_fab():
 def test_the_wire_dictionary_loads_from_a_fab_copy(tmp_path):
     fab, _ = build_fab_from_files(_package_files())
     zipfile.ZipFile(io.BytesIO(fab)).extractall(tmp_path)
-    assert (tmp_path / "ftis_fed" / "wiredict.py").exists()
+    assert (tmp_path / "ftis_fed" / "wire" / "dictionary.py").exists()
     code = ("import ftis_fed, ftis_fed.wire.dictionary as w; assert ftis_fed.__file__.startswith(%r), ftis_fed.__file__; "
             "print(w.dictionary(w.DEFAULT).dict_id())" % str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
