@@ -13,12 +13,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group
 from ftis_fed.trust.inbox import Inbox, InboxConfig
-from ftis_fed.trust.deploy_keys import generate_supernode_keypair, generate_tls, load_supernode_public_key, supernode_fingerprint
+from ftis_fed.trust.deploy_keys import (add_cli, generate_supernode_keypair, generate_tls, load_supernode_public_key,
+                                       supernode_fingerprint)
 from ftis_fed.trust.signing import (
     KeyDirectory,
     ReplayGuard,
     RevocationList,
-    add_cli,
     fingerprint,
     generate_keypair,
     load_key_directory,
