@@ -1,9 +1,11 @@
 """The participant ClientApp: one generic forwarder from a Flower message to the participant's
 entry point ``Participant.handle(action, request)`` in its worker process, and the reply back.
 
-The action is the message type's (``ftis_fed.flower_io.action_of``): ``query.hello``,
-``query.generate``, ``train`` (learn), ``train.exchange``, ``evaluate``, ``query.finish``; the
-request and reply are the engine's plain dicts (``ftis_fed.flower_io`` packs them). Two things are
+The action is the message type's, and the handlers are registered from the action table
+(``ftis_fed.actions``: ``query.hello``, ``query.generate``, ``train`` = learn, ``train.exchange``,
+``evaluate``, ``query.finish``); the request and reply are the engine's plain dicts
+(``ftis_fed.flower_io`` packs them). The run config is parsed once per process and run (a
+simulation's Ray actor serves many messages, and several nodes). Two things are
 added here because only the ClientApp knows them: hello replies carry ``supernodes`` (the number
 of simulated SuperNodes) in a simulation, so the server can refuse a simulation with fewer
 SuperNodes than participants; and ``finish`` never starts a worker just to stop it (one that does
@@ -21,16 +23,23 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.worker import call, ensure_worker, existing_worker, kill_worker
-from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec
-from ftis_fed.flower_io import action_of, content_to_request, reply_to_content
+from ftis_fed.actions import ACTIONS, action_of
+from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec, to_jsonable
+from ftis_fed.flower_io import content_to_request, reply_to_content
 
 app = ClientApp()
 
+_PARSED: dict[tuple, tuple] = {}        # (run id, node id) -> (run config, node config, fed, spec)
+
 
 def _spec(context: Context):
-    run_config, node_config = absolute_paths(context.run_config, context.node_config)
-    fed = federation_from_run_config(run_config)
-    return run_config, node_config, fed, participant_spec(run_config, node_config, fed)
+    """(run config, node config, FederationConfig, ParticipantSpec) of this node, parsed once."""
+    key = (context.run_id, context.node_id, tuple(sorted(context.node_config.items())))
+    if key not in _PARSED:
+        run_config, node_config = absolute_paths(context.run_config, context.node_config)
+        fed = federation_from_run_config(run_config)
+        _PARSED[key] = run_config, node_config, fed, participant_spec(run_config, node_config, fed)
+    return _PARSED[key]
 
 
 def _worker(context: Context):
@@ -38,8 +47,8 @@ def _worker(context: Context):
     run_config, node_config, fed, spec = _spec(context)
     host, per = worker_host(fed, spec, node_config)
     concurrent = 1 if "participant" in node_config else -(-int(node_config.get("num-partitions", 1)) // per)
-    payload = {"run_config": run_config, "node_config": node_config, "concurrent": concurrent,
-               "run_key": str(context.run_id)}
+    payload = {"run_config": run_config, "node_config": node_config, "participant": to_jsonable(spec),
+               "concurrent": concurrent, "run_key": str(context.run_id)}
     conn = ensure_worker(str(context.run_id), host, payload, Path(spec.state_dir) / "worker.log",
                          start_timeout=fed.wait_for_participants_s)
     # The server stops waiting after round-timeout-s; so does the ClientApp, which frees it (and a
@@ -89,8 +98,6 @@ def _finish(context: Context) -> dict:
         return {"info": {"stopped": False, "killed": kill_worker(str(context.run_id), name)}}
 
 
-app.train()(forward)
-app.train("exchange")(forward)
-app.evaluate()(forward)
-for _action in ("hello", "generate", "finish"):
-    app.query(_action)(forward)
+for _row in ACTIONS.values():                   # one handler per message type of the action table
+    _category, _name = _row.route
+    getattr(app, _category)(_name)(forward)

@@ -38,7 +38,9 @@ import time
 import traceback
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+from ftis_fed.metrics.writer import phase_summary
 
 from ftis_fed.policies.devices import (CUDA_ENV, FROM_ENV, VISIBLE_ENV, DeviceError, count_visible, lock_folder,
                                        start_environment, worker_device, worker_env)
@@ -104,6 +106,24 @@ def worker_id(run_key: str, participant: str) -> str:
     return hashlib.sha256(f"{run_key}\0{participant}".encode()).hexdigest()[:20]
 
 
+#: Fault injection for the end-to-end tests only (no run-config key; never set in a run):
+#: ``<participant>=<raise|exit|hang>:<action>:<round>``, comma-separated. A worker serving that
+#: participant then raises, exits (as a crash would) or hangs when that request arrives.
+FAULT_ENV = "FTIS_FED_TEST_FAULT"
+
+
+def inject_fault(participant: str, action: str, round: int, env: Mapping[str, str] = os.environ) -> None:
+    for item in filter(None, env.get(FAULT_ENV, "").split(",")):
+        who, _, what = item.partition("=")
+        kind, at_action, at_round = what.split(":")
+        if who == participant and at_action == action and int(at_round) == round:
+            if kind == "exit":
+                os._exit(3)
+            if kind == "hang":
+                time.sleep(1e6)
+            raise RuntimeError(f"{participant}: injected fault at {action} round {round} ({FAULT_ENV})")
+
+
 class WorkerError(RuntimeError):
     """The worker raised while handling a request (its traceback is in the message)."""
 
@@ -130,7 +150,8 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
                   start_timeout: float = 1800.0):
     """A connection to the participant's worker, starting it when none runs.
 
-    payload: what the worker needs to build its Participant (run config, node config, run key).
+    payload: what the worker needs to build its Participant (run config, node config, the resolved
+    participant spec as ``to_jsonable`` writes it, run key).
     Concurrent callers are serialised by a lock file, so a participant is started once.
     """
     rt = runtime_dir()
@@ -228,12 +249,12 @@ class Worker:
     def __init__(self, spec: dict[str, Any]):
         import torch
 
-        from ftis_fed.config.federation import federation_from_run_config, participant_spec
+        from ftis_fed.config.federation import federation_from_run_config, spec_from_jsonable
         from ftis_fed.participant import Participant
 
         self.run_config, self.node_config = spec["run_config"], spec["node_config"]
-        fed = federation_from_run_config(self.run_config)
-        pspec = participant_spec(self.run_config, self.node_config, fed)
+        fed = federation_from_run_config(self.run_config)       # once per process
+        pspec = spec_from_jsonable(spec["participant"])          # resolved by the ClientApp
         parent_cvd = os.environ.get(CUDA_ENV, "<unset>")
         seen = dict(os.environ)
         key = "device" if "participant" in self.node_config else f"p{pspec.partition_id}-device"
@@ -262,7 +283,9 @@ class Worker:
         self.hosted = {pspec.name: self.participant}     # participants-per-worker > 1: its process-mates
 
     def handle(self, req: dict[str, Any]) -> Any:
-        return self._participant(req).handle(req["action"], req["request"])
+        participant = self._participant(req)
+        inject_fault(participant.name, req["action"], int(req["request"].get("round", -1)))
+        return participant.handle(req["action"], req["request"])
 
     def _participant(self, req: dict[str, Any]):
         """The request's participant: the first one, or a process-mate built on its first request
@@ -313,7 +336,6 @@ class Worker:
                           "skipped, its caller stopped waiting", flush=True)
                     continue
                 t0 = time.perf_counter()
-                from ftis_fed.engine.progress import phase_summary
                 self.busy = True
                 try:
                     reply = {"result": self.handle(req)}

@@ -1,10 +1,11 @@
-"""Atomic file writes: a reader (or a resume after a crash) sees the old file or the new one, never
-half of one. Write to ``<name>.tmp`` in the same folder, then rename over the target."""
+"""Atomic file and folder writes: a reader (or a resume after a crash) sees the old file or the new
+one, never half of one. Write to ``<name>.tmp`` in the same folder, then rename over the target."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -33,3 +34,23 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, mode: int | None = 
         with open(tmp, "wb" if isinstance(data, bytes) else "w", encoding=None if isinstance(data, bytes) else "utf-8") as f:
             f.write(data)
     return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields a path next to ``path`` for a folder to be written there (not created: the writer, e.g.
+    ``save_pretrained``, makes it); when the block ends without an error it takes ``path``'s place
+    (a folder already there is moved aside, then removed); on an error it is removed."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = target.with_name(target.name + ".tmp"), target.with_name(target.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            target.replace(old)
+        tmp.replace(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)

@@ -9,9 +9,8 @@ here they become a message's ``RecordDict`` and back:
     reply "metrics"                                    -> MetricRecord "metrics"
     reply "info"                                       -> ConfigRecord "info"
 
-The Flower message type is derived from the action (:func:`message_type`): ``learn`` -> ``train``,
-``exchange`` -> ``train.exchange``, ``evaluate`` -> ``evaluate``, any other -> ``query.<action>``.
-Unpacking a reply checks nothing (the engine's boundary does): it only maps records to fields.
+The Flower message type of each action is in the action table (``ftis_fed.actions``). Unpacking a
+reply checks nothing (the engine's boundary does): it only maps records to fields.
 
 A message carries its batches as one ``ConfigRecord`` under ``BATCHES_RECORD`` in the message's
 ``RecordDict``, holding a list of signed frames (``bytes``) under ``FRAMES_KEY``::
@@ -79,23 +78,7 @@ def record_nbytes(record: ConfigRecord | RecordDict) -> int:
 
 # ------------------------------------------------------------------ requests and replies
 
-_TYPES = {"learn": "train", "exchange": "train.exchange", "evaluate": "evaluate"}
 CONFIG_RECORD, METRICS_RECORD, INFO_RECORD = "config", "metrics", "info"
-
-
-def message_type(action: str) -> str:
-    """The Flower message type that carries ``action``."""
-    return _TYPES.get(action, f"query.{action}")
-
-
-def action_of(msg_type: str) -> str:
-    """Inverse of :func:`message_type`; ValueError for a type no action uses."""
-    for action, t in _TYPES.items():
-        if t == msg_type:
-            return action
-    if msg_type.startswith("query.") and msg_type.count(".") == 1:
-        return msg_type.split(".", 1)[1]
-    raise ValueError(f"message type {msg_type!r} carries no ftis-fed action")
 
 
 def request_to_content(request: Mapping[str, Any]) -> RecordDict:

@@ -3,7 +3,9 @@
 It is what lives in the long-lived per-participant process (``clients/worker.py``); the Flower
 ClientApp only forwards messages to it. Nothing here imports Flower.
 
-One entry point, one name per action end to end (engine -> transport -> here)::
+One entry point, one name per action end to end (engine -> transport -> here): ``handle`` reads
+the request's fields as the action table (``ftis_fed.actions``) lists them and calls the method of
+the same name with them, in that order; its return value becomes the reply's fields::
 
     handle(action, request) -> reply
       hello    {run, node, challenge}  -> {info: who I am + proof: my signature of the challenge}
@@ -13,7 +15,7 @@ One entry point, one name per action end to end (engine -> transport -> here)::
                                           texts: bool, or [False, True] = the batch twice: without
                                           and with its texts (one per kind of receiver), same seq
       learn    {round, frames}         -> {metrics}: verify + re-check peers' batches, train (phase 2)
-      exchange {round, texts, frames}  -> {frames, metrics}: pipelined: generate, then learn from it
+      exchange {round, frames, texts}  -> {frames, metrics}: pipelined: generate, then learn from it
                                           and peers' batches of the previous round
       evaluate {round}                 -> {metrics}: greedy pass@1 on held-out ID / OOD sets
       finish   {}                      -> {info: {stopped}}
@@ -28,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ftis_fed.atomic import atomic_write
 from ftis_fed import participant_state
+from ftis_fed.actions import reply_fields, request_args, variants_of
+from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.learn.evaluation import evaluate as evaluate_policy
-from ftis_fed.engine.validation import requested_variants
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
 from ftis_fed.policies.share import CardInfo, make_shareable, update_card
@@ -56,10 +58,6 @@ def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
     """Write the resume state after ``round``'s update? Every ``every``-th round (``checkpoint-every``)
     and after the last round; ``every`` = 0: after the last round only."""
     return round >= num_rounds or (every > 0 and round % every == 0)
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a participant configured with ``fault=raise:<phase>:<round>`` (tests)."""
 
 
 class Participant:
@@ -119,27 +117,11 @@ class Participant:
         return sum(1 for line in path.read_text().splitlines() if json.loads(line)["run"] == self.run_key)
 
     # ------------------------------------------------------------------ the entry point
-    ACTIONS = ("hello", "generate", "learn", "exchange", "evaluate", "finish")
-
     def handle(self, action: str, request: dict) -> dict:
         """The one entry point (see the module docstring); raises on an unknown action or a
         request without its fields (the caller turns that into an error reply)."""
-        r = request
-        if action == "hello":
-            return {"info": self.hello(str(r["run"]), str(r["node"]), bytes(r["challenge"]))}
-        if action == "generate":
-            frames, metrics = self.generate(int(r["round"]), r["texts"])
-            return {"frames": frames, "metrics": metrics}
-        if action == "learn":
-            return {"metrics": self.learn(int(r["round"]), list(r["frames"]))}
-        if action == "exchange":
-            frames, metrics = self.exchange(int(r["round"]), list(r["frames"]), r["texts"])
-            return {"frames": frames, "metrics": metrics}
-        if action == "evaluate":
-            return {"metrics": self.evaluate(int(r["round"]))}
-        if action == "finish":
-            return {"info": {"stopped": True}}
-        raise ValueError(f"unknown action {action!r} (known: {', '.join(self.ACTIONS)})")
+        args = request_args(action, request)                # ValueError: not an action, or a field missing
+        return reply_fields(action, getattr(self, action)(*args))
 
     # ------------------------------------------------------------------ identity
     def hello(self, run: str, node: str, challenge: bytes) -> dict:
@@ -163,26 +145,14 @@ class Participant:
                 "num_partitions": self.spec.num_partitions, "task_digest": self.task_digest,
                 "proof": sign_challenge(self.key, run, node, self.name, challenge)}
 
-    def _fault(self, phase: str, round: int) -> None:
-        if not self.spec.fault:
-            return
-        kind, at_phase, at_round = self.spec.fault.split(":")
-        if at_phase == phase and int(at_round) == round:
-            if kind == "exit":
-                os._exit(3)
-            if kind == "hang":
-                time.sleep(1e6)
-            raise InjectedFault(f"{self.name}: injected fault at {phase} round {round}")
-
     # ------------------------------------------------------------------ phase 1
     def generate(self, round: int, texts: bool | tuple[bool, ...]) -> tuple[list[bytes], dict[str, float]]:
         """Sample this round's prompts, reward them, sign the batch: one frame per entry of ``texts``
         (a bool = one frame; ``(False, True)`` = without and with the completion texts, same seq).
         Returns (frames, metrics); an attacker (``byzantine``) returns what ``_attack`` makes of it."""
-        variants = requested_variants({"texts": texts})        # the engine's reading of the same field
+        variants = variants_of(texts)                           # the engine's reading of the same field
         if not 1 <= len(variants) <= 2:
             raise ValueError(f"texts={texts!r}: a bool or a list of one or two bools")
-        self._fault("generate", round)
         t0 = time.perf_counter()
         fed = self.fed
         prompts = fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions, round)
@@ -220,7 +190,6 @@ class Participant:
     def learn(self, round: int, peer_frames: list[bytes], peer_round: int | None = None) -> dict[str, float]:
         """Verify peers' frames (signature with the sender's key, replay, validation), re-check their
         rewards, then one F-TIS update on my batch of ``round`` and the accepted peer batches."""
-        self._fault("learn", round)
         if round <= self.completed_round:                   # trained on it before a restart: never twice
             self.own.pop(round, None)
             return {"train/already_trained": 1.0, "train/seconds": 0.0, "worker/pid": float(os.getpid())}
@@ -240,7 +209,7 @@ class Participant:
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
         if samples:
             metrics.update(self.trainer.step(samples, self.fed.sampling))
-            self.adapt.observe(metrics)
+            self.adapt.observe(self.trainer.source_kl)
             metrics.update(self.adapt.metrics())
         metrics["train/seconds"] = time.perf_counter() - t0
         metrics["worker/pid"] = float(os.getpid())
@@ -302,7 +271,6 @@ class Participant:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, round: int) -> dict[str, float]:
-        self._fault("evaluate", round)
         t0 = time.perf_counter()
         sets = self.fed.eval_sets()
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)
@@ -324,6 +292,10 @@ class Participant:
         return CardInfo(self.name, self.run_id, self.completed_round, method, task, dict(self.peer_models),
                         dict(self.heldout))
 
+    def finish(self) -> dict:
+        """End of run: acknowledge (the worker process exits after answering)."""
+        return {"stopped": True}
+
     # ------------------------------------------------------------------ resume
     def save(self) -> None:
         """Checkpoint: trainable state + optimizer (policy), sequence number, replay guard."""
@@ -333,9 +305,7 @@ class Participant:
                  "adapt": self.adapt.to_json(), "model_id": self.policy.model_id, "run_id": self.run_id,
                  "peer_models": self.peer_models, "heldout": {str(k): v for k, v in self.heldout.items()},
                  "run_key": self.run_key}
-        tmp = self.state_dir / "participant.json.tmp"
-        tmp.write_text(json.dumps(state))
-        tmp.replace(self.state_dir / "participant.json")
+        atomic_write(self.state_dir / "participant.json", json.dumps(state))
 
     def _rejoin(self) -> None:
         """A restart within this run (``participant_state``): continue from the counters and, when it

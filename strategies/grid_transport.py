@@ -1,7 +1,7 @@
 """The round engine's transport over Flower's ``Grid`` (simulation and deployment alike).
 
-``send(action, {node_id: request}, timeout)``: one message per node (type derived from the
-action by ``ftis_fed.flower_io.message_type``), pushed at once, then pulled until every reply is
+``send(action, {node_id: request}, timeout)``: one message per node (its type from the action
+table, ``ftis_fed.actions``), pushed at once, then pulled until every reply is
 in or the deadline passes. An error reply or a missing one is a ``Failure`` for that node; every
 other reply is handed back unchecked (``Delivered``) for the engine's boundary to validate.
 """
@@ -15,8 +15,9 @@ from typing import Any, Callable, Mapping
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from ftis_fed.actions import message_type
 from ftis_fed.engine.transport import Delivered, Failure
-from ftis_fed.flower_io import content_to_reply, message_type, request_to_content
+from ftis_fed.flower_io import content_to_reply, request_to_content
 
 
 class GridTransport:

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from ftis_fed.atomic import atomic_path, atomic_write
+from ftis_fed.atomic import atomic_dir, atomic_path, atomic_write
 
 
 def test_replaces_whole_and_keeps_mode(tmp_path):
@@ -26,3 +26,22 @@ def test_an_error_leaves_the_old_file_and_no_temporary(tmp_path):
             raise RuntimeError("crash mid-write")
     assert p.read_text() == "old"
     assert [f.name for f in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "export"
+    with atomic_dir(out) as tmp:
+        tmp.mkdir()
+        (tmp / "model.bin").write_text("v1")
+    assert (out / "model.bin").read_text() == "v1"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(out) as tmp:
+            tmp.mkdir()
+            (tmp / "model.bin").write_text("half")
+            raise RuntimeError("crash mid-save")
+    assert (out / "model.bin").read_text() == "v1"
+    with atomic_dir(out) as tmp:
+        tmp.mkdir()
+        (tmp / "adapter.bin").write_text("v2")
+    assert [f.name for f in out.iterdir()] == ["adapter.bin"]           # the old folder's files are gone
+    assert [f.name for f in tmp_path.iterdir()] == ["export"]            # no .tmp / .old left behind

@@ -7,6 +7,7 @@ import pytest
 
 from ftis_fed.trust.attacks import LOGPROB_FLOOR, corrupt, hostile_frames, parse_kinds, wrong_answer
 from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group
+from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.trust.signing import ReplayGuard, generate_keypair, key_paths, load_key_directory, load_private_key
 
@@ -39,10 +40,13 @@ def test_hostile_frames_are_validly_signed_and_floods_use_fresh_seqs(tmp_path):
     key = load_private_key(key_paths("mallory", tmp_path).private)
     frames = hostile_frames(_batch(seq=10), key, ("inflate", "flood"), flood=5)
     assert len(frames) == 5
-    inbox = Inbox(load_key_directory(tmp_path / "public"), InboxConfig(run_id="run"), ReplayGuard())
-    accepted, rejected = inbox.accept_many(frames, expected_round=1)
-    # the signatures hold: what stops a flood must be a rule, not cryptography
-    assert len(accepted) + sum(rejected.values()) == 5
-    assert all(a.batch.sender == "mallory" for a in accepted)
-    assert sorted(a.batch.seq for a in accepted)[0] == 10
-    assert not any(r in rejected for r in ("bad_signature", "unknown_sender"))
+    keys = load_key_directory(tmp_path / "public")
+    # the signatures hold and every copy is fresh: an inbox without a per-round frame limit takes all five
+    accepted, rejected = Inbox(keys, InboxConfig(run_id="run"), ReplayGuard()).accept_many(frames, expected_round=1)
+    assert rejected == {} and [a.batch.seq for a in accepted] == [10, 11, 12, 13, 14]
+    assert all(a.batch.sender == "mallory" and np.all(a.batch.groups[0].rewards == 1.0) for a in accepted)
+    # what stops a flood is a rule, not cryptography: one frame per sender per round
+    bounds = ReceiveBounds(vocab_size=None, max_new_tokens=8, max_groups=1, max_group_size=2,
+                           max_completion_tokens=16)
+    accepted, rejected = Inbox(keys, InboxConfig(run_id="run"), ReplayGuard()).accept_many(frames, 1, bounds)
+    assert [a.batch.seq for a in accepted] == [10] and rejected == {"too_many_frames": 4}

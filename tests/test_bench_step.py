@@ -24,11 +24,19 @@ def test_ours_worker_generates_exactly_max_new_tokens():
     assert res["step_cpu_s"][0] >= res["generate_cpu_s"][0] > 0 and res["train_cpu_s"][0] > 0
 
 
-def test_cli_registers_step_with_handler():
+def test_the_command_runs_our_side_in_a_fresh_process_with_the_options_given(capsys):
+    """``ftis-fed bench step --sides ours ...``: the options reach the measured subprocess (its
+    completion tokens per step are prompts x G x max-new-tokens, checked by the bench itself)."""
     ap = argparse.ArgumentParser()
     step.add_cli(ap.add_subparsers(dest="bench"))
-    a = ap.parse_args(["step", "--threads", "1", "--sides", "ours"])
-    assert a.func is step.run_cli and a.threads == 1 and a.prompts == 8 and a.max_new_tokens == 64
+    a = ap.parse_args(["step", "--sides", "ours", "--model", "tiny-llama", "--prompts", "2", "--group-size", "2",
+                       "--max-new-tokens", "3", "--micro-batch", "2", "--repeats", "1", "--warmup", "0",
+                       "--threads", "1"])
+    assert a.func(a) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["model"] == "tiny-llama" and "trl" not in out and out["threads"] == 1
+    assert out["ours"]["completion_tokens_per_step"] == 2 * 2 * 3 and len(out["ours"]["step_s"]) == 1
+    assert out["ours_peak_rss_mb"] > 0
 
 
 @pytest.mark.slow

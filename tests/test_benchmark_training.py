@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config.federation import ParticipantSpec, federation_from_run_config
+from ftis_fed.config.federation import ParticipantSpec, federation_from_run_config, validate_run_config
 from ftis_fed.participant import Participant
 from ftis_fed.policies.config import PolicyConfig
 from ftis_fed.tasks.rewards import Verifier, is_integer_answer
@@ -76,7 +76,18 @@ def test_horizontal_benchmark_rounds_share_their_prompts():
 ])
 def test_benchmark_config_errors_name_the_key(rc, match):
     with pytest.raises(ValueError, match=match):
-        federation_from_run_config(rc)
+        federation_from_run_config(rc).check_data()
+
+
+def test_building_a_config_reads_no_file_checking_its_data_does():
+    """The constructor checks values only (a worker builds its config without touching the data);
+    ``check_data``, called where the run starts, loads what the run will read."""
+    fed = federation_from_run_config(_rc(task_source="gsm8k", gsm8k_data="/nonexistent/gsm8k", eval_every=1))
+    with pytest.raises(ValueError, match="no such file"):
+        fed.check_data()
+    with pytest.raises(ValueError, match="no such file"):
+        validate_run_config({**_rc(task_source="gsm8k", gsm8k_data="/nonexistent/gsm8k"), "p0-model": "tiny-llama",
+                             "p1-model": "tiny-llama"})
 
 
 # ----------------------------------------------------------------------------- receivers resolve ids themselves

@@ -20,7 +20,8 @@ from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.engine.validation import check_reply
 from ftis_fed.engine.core import wire_metrics
 from ftis_fed.engine.relay import text_variants, texts_differ
-from ftis_fed.engine.validation import BadReply, requested_variants
+from ftis_fed.actions import requested_variants
+from ftis_fed.engine.validation import BadReply
 from ftis_fed.metrics.writer import FEDERATION
 from ftis_fed.trust.signing import KeyDirectory, fingerprint, sign_batch, sign_challenge
 from ftis_fed.wire.codec import WireOptions, parse_header
@@ -250,7 +251,7 @@ def test_progress_lines_name_who_replied_and_who_is_still_awaited(tmp_path):
 
 
 def test_phase_summary_and_progress_line():
-    from ftis_fed.engine.core import phase_summary
+    from ftis_fed.metrics.writer import phase_summary
     from ftis_fed.engine.progress import PhaseProgress
 
     assert phase_summary("alice", {"gen/seconds": 2.0, "gen/tokens": 50.0, "train/seconds": 3.0}) == \

@@ -116,6 +116,7 @@ def test_generation_is_seeded_and_stops_at_eos(smol):
             assert eos not in c[:-1].tolist()                                    # nothing after EOS
 
 
+@pytest.mark.slow
 def test_bf16_autocast_fidelity_within_stated_tolerance():
     pol = build_policy(PolicyConfig(model="smollm2", dtype="bf16", micro_batch=4))
     sp = SAMPLINGS[0]
@@ -126,6 +127,7 @@ def test_bf16_autocast_fidelity_within_stated_tolerance():
     assert diff.mean().item() <= 0.08 and diff.max().item() <= 1.0
 
 
+@pytest.mark.slow
 def test_full_update_changes_weights_and_own_samples_are_on_policy(smol):
     sp = SAMPLINGS[0]
     rolls = smol.generate(PROMPTS, 4, sp, seed=2)
@@ -140,6 +142,7 @@ def test_full_update_changes_weights_and_own_samples_are_on_policy(smol):
     assert changed > 100
 
 
+@pytest.mark.slow
 def test_lora_trains_only_adapters_and_resumes(tmp_path):
     pol = build_policy(PolicyConfig(model="smollm2", adapter="lora", dtype="fp32", micro_batch=4, lora_r=4))
     sp = SAMPLINGS[0]
@@ -172,6 +175,7 @@ def bpe8k():
     return build_policy(PolicyConfig(model="smollm2-bpe8k", dtype="fp32", micro_batch=4))
 
 
+@pytest.mark.slow
 def test_cross_tokenizer_batches_train_at_sequence_level(smol, bpe8k):
     """A SmolLM2 batch used by the bpe8k participant (different tokenizer) and vice versa."""
     other = bpe8k

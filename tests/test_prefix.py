@@ -274,6 +274,7 @@ def test_unsupported_setups_fall_back():
     assert not supports_shared_prefix(pol.model)
 
 
+@pytest.mark.slow
 def test_smollm2_shared_prefix_equals_unshared():
     """The real model (SmolLM2-135M, fp32, chat-template prompts of different lengths), full fine-tuning;
     no top-p (random tokens would all fall outside a trained model's nucleus: -inf, no gradient)."""

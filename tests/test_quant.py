@@ -25,6 +25,7 @@ def lora_grads(pol, P, C):
             for n, p in pol.model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.slow
 def test_4bit_lora_learns_after_generating():
     pol = build_policy(PolicyConfig(model="smollm2", adapter="lora", quant="4bit", dtype="fp32", lora_r=4,
                                     lr=1e-3, micro_batch=8))
@@ -56,6 +57,7 @@ def test_4bit_lora_learns_after_generating():
 
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="the repacking trap needs a CPU with AVX512-BF16")
+@pytest.mark.slow
 def test_without_the_workaround_gradients_stop_at_every_4bit_matmul():
     """Negative control: the trap is real on this CPU, so the test above can fail.
 

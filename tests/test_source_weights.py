@@ -8,21 +8,17 @@ import math
 import numpy as np
 import pytest
 
-from ftis_fed.config.federation import federation_from_run_config
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec, federation_from_run_config
 from ftis_fed.learn.source_weights import SourceAdaptConfig, SourceAdapter, source_weight
 from ftis_fed.learn.training import TrainSample
+from ftis_fed.participant import Participant
+from ftis_fed.policies.config import PolicyConfig
+from ftis_fed.tasks.suite import TaskSpec
+from ftis_fed.trust.signing import generate_keypair
 
 
 def _s(source, adv, local=False):
     return TrainSample([1], [2, 3], np.zeros(2, np.float32), 0.0, adv, source, local)
-
-
-def _m(**kl):
-    out = {}
-    for src, v in kl.items():
-        out[f"offpolicy/{src}/kl_mean"] = v
-        out[f"offpolicy/{src}/samples"] = 8.0
-    return out
 
 
 def test_weight_is_one_on_policy_and_falls_with_kl():
@@ -36,19 +32,18 @@ def test_weight_is_one_on_policy_and_falls_with_kl():
 def test_running_mean_per_source_ignores_self_and_bad_values():
     a = SourceAdapter(SourceAdaptConfig("kl", tau=10.0, decay=0.5), receiver="me")
     assert a.weight("far") == 1.0                           # no evidence yet
-    a.observe({**_m(me=30.0, far=20.0, near=1.0), "offpolicy/rejected/bad_signature": 3.0})
+    a.observe({"me": 30.0, "far": 20.0, "near": 1.0})
     assert a.kl == {"far": 20.0, "near": 1.0}               # first observation taken as is; self ignored
-    a.observe({**_m(far=40.0), "offpolicy/near/kl_mean": float("nan")})
+    a.observe({"far": 40.0, "near": float("nan")})
     assert a.kl["far"] == pytest.approx(30.0) and a.kl["near"] == 1.0
-    a.observe({"offpolicy/near/kl_mean": 50.0, "offpolicy/near/samples": 0.0})   # no samples: no measurement
-    assert a.kl["near"] == 1.0 and a.updates == {"far": 2, "near": 1}
+    assert a.updates == {"far": 2, "near": 1}
     assert a.weight("far") == pytest.approx(math.exp(-3.0)) and a.weight("me") == 1.0
     assert a.weights()["near"] == pytest.approx(math.exp(-0.1))
 
 
 def test_apply_scales_only_peers_negative_advantages():
     a = SourceAdapter(SourceAdaptConfig("kl", tau=10.0, decay=1.0), receiver="me")
-    a.observe(_m(far=10.0))
+    a.observe({"far": 10.0})
     samples = [_s("far", -1.0), _s("far", 0.5), _s("me", -1.0, local=True), _s("other", -2.0)]
     out = a.apply(samples)
     assert [s.advantage for s in out] == pytest.approx([-math.exp(-1), 0.5, -1.0, -2.0])
@@ -61,7 +56,7 @@ def test_apply_scales_only_peers_negative_advantages():
 def test_state_round_trips_for_resume():
     cfg = SourceAdaptConfig("kl")
     a = SourceAdapter(cfg, "me")
-    a.observe(_m(far=12.0, near=0.3))
+    a.observe({"far": 12.0, "near": 0.3})
     b = SourceAdapter.from_json(cfg, "me", a.to_json())
     assert b.kl == a.kl and b.updates == a.updates and b.weights() == a.weights()
     assert a.metrics()["adapt/far/kl_ema"] == 12.0
@@ -77,3 +72,24 @@ def test_run_config_keys_and_their_errors():
         federation_from_run_config({"source-adapt-tau": 0})
     with pytest.raises(ValueError, match="source-adapt-decay=1.5"):
         federation_from_run_config({"source-adapt-decay": 1.5})
+
+
+def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):
+    """Through a real participant (tiny random models): the KL source-adapt folds in is the
+    trainer's own per-source measurement, the one its metrics report (score-zero-advantage: a random
+    model solves nothing, so every group's advantage is 0 and only then are its rows scored)."""
+    fed = FederationConfig(group_size=2, max_new_tokens=3, run_name="adapt", output_dir=str(tmp_path), eval_every=0,
+                           source_adapt=SourceAdaptConfig("kl"), task=TaskSpec(families=("add1",), prompts_per_round=2))
+    parts = []
+    for name in ("alice", "bob"):
+        generate_keypair(name, tmp_path / "keys")
+    for i, name in enumerate(("alice", "bob")):
+        spec = ParticipantSpec(name, PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3, seed=i,
+                                                  score_zero_advantage=True), i, 2,
+                               str(tmp_path / "keys"), str(tmp_path / name))
+        parts.append(Participant(spec, fed))
+    alice, bob = parts
+    alice.generate(1, False)
+    m = alice.learn(1, bob.generate(1, False)[0])
+    assert m["offpolicy/accepted"] == 1 and set(alice.trainer.source_kl) == {"bob"}
+    assert alice.adapt.kl == {"bob": max(0.0, m["offpolicy/bob/kl_mean"])} == {"bob": m["adapt/bob/kl_ema"]}

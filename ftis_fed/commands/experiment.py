@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-MODES = ("alone", "noIS", "VIS", "TIS", "F-noIS", "F-VIS", "F-TIS")
+from ftis_fed.learn.modes import MODES                 # the loss modes, in the paper's order
 REFERENCE = "F-TIS"
 METRICS = ("eval/id/accuracy", "eval/ood/accuracy")
 #: Training diagnostics the summary averages over rounds and seeds (what each method did to the peers'
@@ -446,7 +446,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
 
 def _method_order(method: str) -> tuple[int, str]:
     base = method.removesuffix("/h").partition("+")[0]
-    return (MODES.index(base) if base in MODES else len(MODES), method)
+    return (list(MODES).index(base) if base in MODES else len(MODES), method)
 
 
 def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path]:
@@ -606,7 +606,7 @@ def _stop_kept_superlink(app: Path, address: str | None) -> None:
 def add_cli(sub) -> None:
     p = sub.add_parser("grid", help="every method x seed of a preset through flwr run; resumable; summary + plots")
     p.add_argument("--preset", required=True, help="NAME of sims/presets/NAME.toml, or a .toml path")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated loss modes (default: all of {MODES})")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated loss modes (default: all of {', '.join(MODES)})")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1 (the run config's seed key)")
     p.add_argument("--groups", default="vertical", help="advantage groupings: vertical, horizontal or both")
     p.add_argument("--horizontal-modes", default="", help="modes also run horizontally (default: all)")

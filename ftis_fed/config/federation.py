@@ -5,7 +5,8 @@ default, help): ``FederationConfig`` below, ``ObjectiveConfig``, ``TaskSpec``, `
 ``PolicyConfig`` and ``ParticipantSpec``. The key tables here, the error names, the reference in
 ``docs/configuration.md`` (``python -m ftis_fed.config.federation``) and the check of ``pyproject.toml``'s
 ``[tool.flwr.app.config]`` (``tests/test_config.py``: same keys, same defaults) derive from those
-declarations. ``validate_run_config`` checks a whole run config before anything starts. Participants:
+declarations. Constructing a config does no I/O; ``validate_run_config`` checks a whole run config,
+the data it reads included (``FederationConfig.check_data``), before anything starts. Participants:
 
 - simulation: participant ``i`` (Flower partition id ``i``) reads ``p<i>-<key>`` (e.g. ``p2-quant``)
   and falls back to the run-wide ``<key>``;
@@ -32,11 +33,16 @@ from ftis_fed.config import population
 from ftis_fed.config.knobs import Knob, knob, knobs
 from ftis_fed.config.trl_names import reference_section, trl_hint
 from ftis_fed.learn.objective import MODES, ObjectiveConfig
+from ftis_fed.metrics.sinks import parse_report_to
 from ftis_fed.policies.config import PolicyConfig
+from ftis_fed.trust.attacks import parse_kinds
 from ftis_fed.trust.reverify import ReverifyConfig
+from ftis_fed.trust.signing import check_participant
 from ftis_fed.learn.source_weights import SourceAdaptConfig
+from ftis_fed.tasks.benchmarks import eval_pool
 from ftis_fed.tasks.reward_funcs import absolute_spec, parse_specs
-from ftis_fed.tasks.suite import TaskSpec
+from ftis_fed.tasks.suite import TaskSpec, eval_sets
+from ftis_fed.tasks.symbolic import require_math_verify
 
 
 @dataclass(frozen=True)
@@ -185,8 +191,6 @@ class FederationConfig:
         need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.progress_every_s >= 0, "progress_every_s", "must be >= 0 (0 = off)")
-        from ftis_fed.metrics.sinks import parse_report_to
-
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
         need(0.0 < self.fraction_train <= 1.0, "fraction_train", "must be in (0, 1]")
         need(self.min_train_participants >= 1, "min_train_participants", "must be >= 1")
@@ -197,11 +201,15 @@ class FederationConfig:
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = after the last round only)")
         self.sampling  # validates temperature / top-p / top-k / max-new-tokens
         self._resolve_horizontal()
+
+    def check_data(self) -> None:
+        """What a run reads, checked once where it starts (``validate_run_config``, called by the
+        launcher and the ServerApp) so that nothing fails mid-run: a benchmark's train file loads,
+        math-verify is installed when MATH-500 answers are compared, the held-out sets exist.
+        ValueError naming the key. (The constructor only checks values: it does no I/O.)"""
         if self.task.source != "procedural":                    # the train file must load now, not mid-run
             self.task.train_pool()
         if self.task.source == "math500" or self.task.math500_data:
-            from ftis_fed.tasks.symbolic import require_math_verify
-
             try:
                 require_math_verify()
             except ImportError as e:
@@ -257,9 +265,6 @@ class FederationConfig:
         each) when training on procedural tasks or when no other benchmark file is given; a
         benchmark not trained on whose file is given (``gsm8k``: its test file; ``math500``: all of
         it), at most ``eval-ood-size`` (0: ``eval-size``) items."""
-        from ftis_fed.tasks.benchmarks import eval_pool
-        from ftis_fed.tasks.suite import eval_sets
-
         t, n_ood = self.task, self.eval_ood_size or self.eval_size
         others = {b: path for b, path in (("gsm8k", t.gsm8k_data), ("math500", t.math500_data))
                   if path and b != t.source}
@@ -304,9 +309,6 @@ class ParticipantSpec:
     state_dir: str = knob("state-dir", help="""
         where its checkpoint (trainable weights, optimizer, counters) goes (node config; simulation:
         output-dir/participants/<participant>).""", run=False)
-    fault: str = knob("fault", "", """
-        fault injection for tests: '' or ``<raise|exit|hang>:<generate|learn|evaluate>:<round>``.""",
-        run=False, per_participant=True)
     local_budget: int = knob("local-budget", 0, "this participant's local-budget (default: the run-wide value).",
                              run=False, per_participant=True)
     peer_budget: int = knob("peer-budget", 0, "this participant's peer-budget (default: the run-wide value).",
@@ -319,14 +321,7 @@ class ParticipantSpec:
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.peer_budget < 0:
             raise ValueError(f"local-budget={self.local_budget}, peer-budget={self.peer_budget}: must be >= 0")
-        if self.fault:
-            parts = self.fault.split(":")
-            if (len(parts) != 3 or parts[0] not in ("raise", "exit", "hang")
-                    or parts[1] not in ("generate", "learn", "evaluate") or not parts[2].isdigit()):
-                raise ValueError(f"fault={self.fault!r}: must be '' or <raise|exit|hang>:<generate|learn|evaluate>:<round>")
         if self.byzantine:
-            from ftis_fed.trust.attacks import parse_kinds
-
             parse_kinds(self.byzantine)
 
 
@@ -578,7 +573,7 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
     keys_dir = str(Path(get("keys-dir", "") or fed.keys_dir or out / "keys").resolve())
     state_dir = str(Path(get("state-dir", "") or out / "participants" / name).resolve())
     return ParticipantSpec(name=name, policy=policy, partition_id=pid, num_partitions=n,
-                           keys_dir=keys_dir, state_dir=state_dir, fault=str(get("fault", "")),
+                           keys_dir=keys_dir, state_dir=state_dir,
                            byzantine=str(get("byzantine", "")),
                            local_budget=_coerce(get("local-budget", fed.local_budget), 0, named("local-budget")),
                            peer_budget=_coerce(get("peer-budget", fed.peer_budget), 0, named("peer-budget")))
@@ -641,7 +636,8 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
                         explicit: Collection[str] = ()) -> FederationConfig:
     """The whole run configuration checked before anything starts (launcher and ServerApp): every key
     declared, every value within its limits, every simulated participant's spec built and its model
-    resolvable offline. Raises ValueError with one line naming the key, the value and the limit.
+    resolvable offline, the data it reads loaded (``FederationConfig.check_data``). Raises ValueError with
+    one line naming the key, the value and the limit.
 
     ``check_models``: None = only in simulation (``keys-dir`` = ''), where participants' models are
     loaded on this machine; in deployment each SuperNode names its own model. ``explicit``: the keys
@@ -670,8 +666,6 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
     if simulation and fed.min_participants > len(names):
         raise ValueError(f"min-participants={fed.min_participants}: more than the {len(names)} participants "
                          f"declared (p0-model ... p{len(names) - 1}-model)")
-    from ftis_fed.trust.signing import check_participant
-
     seen: dict[str, int] = {}
     for i, name in enumerate(names):
         try:
@@ -692,6 +686,7 @@ def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | N
                              f"max-new-tokens / eval-max-new-tokens ({longest}): the prompt and the completion must fit")
     if simulation:
         fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
+    fed.check_data()
     return fed
 
 
@@ -746,6 +741,12 @@ def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]
             elif k == "task-rewards" and cfg[k]:
                 cfg[k] = ",".join(absolute_spec(s) for s in parse_specs(str(cfg[k])))
     return rc, nc
+
+
+def spec_from_jsonable(data: Mapping[str, Any]) -> ParticipantSpec:
+    """A resolved participant spec back from ``to_jsonable(spec)`` (the ClientApp hands it to the
+    participant's worker process, which does not resolve it again)."""
+    return ParticipantSpec(**{**data, "policy": PolicyConfig(**data["policy"])})
 
 
 def to_jsonable(obj: Any) -> Any:

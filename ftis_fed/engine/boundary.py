@@ -13,8 +13,9 @@ import inspect
 import logging
 from typing import Callable, Mapping
 
+from ftis_fed.actions import requested_variants
 from ftis_fed.engine.transport import Address, Delivered, Failure, Transport
-from ftis_fed.engine.validation import BadReply, Reply, ReplyLimits, check_reply, requested_variants
+from ftis_fed.engine.validation import BadReply, Reply, ReplyLimits, check_reply
 
 log = logging.getLogger("ftis_fed.engine")
 

@@ -46,14 +46,14 @@ from ftis_fed.tasks.identity import signed_run_id
 from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.trust.receive import resolve_task, run_tasks
-from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, summarize_sources
+from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, phase_summary, summarize_sources
 from ftis_fed.metrics.sinks import open_sinks, parse_report_to
 from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_run_id, verify_challenge, verify_frame
 from ftis_fed.wire.codec import parse_header
 from ftis_fed.engine.boundary import Boundary
 from ftis_fed.engine.membership import Membership
 from ftis_fed.engine.metric_names import MetricNames
-from ftis_fed.engine.progress import PhaseProgress, name_list, phase_summary, spread
+from ftis_fed.engine.progress import PhaseProgress, name_list, spread
 from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
                     texts_differ)
 from ftis_fed.engine.sampling import peer_plan, reach
@@ -436,9 +436,9 @@ class Engine:
                                          self.budgets.get(name, self.fed.peer_budget), rotation=rnd + i)
             out, tally = [], {False: [0, 0], True: [0, 0]}
             for f in chosen:
-                frame = f.for_receiver(self._needs_texts(name, f.sender))
+                frame, has_texts = f.for_receiver(self._needs_texts(name, f.sender))
                 out.append(frame)
-                t = tally[parse_header(frame).has_texts]
+                t = tally[has_texts]
                 t[0] += len(frame)
                 t[1] += f.tokens
             for variant, (nbytes, ntok) in tally.items():
@@ -512,10 +512,8 @@ class Engine:
                 except Exception as e:                          # noqa: BLE001 - never let a frame end the run
                     self._refused_frame(name, rnd, stats, e)
                     continue
-                h = parse_header(frame)
                 with_texts = self._verify_texts_variant(texts_variant, acc.batch, rnd, stats) if texts_variant else None
-                out.append(VerifiedFrame(acc.batch.sender, rnd, h.n_completions, h.n_completion_tokens, frame,
-                                         with_texts))
+                out.append(VerifiedFrame(acc.header, frame, with_texts))
         stats.fed["fed/quarantined"] = float(len(self.inbox.quarantined))
         return out
 
@@ -632,10 +630,9 @@ class Engine:
         self.guard = ReplayGuard.from_json(state["guard"])
         self.run_id = str(state.get("run_id") or self.fed.run_name)     # a state saved before run ids had nonces
         self.inbox = Inbox(self.keys, dataclasses.replace(self.inbox.config, run_id=self.run_id), self.guard)
-        self.pending = [VerifiedFrame(p["sender"], p["round"], p["completions"], p["tokens"],
-                                      base64.b64decode(p["frame"]),
-                                      base64.b64decode(p["frame_texts"]) if p.get("frame_texts") else None)
-                        for p in state["pending"]]
+        frames = [(base64.b64decode(p["frame"]), base64.b64decode(p["frame_texts"]) if p.get("frame_texts") else None)
+                  for p in state["pending"]]
+        self.pending = [VerifiedFrame(parse_header(f, self.inbox.config.limits), f, t) for f, t in frames]
         self.completed_round = int(state["completed_round"])
         self.start_round = self.completed_round + 1
         self.log(INFO, "resume: round %d done, continuing at round %d", self.start_round - 1, self.start_round)

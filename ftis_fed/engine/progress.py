@@ -36,18 +36,6 @@ def spread(values: Mapping[str, float], fmt: str = "{:.3f}") -> str:
     return (f"mean {fmt.format(mean)} [min {fmt.format(lo[0])} {lo[1]}, max {fmt.format(hi[0])} {hi[1]}]")
 
 
-def phase_summary(name: str, m: Mapping[str, float]) -> str:
-    """``alice generate 14.2 s 240 tokens 16.9 tok/s, train 41.0 s`` from a reply's metrics."""
-    out = [name]
-    if "gen/seconds" in m:
-        tok = m.get("gen/tokens", 0.0)
-        rate = f" {tok / m['gen/seconds']:.1f} tok/s" if m["gen/seconds"] > 0 and tok else ""
-        out.append(f"generate {m['gen/seconds']:.1f} s {tok:.0f} tokens{rate}")
-    if "train/seconds" in m:
-        out.append(f"train {m['train/seconds']:.1f} s")
-    return " ".join(out[:1]) + (" " + ", ".join(out[1:]) if len(out) > 1 else "")
-
-
 class PhaseProgress:
     def __init__(self, label: str, names: Mapping[Hashable, str], log: Callable[..., None], every_s: float,
                  clock: Callable[[], float] = time.monotonic, tracked: bool = True):

@@ -8,22 +8,30 @@ from typing import Sequence
 import numpy as np
 
 from ftis_fed.wire.batch import CompletionBatch
+from ftis_fed.wire.codec import WireHeader
 
 
 @dataclass(frozen=True)
 class VerifiedFrame:
-    """A signed batch the server has verified: who signed it, for which round, how big."""
+    """A signed batch the server has verified, with its header as parsed then (who signed it, for
+    which round, how big): nothing downstream parses the frame again."""
 
-    sender: str
-    round: int
-    completions: int
-    tokens: int
+    header: WireHeader
     frame: bytes
     frame_texts: bytes | None = None    # the same batch signed with its texts (for other tokenizers)
 
-    def for_receiver(self, texts: bool) -> bytes:
-        """The variant a receiver gets: with texts when it needs them and the sender made one."""
-        return self.frame_texts if texts and self.frame_texts is not None else self.frame
+    # who signed it, for which round, how many completions and completion tokens: read from the header
+    sender = property(lambda self: self.header.sender)
+    round = property(lambda self: self.header.round)
+    completions = property(lambda self: self.header.n_completions)
+    tokens = property(lambda self: self.header.n_completion_tokens)
+
+    def for_receiver(self, texts: bool) -> tuple[bytes, bool]:
+        """(the variant a receiver gets, whether it carries texts): with texts when it needs them
+        and the sender made one."""
+        if texts and self.frame_texts is not None:
+            return self.frame_texts, True
+        return self.frame, self.header.has_texts
 
 
 def select_for_receiver(frames: Sequence[VerifiedFrame], receiver: str, budget: int, rotation: int) -> list[VerifiedFrame]:

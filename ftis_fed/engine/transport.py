@@ -13,24 +13,14 @@ engine looks at it. A transport never raises for one participant's sake: an erro
 missing reply or one after the deadline is a :class:`Failure` with a short reason.
 
 Actions, one name end to end (engine -> transport -> participant entry point
-``Participant.handle(action, request)``): see :data:`ACTIONS`.
+``Participant.handle(action, request)``), with their request and reply fields and Flower message
+types: the action table, :data:`ftis_fed.actions.ACTIONS`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Hashable, Mapping, Protocol
-
-#: action -> (what the request carries, what the reply must carry)
-ACTIONS: dict[str, tuple[str, str]] = {
-    "hello": ("run, node, challenge", "info (participant, key_fp, model_id, tokenizer_fp, proof, ...)"),
-    "generate": ("round, texts (bool, or [False, True]: both variants)",
-                 "frames (this round's signed frame, one per variant), metrics"),
-    "learn": ("round, frames (peers' frames of the round)", "metrics"),
-    "exchange": ("round, texts, frames (peers' frames of the previous round)", "frames, metrics"),
-    "evaluate": ("round", "metrics"),
-    "finish": ("-", "info"),
-}
 
 Address = Hashable
 

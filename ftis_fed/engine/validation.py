@@ -29,18 +29,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ftis_fed.actions import ACTIONS
 from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError
 from ftis_fed.wire.codec import FLAG_TEXTS, WireHeader, WireLimits, parse_header
-
-#: fields every reply of an action carries: exactly these, no more
-REPLY_FIELDS: dict[str, frozenset[str]] = {
-    "hello": frozenset({"info"}),
-    "generate": frozenset({"frames", "metrics"}),
-    "learn": frozenset({"metrics"}),
-    "exchange": frozenset({"frames", "metrics"}),
-    "evaluate": frozenset({"metrics"}),
-    "finish": frozenset({"info"}),
-}
 
 #: hello info fields the server needs, with their types
 HELLO_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -97,22 +88,16 @@ class Reply:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def requested_variants(request: Mapping[str, Any] | None) -> tuple[bool, ...]:
-    """The frame variants a generate/exchange request asks for: its ``texts`` as a tuple (a single
-    bool = one variant; a list = one frame per entry, in order)."""
-    t = (request or {}).get("texts", ())
-    return tuple(bool(x) for x in t) if isinstance(t, (list, tuple)) else (bool(t),)
-
-
 def check_reply(action: str, content: Any, limits: ReplyLimits = ReplyLimits(),
                 variants: tuple[bool, ...] = ()) -> Reply:
     """The raw reply of ``action`` -> :class:`Reply`, or :class:`BadReply`. ``variants``: the frame
-    variants the request asked for (``requested_variants``); two or more allow one frame each."""
-    if action not in REPLY_FIELDS:
+    variants the request asked for (``ftis_fed.actions.requested_variants``); two or more allow one
+    frame each. The fields an action's reply carries are its row of ``ftis_fed.actions.ACTIONS``."""
+    if action not in ACTIONS:
         raise BadReply("internal_error", f"no reply rules for action {action!r}")
     if not isinstance(content, Mapping):
         raise BadReply("wrong_type", f"{action} reply: expected a mapping of fields, got {type(content).__name__}")
-    want, got = REPLY_FIELDS[action], set(content)
+    want, got = set(ACTIONS[action].reply), set(content)
     if want - got:
         raise BadReply("missing_record", f"{action} reply lacks {sorted(want - got)} (has {sorted(got)})")
     if got - want:

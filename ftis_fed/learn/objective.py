@@ -7,7 +7,7 @@
     A'_i  = A_i if A_i > 0 or KL_i < g else 0                the filter ("F")
     KL_i  = estimate of KL(pi_gen || pi_theta) from the sampled tokens' log-ratios (default sum of k1)
 
-Each named mode is an importance-weight rule plus a filter switch (``MODES``):
+Each named mode is an importance-weight rule plus a filter switch (``MODES``, ``learn/modes.py``):
 
     alone   own samples only, w = 1 (on-policy GRPO)   noIS / F-noIS   w = 1
     VIS / F-VIS   R = pi_theta / pi_gen inside the clip  TIS / F-TIS     w = min(ratio, C)
@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from ftis_fed.config.knobs import knob
+from ftis_fed.learn.modes import MODES
 
 Tensor = torch.Tensor
 
@@ -213,24 +214,6 @@ def _truncated_is(logp: Tensor, logp_old: Tensor, log_ratio_gen: Tensor, c: floa
 def _vanilla_is(logp: Tensor, logp_old: Tensor, log_ratio_gen: Tensor, c: float) -> tuple[Tensor, Tensor]:
     """w = 1; R = pi_theta / pi_gen (with gradient) inside the PPO clip."""
     return torch.ones_like(logp), log_ratio_gen
-
-
-@dataclass(frozen=True)
-class Mode:
-    weight: str        # key of IMPORTANCE_WEIGHTS
-    filtered: bool     # apply the F filter
-    local_only: bool   # drop peers' samples (Alone)
-
-
-MODES: dict[str, Mode] = {
-    "alone": Mode("none", filtered=False, local_only=True),
-    "noIS": Mode("none", filtered=False, local_only=False),
-    "VIS": Mode("vis", filtered=False, local_only=False),
-    "TIS": Mode("tis", filtered=False, local_only=False),
-    "F-noIS": Mode("none", filtered=True, local_only=False),
-    "F-VIS": Mode("vis", filtered=True, local_only=False),
-    "F-TIS": Mode("tis", filtered=True, local_only=False),
-}
 
 
 def cap_row_mean(w: Tensor, mask: Tensor, cap: float) -> Tensor:

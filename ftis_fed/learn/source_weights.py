@@ -11,7 +11,7 @@ that is usually far (a smaller or differently trained model).
 The rule (``source-adapt = "kl"``). Each receiver keeps, per peer source s, an exponential moving
 average m_s of that source's mean sample KL (the filter's estimator, KL_i between the generator and
 the receiver's current policy, as the receiver measured it in its last updates:
-``offpolicy/<s>/kl_mean`` of ``ftis_step``'s metrics):
+``Trainer.source_kl``, reported as ``offpolicy/<s>/kl_mean``):
 
     m_s <- (1 - decay) * m_s + decay * max(0, kl_mean_s)        (first observation: m_s = kl_mean_s)
     w_s  = exp(-m_s / tau)                                        (1 before any observation)
@@ -24,7 +24,7 @@ signal, one 10 nats away 37 %, one near g almost none. ``off`` (default) leaves 
 paper has it. It acts on advantages *after* group normalisation (so group statistics are the
 paper's), and uses only what the receiver measured itself: a peer cannot raise its own weight.
 
-Pure: ``SourceAdapter`` holds the state; ``observe(metrics)`` folds in one update's measurements,
+Pure: ``SourceAdapter`` holds the state; ``observe(kl_means)`` folds in one update's measurements,
 ``weights()`` gives w_s, ``apply(samples)`` returns re-weighted samples, and ``to_json`` /
 ``from_json`` carry it across a resume.
 """
@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 
 from ftis_fed.config.knobs import knob
 
-MODES = ("off", "kl")
+SOURCE_ADAPT_MODES = ("off", "kl")
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class SourceAdaptConfig:
         in (0, 1]; weight of the newest update's measurement in m_s (1 = only the last update counts).""")
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"source-adapt={self.mode!r}: must be one of {', '.join(MODES)}")
+        if self.mode not in SOURCE_ADAPT_MODES:
+            raise ValueError(f"source-adapt={self.mode!r}: must be one of {', '.join(SOURCE_ADAPT_MODES)}")
         if not (self.tau > 0 and math.isfinite(self.tau)):
             raise ValueError(f"source-adapt-tau={self.tau}: must be a finite number > 0")
         if not 0 < self.decay <= 1:
@@ -76,20 +76,13 @@ class SourceAdapter:
     kl: dict[str, float] = field(default_factory=dict)        # source -> running mean sample KL
     updates: dict[str, int] = field(default_factory=dict)     # source -> updates observed
 
-    def observe(self, metrics: Mapping[str, float]) -> None:
-        """Fold in one update's ``offpolicy/<source>/kl_mean`` (the receiver's own measurement); the
-        receiver itself, sources without samples and non-finite values are ignored."""
-        for key, value in metrics.items():
-            if not (key.startswith("offpolicy/") and key.endswith("/kl_mean")):
-                continue
-            source = key[len("offpolicy/"):-len("/kl_mean")]
-            if source == self.receiver or metrics.get(f"offpolicy/{source}/samples", 1.0) <= 0:
-                continue
-            try:
-                v = float(value)
-            except (TypeError, ValueError):
-                continue
-            if not math.isfinite(v):
+    def observe(self, kl_means: Mapping[str, float]) -> None:
+        """Fold in one update's mean sample KL per peer source (the receiver's own measurement,
+        ``Trainer.source_kl``: only sources that had samples); the receiver itself and non-finite
+        values are ignored."""
+        for source, value in kl_means.items():
+            v = float(value)
+            if source == self.receiver or not math.isfinite(v):
                 continue
             v = max(0.0, v)
             old = self.kl.get(source)

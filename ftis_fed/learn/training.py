@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
+from ftis_fed.atomic import atomic_path
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.learn.objective import (LOGP_GEN_FLOOR, LossInputs, ObjectiveConfig, compute_advantages, count_denominators,
                         ftis_loss, merge_stats, finalize_stats, MODES)
@@ -336,10 +336,12 @@ class Trainer:
         self.params = list(policy.trainable_parameters())
         self.optimizer = make_optimizer(self.params, self.cfg)
         self.steps = 0
+        self.source_kl: dict[str, float] = {}      # the last step's mean sample KL per peer source with samples
 
     def step(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> dict[str, float]:
         """One F-TIS optimizer step on ``samples``; ``sampling`` defines pi_theta's distribution.
-        Returns the metrics of ``ftis_step`` and ``advantage_group_metrics``."""
+        Returns the metrics of ``ftis_step`` and ``advantage_group_metrics``; ``source_kl`` then holds
+        each peer source's mean sample KL of this step (what ``source-adapt`` adapts to)."""
         pol = self.policy
         pol.train_mode(True)
         try:
@@ -351,17 +353,16 @@ class Trainer:
             pol.train_mode(False)
         self.steps += 1
         pol.weights_changed()
+        peers = dict.fromkeys(s.source for s in samples if not s.local)
+        self.source_kl = {p: metrics[f"offpolicy/{p}/kl_mean"] for p in peers if f"offpolicy/{p}/kl_mean" in metrics}
         metrics.update(advantage_group_metrics(samples, self.objective))
         return metrics
 
     def save(self, path: str | os.PathLike) -> None:
         """Trainable parameters + optimizer state + step count (resume), written atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
-                    "steps": self.steps, "model_id": self.policy.model_id}, tmp)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            torch.save({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                        "steps": self.steps, "model_id": self.policy.model_id}, tmp)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore what ``save`` wrote (the backend's weights first, then the optimizer)."""

@@ -57,6 +57,18 @@ def summarize_sources(metrics: dict[str, float], self_name: str) -> dict[str, fl
     return out
 
 
+def phase_summary(name: str, m: dict[str, float]) -> str:
+    """``alice generate 14.2 s 240 tokens 16.9 tok/s, train 41.0 s`` from a reply's metrics."""
+    out = [name]
+    if "gen/seconds" in m:
+        tok = m.get("gen/tokens", 0.0)
+        rate = f" {tok / m['gen/seconds']:.1f} tok/s" if m["gen/seconds"] > 0 and tok else ""
+        out.append(f"generate {m['gen/seconds']:.1f} s {tok:.0f} tokens{rate}")
+    if "train/seconds" in m:
+        out.append(f"train {m['train/seconds']:.1f} s")
+    return " ".join(out[:1]) + (" " + ", ".join(out[1:]) if len(out) > 1 else "")
+
+
 class MetricsWriter:
     """Rows of one run in ``out_dir``. ``append=False`` (a fresh run, no resume): metrics files
     left there by an earlier run are moved aside to ``metrics.<UTC time>.jsonl`` / ``.csv`` first,

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from ftis_fed.atomic import atomic_dir
 from ftis_fed.wire.batch import SamplingParams
 import ftis_fed.policies.quant as quantization
 from ftis_fed.policies.base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
@@ -388,27 +389,17 @@ class HFPolicy(Policy):
         written next to it, then renamed): for LoRA (and 4-bit/8-bit QLoRA) the peft adapter folder
         (``adapter_config.json`` names the base model folder), otherwise the full model folder in its
         weights dtype; both with the tokenizer and the model's own generation_config.json."""
-        import shutil
-
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         lm = unwrap_causal_lm(self.model)
-        neutral, lm.generation_config = lm.generation_config, self.hub_generation_config
-        try:
-            self.model.save_pretrained(tmp)
-            if self.cfg.adapter == "lora":
-                self.hub_generation_config.save_pretrained(tmp)
-        finally:
-            lm.generation_config = neutral
-        self.tokenizer.save_pretrained(tmp)
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.replace(old)
-        tmp.replace(path)
-        shutil.rmtree(old, ignore_errors=True)
-        return path
+        with atomic_dir(path) as tmp:
+            neutral, lm.generation_config = lm.generation_config, self.hub_generation_config
+            try:
+                self.model.save_pretrained(tmp)
+                if self.cfg.adapter == "lora":
+                    self.hub_generation_config.save_pretrained(tmp)
+            finally:
+                lm.generation_config = neutral
+            self.tokenizer.save_pretrained(tmp)
+        return Path(path)
 
     # ------------------------------------------------------------------ training hooks / state
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -28,6 +28,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from ftis_fed.atomic import atomic_dir
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -115,12 +117,8 @@ def resolve_model(name: str) -> str:
             return str(out)
         with file_lock(cache_root() / "locks" / f"{name}.lock"):
             if not (out / "config.json").exists():
-                tmp = out.with_name(out.name + ".partial")
-                if tmp.exists():
-                    import shutil
-                    shutil.rmtree(tmp)
-                OFFLINE_MODELS[name](tmp)
-                tmp.rename(out)
+                with atomic_dir(out) as tmp:
+                    OFFLINE_MODELS[name](tmp)
         return str(out)
     if Path(name).expanduser().exists():
         return str(Path(name).expanduser())

@@ -83,7 +83,8 @@ class InboxConfig:
 class Accepted:
     """A verified, decoded, valid batch.
 
-    frame: the exact signed bytes (what a server relays on, unchanged).
+    frame: the exact signed bytes (what a server relays on, unchanged); header: its header, parsed
+        once here (so the server need not parse it again).
     token_level: True when the receiver can score the sender's token ids (same tokenizer, or no
         receiver tokenizer given); False means sequence level only (re-tokenize the texts).
     """
@@ -91,6 +92,7 @@ class Accepted:
     batch: CompletionBatch
     frame: bytes
     token_level: bool
+    header: WireHeader
 
     @property
     def sender(self) -> str:
@@ -195,7 +197,7 @@ class Inbox:
         token_level = token_level_usable(batch, cfg.tokenizer_fp)
         if token_level and bounds is not None and bounds.vocab_size is not None:
             check_vocab(batch, bounds.vocab_size)
-        return Accepted(batch=batch, frame=frame, token_level=token_level)
+        return Accepted(batch=batch, frame=frame, token_level=token_level, header=h)
 
     def decode_checked(self, h: WireHeader, body: bytes, bounds: ReceiveBounds | None) -> CompletionBatch:
         """A signed frame's (header, body) -> its batch, checked against ``bounds`` (and the senders'

@@ -36,14 +36,14 @@ from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, PromptGro
 from ftis_fed.config.knobs import knob
 from ftis_fed.tasks.rewards import Verifier
 
-ACTIONS = ("replace", "downweight", "drop", "off")
+REVERIFY_ACTIONS = ("replace", "downweight", "drop", "off")
 
 
 @dataclass(frozen=True)
 class ReverifyConfig:
     """How a receiver treats claimed rewards; each field is a Flower run-config key (``knob``)."""
 
-    action: str = knob("reverify-action", "replace", "one of ``ACTIONS``: replace, downweight, drop, off.")
+    action: str = knob("reverify-action", "replace", "one of ``REVERIFY_ACTIONS``: replace, downweight, drop, off.")
     tol: float = knob("reverify-tol", 1e-4,
                       "a claim disagrees when it differs from the recomputed reward by more, >= 0.")
     max_disagreement: float = knob("reverify-max-disagreement", 0.0, """
@@ -60,8 +60,8 @@ class ReverifyConfig:
         refused for its content), >= 0 (0: never quarantine).""")
 
     def __post_init__(self) -> None:
-        if self.action not in ACTIONS:
-            raise ValueError(f"reverify.action={self.action!r}: must be one of {ACTIONS}")
+        if self.action not in REVERIFY_ACTIONS:
+            raise ValueError(f"reverify.action={self.action!r}: must be one of {REVERIFY_ACTIONS}")
         if not (math.isfinite(self.tol) and self.tol >= 0):
             raise ValueError(f"reverify.tol={self.tol!r}: must be finite and >= 0")
         if not 0.0 <= self.max_disagreement < 1.0:

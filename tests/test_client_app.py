@@ -10,7 +10,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 import clients.client_app as client_app
 from ftis_fed.engine.validation import check_reply
-from ftis_fed.flower_io import action_of, content_to_reply, message_type, request_to_content
+from ftis_fed.actions import action_of, message_type
+from ftis_fed.flower_io import content_to_reply, request_to_content
 
 SIM = {"partition-id": 0, "num-partitions": 2}
 DEPLOY = {"participant": "alice", "model": "smollm2"}
@@ -67,3 +68,16 @@ def test_finish_does_not_start_a_worker_to_stop_it(worker_calls, monkeypatch, tm
 def test_message_types_that_carry_no_action_are_refused():
     with pytest.raises(ValueError):
         action_of("train.unknown")
+
+
+def test_the_run_config_is_parsed_once_per_process_and_node(worker_calls, monkeypatch, tmp_path):
+    """Flower calls the ClientApp for every message; the run config is parsed on the first one only."""
+    monkeypatch.setenv("FTIS_FED_RUNTIME", str(tmp_path))
+    parses = []
+    real = client_app.federation_from_run_config
+    monkeypatch.setattr(client_app, "federation_from_run_config", lambda rc: parses.append(1) or real(rc))
+    for node in (7, 7, 7, 8):
+        msg = Message(request_to_content({}), node, message_type("finish"))
+        ctx = Context(run_id=99, node_id=node, node_config=DEPLOY, state=RecordDict(), run_config={})
+        assert content_to_reply(client_app.app(msg, ctx).content) == {"info": {"stopped": False}}
+    assert len(parses) == 2                                               # node 7 once, node 8 once

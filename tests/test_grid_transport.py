@@ -1,0 +1,137 @@
+"""``strategies.grid_transport.GridTransport`` against a fake Flower Grid: one message per node of the
+action's type, pushed at once and pulled until every reply is in or the deadline passes; error
+replies, missing replies, replies to other messages and unreadable replies become a ``Failure`` for
+that node only; good replies come back unchecked as ``Delivered``. Real Flower messages and records;
+a fake clock, so the deadline is exact."""
+
+from __future__ import annotations
+
+import pytest
+from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from ftis_fed.engine.transport import Delivered, Failure
+from ftis_fed.flower_io import content_to_request, reply_to_content
+import strategies.grid_transport as gt
+from strategies.grid_transport import GridTransport
+
+
+@pytest.fixture(autouse=True)
+def _identity(monkeypatch):
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+class FakeGrid:
+    """Nodes answer through ``behaviour[node](msg) -> (pulls to wait, reply Message) | None``; every
+    pull advances the shared fake clock by ``tick`` seconds (the transport's sleep is patched out)."""
+
+    def __init__(self, behaviour, clock, tick: float = 1.0):
+        self.behaviour, self.clock, self.tick = behaviour, clock, tick
+        self.pushed: list[Message] = []
+        self.queue: list[list] = []                     # [pulls left, reply]
+        self.pulls = 0
+
+    def get_node_ids(self):
+        return list(self.behaviour)
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = f"m{len(self.pushed)}"   # as the SuperLink does
+            self.pushed.append(m)
+            ids.append(m.metadata.message_id)
+            got = self.behaviour[m.metadata.dst_node_id](m)
+            if got is not None:
+                self.queue.append(list(got))
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        self.clock[0] += self.tick
+        ready = [item for item in self.queue if item[0] <= 0 and item[1].metadata.reply_to_message_id in message_ids]
+        for item in self.queue:
+            item[0] -= 1
+        self.queue = [item for item in self.queue if item not in ready]
+        return [reply for _, reply in ready]
+
+
+def transport(behaviour, tick: float = 1.0):
+    clock = [0.0]
+    grid = FakeGrid(behaviour, clock, tick)
+    t = GridTransport(grid, clock=lambda: clock[0], poll_s=0.0)
+    return t, grid
+
+
+def answer(reply: dict, after: int = 0):
+    return lambda msg: (after, Message(reply_to_content(reply), reply_to=msg))
+
+
+METRICS = {"metrics": {"train/loss": 0.5}}
+
+
+def test_one_message_per_node_of_the_actions_type_and_the_replies_unchecked():
+    t, grid = transport({1: answer({"frames": [b"f1"], "metrics": {"m": 1.0}}),
+                         2: answer({"frames": [b"f2", b"f3"], "metrics": {}}, after=2)})
+    assert t.addresses() == [1, 2]
+    out = t.send("generate", {1: {"round": 3, "texts": False}, 2: {"round": 3, "texts": [False, True]}}, timeout=10)
+    assert [m.metadata.message_type for m in grid.pushed] == ["query.generate"] * 2
+    assert [m.metadata.dst_node_id for m in grid.pushed] == [1, 2]
+    assert {m.metadata.group_id for m in grid.pushed} == {"3-generate"}
+    assert content_to_request(grid.pushed[1].content) == {"round": 3, "texts": [False, True]}
+    assert out[1] == Delivered(1, {"frames": [b"f1"], "metrics": {"m": 1.0}})
+    assert out[2] == Delivered(2, {"frames": [b"f2", b"f3"], "metrics": {}})   # two frames: for the boundary
+    assert grid.pulls == 3                                                     # until the slowest was in
+
+
+def test_frames_travel_in_the_batches_record():
+    t, grid = transport({5: answer(METRICS)})
+    t.send("learn", {5: {"round": 1, "texts": False, "frames": [b"a", b"b"]}}, timeout=5)
+    msg = grid.pushed[0]
+    assert msg.metadata.message_type == "train"
+    assert content_to_request(msg.content)["frames"] == [b"a", b"b"]
+
+
+def test_error_missing_and_late_replies_are_failures_of_their_node_only():
+    def error(msg):
+        return 0, Message(Error(code=3, reason="worker raised ValueError"), reply_to=msg)
+
+    t, grid = transport({1: answer(METRICS), 2: error, 3: lambda msg: None, 4: answer(METRICS, after=50)})
+    replies = []
+    out = t.send("evaluate", {n: {"round": 2} for n in (1, 2, 3, 4)}, timeout=5, on_reply=replies.append)
+    assert isinstance(out[1], Delivered) and out[1].content == METRICS
+    assert out[2] == Failure("error", "error 3: worker raised ValueError")
+    assert out[3].reason == "timeout" and out[4].reason == "timeout"
+    assert out[3].detail == "no reply within 5 s"
+    assert sorted(replies) == [1, 2]                     # progress: the replies that arrived
+    assert grid.pulls == 5                               # the deadline, not the slow node, ended the wait
+
+
+def test_a_reply_to_another_message_is_ignored_and_an_unreadable_one_is_a_failure(monkeypatch):
+    stray = Message(RecordDict({"info": ConfigRecord({"x": 1})}), 9, "query.hello")
+    stray.metadata.__dict__["_message_id"] = "other"
+
+    def misdirected(msg):
+        return 0, Message(RecordDict(), reply_to=stray)            # replies to a message we did not send
+
+    t, _ = transport({1: misdirected, 2: answer(METRICS)})
+    out = t.send("learn", {1: {"round": 1, "frames": []}, 2: {"round": 1, "frames": []}}, timeout=3)
+    assert out[1].reason == "timeout" and isinstance(out[2], Delivered)
+
+    def broken(content):
+        raise KeyError("frames")
+
+    monkeypatch.setattr(gt, "content_to_reply", broken)
+    t, _ = transport({1: answer(METRICS)})
+    got = t.send("evaluate", {1: {"round": 1}}, timeout=3)[1]
+    assert got.reason == "internal_error" and "KeyError" in got.detail
+
+
+def test_a_failing_progress_callback_does_not_lose_the_reply():
+    t, _ = transport({1: answer(METRICS)})
+
+    def boom(node):
+        raise RuntimeError("progress line broke")
+
+    assert isinstance(t.send("evaluate", {1: {"round": 1}}, timeout=3, on_reply=boom)[1], Delivered)
