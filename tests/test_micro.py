@@ -80,6 +80,11 @@ def test_tiny_build_loads_generates_scores_and_shares_prefixes(tiny_models):
     for name, folder in tiny_models.items():
         pol = build_policy(PolicyConfig(model=str(folder), micro_batch=4))
         assert pol._shares_prefills()                                   # llama and qwen2: prefix.MODEL_TYPES
+        # the policy tokenizes exactly as the warm-up did (transformers would give qwen2 a Qwen2Tokenizer)
+        built = micro.build_tokenizer("bpe" if "bpe" in name else "char")
+        assert pol.tokenizer.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+        assert pol.format_prompt(PROMPTS[0].text) == built.apply_chat_template(
+            [{"role": "user", "content": PROMPTS[0].text}], add_generation_prompt=True, tokenize=True, return_dict=False)
         rolls = pol.generate(PROMPTS, 3, SP, seed=1)
         assert [len(r.completion_ids) for r in rolls] == [3, 3]
         assert all(0 < len(c) <= SP.max_new_tokens for r in rolls for c in r.completion_ids)
