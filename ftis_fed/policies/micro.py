@@ -261,7 +261,7 @@ MICRO_MODELS: dict[str, MicroSpec] = {
     "micro-llama-s-sub": MicroSpec("llama", "bpe", **_SMALL, families=("sub30",), steps=400, lr=3e-3, batch=64),
     "micro-llama-l": MicroSpec("llama", "bpe", **_LARGE, families=_BOTH, steps=250, lr=1e-3, batch=64),
     "micro-qwen-m": MicroSpec("qwen2", "bpe", **_MEDIUM, families=_BOTH, steps=400, lr=2e-3, batch=64),
-    "micro-qwen-s-char": MicroSpec("qwen2", "char", **_SMALL, families=("sub30",), steps=450, lr=3e-3, batch=64),
+    "micro-qwen-s-char": MicroSpec("qwen2", "char", **_SMALL, families=("sub30",), steps=600, lr=3e-3, batch=64),
 }
 
 for _name, _spec in MICRO_MODELS.items():
