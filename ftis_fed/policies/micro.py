@@ -29,7 +29,7 @@ with pad / EOS tokens and a chat template (``CHAT_TEMPLATE``: ``<|user|>question
 <|end|>``, what ``Policy.format_prompt`` applies):
 
 - ``char``: byte-level, no merges: one token per byte (per character for the task's ASCII text),
-  262 tokens; any text a peer sends re-tokenizes without loss.
+  261 tokens; any text a peer sends re-tokenizes without loss.
 - ``bpe``: byte-level BPE trained here with ``tokenizers`` on train-split task text (digits kept
   one per token, as Llama and Qwen tokenizers do), up to ``BPE_VOCAB`` tokens. The two
   tokenizers' fingerprints differ, so batches between a ``char`` and a ``bpe`` model are
