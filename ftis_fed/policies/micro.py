@@ -7,7 +7,8 @@ split of some task families (``tasks.suite.task_at(..., "train", ...)``; the hel
 seen) that brings it to a non-trivial, not perfect, greedy accuracy. Generation and a GRPO update
 take milliseconds, so a research cell can run 50+ updates per participant on this CPU.
 
-Names (``MICRO_MODELS``; measured sizes and accuracies in docs/models.md):
+Names (``MICRO_MODELS``; measured sizes, accuracies and round times in docs/models.md, recomputed by
+``ftis-fed bench micro --n 64 --round-time``):
 
 =======================  ======  =========  ============  ===========  =================================
 name                     arch    tokenizer  size          warm-up on   role
