@@ -51,6 +51,23 @@ def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
     return round >= num_rounds or (every > 0 and round % every == 0)
 
 
+#: Per-prompt results of every evaluation, in the participant's state folder (gzip members, one
+#: JSON line per evaluation and set): what ``ftis-fed grid`` pairs prompt by prompt.
+EVAL_PROMPTS = "eval_prompts.jsonl.gz"
+
+
+def write_eval_prompts(path: Path, participant: str, round: int, per_prompt: dict[str, list[tuple[str, bool]]]) -> None:
+    """Append one line per set: ``{"round", "participant", "set", "ids": [task ids], "solved": "0110..."}``
+    (a gzip member per evaluation; concatenated members read as one stream)."""
+    import gzip
+
+    lines = [json.dumps({"round": round, "participant": participant, "set": name, "ids": [t for t, _ in rows],
+                         "solved": "".join("1" if ok else "0" for _, ok in rows)}) for name, rows in per_prompt.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:
+        f.write(gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0))
+
+
 class InjectedFault(RuntimeError):
     """Raised by a participant configured with ``fault=raise:<phase>:<round>`` (tests)."""
 
@@ -263,7 +280,10 @@ class Participant:
         self._fault("evaluate", round)
         t0 = time.perf_counter()
         sets = self.fed.eval_sets()
-        out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)
+        per_prompt: dict[str, list[tuple[str, bool]]] = {}
+        out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens,
+                              per_prompt=per_prompt)
+        write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt)
         out["eval/seconds"] = time.perf_counter() - t0
         return out
 
