@@ -30,7 +30,8 @@ import numpy as np
 
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
-from ftis_fed.learn.evaluation import evaluate as evaluate_policy
+from ftis_fed.learn.evaluation import evaluate as evaluate_policy, greedy_replies, solved_share
+from ftis_fed.learn.guard import GuardedUpdate, validation_prompts
 from ftis_fed.engine.validation import requested_variants
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
@@ -96,10 +97,19 @@ class Participant:
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
         self.completed_round = 0
         self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
+        self.guarded = self._guarded() if fed.source_adapt.mode == "guard" else None
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self.inbox = Inbox(self.keys, InboxConfig(run_id=fed.run_name, max_tokens=fed.max_batch_tokens,
                                                   tokenizer_fp=self.policy.tokenizer_fp), self.guard)
+
+    def _guarded(self) -> GuardedUpdate:
+        """``source-adapt = guard``: the update weighted by validation-gradient alignment and kept
+        only if no worse on this participant's own validation batch (``learn/guard.py``)."""
+        val = validation_prompts(self.fed.task, self.spec.partition_id, self.spec.num_partitions,
+                                 self.fed.source_adapt.val_size)
+        return GuardedUpdate(self.trainer, val, lambda: solved_share(
+            val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier))
 
     def _count_load(self) -> int:
         """Record this model load in state_dir/model_loads.jsonl; return the loads of this run so far
@@ -215,7 +225,8 @@ class Participant:
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
         if samples:
-            metrics.update(self.trainer.step(samples, self.fed.sampling))
+            step = self.guarded.step if self.guarded is not None else self.trainer.step
+            metrics.update(step(samples, self.fed.sampling))
             self.adapt.observe(metrics)
             metrics.update(self.adapt.metrics())
         metrics["train/seconds"] = time.perf_counter() - t0

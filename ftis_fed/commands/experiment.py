@@ -56,7 +56,7 @@ METRICS = ("eval/id/accuracy", "eval/ood/accuracy")
 DIAGNOSTICS = ("reward/mean", "reward/groups_with_signal", "offpolicy/kl_mean", "offpolicy/ratio_mean",
                "offpolicy/truncated_frac", "offpolicy/filtered_frac", "train/seconds")
 #: variant name -> extra run-config items of its cells (``MODE+NAME`` in ``--modes``).
-VARIANTS: dict[str, dict] = {"adapt": {"source-adapt": "kl"}}
+VARIANTS: dict[str, dict] = {"adapt": {"source-adapt": "kl"}, "guard": {"source-adapt": "guard"}}
 
 
 @dataclass(frozen=True)
