@@ -189,7 +189,8 @@ class Participant:
         self.seq = max(self.seq + 1, round << 16)
         batch = CompletionBatch(sender=self.name, run_id=fed.run_name, round=round, seq=self.seq,
                                 model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
-                                vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))
+                                vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups),
+                                eos_id=getattr(self.policy.tokenizer, "eos_token_id", None))
         signed = [sign_batch(batch, self.key, send_options(t), max_tokens=fed.max_batch_tokens) for t in variants]
         self.own[round] = batch
         frames = [f for t in variants for f in self._attack(batch, round, t)] if self.spec.byzantine else signed
