@@ -127,25 +127,24 @@ def greater_than(lo: float, hi: float, bound: float = 0.0) -> str:
 
 
 def less_than(lo: float, hi: float, bound: float = 0.0) -> str:
-    """Claim "difference < bound" (mirror of ``greater_than``)."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
+    """Claim "difference < bound": ``greater_than`` of the negated difference (interval [-hi, -lo])."""
+    return greater_than(-hi, -lo, -bound)
+
+
+def _combine(verdicts: Sequence[str], decisive: str, other: str) -> str:
+    """``decisive`` if any part is it, ``other`` if every part is, else inconclusive (no data wins)."""
+    if not verdicts or MISSING in verdicts:
         return MISSING
-    return HELD if hi < bound else NOT_HELD if lo >= bound else INCONCLUSIVE
+    if decisive in verdicts:
+        return decisive
+    return other if all(v == other for v in verdicts) else INCONCLUSIVE
 
 
 def all_of(verdicts: Sequence[str]) -> str:
     """A claim about every participant: held if every part holds, not held if any part fails."""
-    if not verdicts or MISSING in verdicts:
-        return MISSING
-    if NOT_HELD in verdicts:
-        return NOT_HELD
-    return HELD if all(v == HELD for v in verdicts) else INCONCLUSIVE
+    return _combine(verdicts, NOT_HELD, HELD)
 
 
 def any_of(verdicts: Sequence[str]) -> str:
     """A claim about some participant: held if any part holds, not held if every part fails."""
-    if not verdicts or MISSING in verdicts:
-        return MISSING
-    if HELD in verdicts:
-        return HELD
-    return NOT_HELD if all(v == NOT_HELD for v in verdicts) else INCONCLUSIVE
+    return _combine(verdicts, HELD, NOT_HELD)
