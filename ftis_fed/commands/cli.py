@@ -15,10 +15,11 @@ def _bench(sub) -> None:
     lp.add_argument("--completion-len", type=int, default=64)
     lp.add_argument("--repeats", type=int, default=5)
     lp.set_defaults(func=lambda a: __import__("ftis_fed.bench.loss", fromlist=["main"]).main(a))
-    from ftis_fed.bench import step, wire
+    from ftis_fed.bench import micro, step, wire
 
     step.add_cli(b)
     wire.add_cli(b)
+    micro.add_cli(b)
 
 
 def _eval(sub) -> None:

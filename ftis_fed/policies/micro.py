@@ -1,0 +1,268 @@
+"""The research tier's model family: small, competent, diverse models made offline from a config.
+
+Every model here is built by project code on first use (no weights are downloaded), seeded end to
+end and cached like the derived models (``resolve_model``): a tokenizer made with ``tokenizers``, a
+random-initialised ``transformers`` causal LM, and a short supervised **warm-up** on the *train*
+split of some task families (``tasks.suite.task_at(..., "train", ...)``; the held-out sets are never
+seen) that brings it to a non-trivial, not perfect, greedy accuracy. Generation and a GRPO update
+take milliseconds, so a research cell can run 50+ updates per participant on this CPU.
+
+Names (``MICRO_MODELS``; measured sizes and accuracies in docs/models.md):
+
+=======================  ======  =========  ============  ===========  =================================
+name                     arch    tokenizer  size          warm-up on   role
+=======================  ======  =========  ============  ===========  =================================
+``micro-llama-s``        Llama   BPE        0.33 M, 3 L   add30+sub30  small base
+``micro-llama-s-add``    Llama   BPE        0.33 M, 3 L   add30        small addition specialist
+``micro-llama-s-sub``    Llama   BPE        0.33 M, 3 L   sub30        small subtraction specialist
+``micro-llama-l``        Llama   BPE        3.6 M, 5 L    add30+sub30  large base
+``micro-qwen-m``         Qwen2   BPE        1.2 M, 4 L    add30+sub30  other architecture, same tokenizer
+``micro-qwen-s-char``    Qwen2   char       0.33 M, 3 L   sub30        other tokenizer (sequence level)
+=======================  ======  =========  ============  ===========  =================================
+
+The Llama and Qwen2 BPE models share one tokenizer (the BPE is trained on the same seeded corpus),
+so batches between them are token-level (F-TIS's per-token ratios); ``micro-qwen-s-char`` is the
+participant whose batches must be re-tokenized.
+
+Tokenizers (``build_tokenizer``), both real ``transformers`` fast tokenizers saved with the model,
+with pad / EOS tokens and a chat template (``CHAT_TEMPLATE``: ``<|user|>question<|assistant|>reply
+<|end|>``, what ``Policy.format_prompt`` applies):
+
+- ``char``: byte-level, no merges: one token per byte (per character for the task's ASCII text),
+  262 tokens; any text a peer sends re-tokenizes without loss.
+- ``bpe``: byte-level BPE trained here with ``tokenizers`` on train-split task text (digits kept
+  one per token, as Llama and Qwen tokenizers do), up to ``BPE_VOCAB`` tokens. The two
+  tokenizers' fingerprints differ, so batches between a ``char`` and a ``bpe`` model are
+  re-tokenized from text and scored at sequence level (docs/method.md).
+
+Determinism: the warm-up runs with one thread and ``torch.use_deterministic_algorithms``; the same
+spec and seed give bit-identical weights on the same software (tests/test_micro.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ftis_fed.policies.store import OFFLINE_MODELS
+
+#: Special tokens, ids 0.. in this order: padding, end of reply (EOS), the two chat roles.
+PAD, EOS, USER, ASSISTANT, SYSTEM = "<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"
+SPECIALS = (PAD, EOS, USER, ASSISTANT, SYSTEM)
+#: The chat format: each message is its role token then its content; an assistant message ends with
+#: EOS; the generation prompt is the assistant role token.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}{{ '<|end|>' }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+TOKENIZERS = ("char", "bpe")
+#: Largest vocabulary the BPE trainer may reach (the task text's merges run out before it).
+BPE_VOCAB = 512
+#: Problems drawn per family for the BPE training corpus (train split, task seed ``CORPUS_SEED``).
+CORPUS_PROBLEMS = 2000
+CORPUS_SEED = 0
+ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class MicroSpec:
+    """One model of the family: architecture, tokenizer, size, warm-up.
+
+    arch: ``llama`` or ``qwen2``; tokenizer: ``char`` or ``bpe``; hidden / layers / heads /
+    kv_heads / intermediate: the transformer's shape (hidden % heads == 0, heads % kv_heads == 0);
+    families: the task families whose train split the warm-up draws from (round-robin);
+    steps x batch: warm-up problems; lr: peak AdamW learning rate (linear warm-up over the first
+    10 % of steps, then linear decay to 10 % of it); seed: initialisation, problem draw and order.
+    """
+
+    arch: str
+    tokenizer: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    families: tuple[str, ...]
+    steps: int
+    lr: float
+    batch: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from ftis_fed.tasks.families import get_family
+
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"micro.arch={self.arch!r}: must be one of {ARCHITECTURES}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"micro.tokenizer={self.tokenizer!r}: must be one of {TOKENIZERS}")
+        if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
+            raise ValueError(f"micro: hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: need "
+                             "hidden % heads == 0, heads % kv_heads == 0 and an even head size (RoPE)")
+        if min(self.layers, self.intermediate, self.steps + 1, self.batch) < 1 or self.lr < 0:
+            raise ValueError(f"micro: layers, intermediate, batch must be >= 1, steps >= 0, lr >= 0 ({self})")
+        for f in self.families:
+            get_family(f)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def corpus(families: Sequence[str], n: int = CORPUS_PROBLEMS, seed: int = CORPUS_SEED) -> list[str]:
+    """Train-split task text (question and answer) of ``families``: what the BPE is trained on."""
+    from ftis_fed.tasks.suite import task_at
+
+    return [t for f in families for p in (task_at(f, "train", seed, i) for i in range(n)) for t in (p.text, p.reference)]
+
+
+def build_tokenizer(kind: str, families: Sequence[str] = ("add30", "sub30")):
+    """A ``PreTrainedTokenizerFast`` of ``kind`` (``char`` or ``bpe``, see the module docstring)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if kind == "char":
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        vocab = {t: i for i, t in enumerate([*SPECIALS, *alphabet])}
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tk.pre_tokenizer = byte_level
+        tk.add_special_tokens(list(SPECIALS))
+    elif kind == "bpe":
+        tk = Tokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=list(SPECIALS), show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tk.train_from_iterator(corpus(families), trainer=trainer)
+    else:
+        raise ValueError(f"tokenizer kind {kind!r}: must be one of {TOKENIZERS}")
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token=PAD, eos_token=EOS,
+                                   additional_special_tokens=[USER, ASSISTANT, SYSTEM], chat_template=CHAT_TEMPLATE)
+
+
+# ----------------------------------------------------------------------------- model
+
+def model_config(spec: MicroSpec, tok):
+    """The ``transformers`` config of ``spec`` for tokenizer ``tok`` (tied input/output embeddings)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=len(tok), hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                  num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                  max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if spec.arch == "llama":
+        return LlamaConfig(**common)
+    return Qwen2Config(**common, use_sliding_window=False)
+
+
+@contextlib.contextmanager
+def deterministic_cpu():
+    """One thread and deterministic kernels for the block (bit-identical builds); restored after."""
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(det)
+        torch.set_num_threads(threads)
+
+
+def warmup_rows(tok, families: Sequence[str], n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """``n`` (prompt ids, reply ids + EOS) of train-split problems, families round-robin, each prompt
+    in the chat template; instance i of family f is ``task_at(f, "train", seed, i // len(families))``,
+    then the list is shuffled with ``seed``."""
+    from ftis_fed.tasks.suite import task_at
+
+    cache: dict[str, list[int]] = {}
+
+    def ids(text: str, chat: bool) -> list[int]:
+        if text not in cache:
+            cache[text] = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False)) if chat else \
+                list(tok(text, add_special_tokens=False)["input_ids"])
+        return cache[text]
+
+    rows = []
+    for i in range(n):
+        p = task_at(families[i % len(families)], "train", seed, i // len(families))
+        rows.append((ids(p.text, True), ids(p.reference, False) + [tok.eos_token_id]))
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def _batch(rows: Sequence[tuple[list[int], list[int]]], pad_id: int):
+    """Right-padded (ids (B,L), attention (B,L), targets (B,L): the next token where it is a reply
+    token, else -100)."""
+    L = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)                       # (B,L)
+    attn = torch.zeros((len(rows), L), dtype=torch.long)                             # (B,L)
+    tgt = torch.full((len(rows), L), -100, dtype=torch.long)                         # (B,L)
+    for b, (p, r) in enumerate(rows):
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        attn[b, : len(p) + len(r)] = 1
+        tgt[b, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(r)
+    return ids, attn, tgt
+
+
+def warm_up(model, tok, spec: MicroSpec, log: bool = True) -> list[float]:
+    """The supervised warm-up of ``spec`` on ``model`` in place: cross-entropy of the reply tokens
+    (the bare answer and EOS) given the chat-formatted train-split question. Returns the loss per step."""
+    rows = warmup_rows(tok, spec.families, spec.steps * spec.batch, spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    warm = max(1, spec.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, 1.0 - 0.9 * max(0, s - warm) / max(1, spec.steps - warm)))
+    model.train()
+    losses = []
+    for step in range(spec.steps):
+        ids, attn, tgt = _batch(rows[step * spec.batch:(step + 1) * spec.batch], tok.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=attn).logits                    # (B,L,V)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if log and (step % 100 == 0 or step == spec.steps - 1):
+            print(f"[micro warm-up] step {step + 1}/{spec.steps} loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return losses
+
+
+def build_micro(out: Path, spec: MicroSpec, log: bool = True) -> None:
+    """Tokenizer, random-initialised model and warm-up of ``spec``, saved into ``out``."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with deterministic_cpu():
+        tok = build_tokenizer(spec.tokenizer)
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(model_config(spec, tok), dtype=torch.float32)
+        warm_up(model, tok, spec, log=log)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+# ----------------------------------------------------------------------------- the family
+
+_SMALL = dict(hidden=96, layers=3, heads=4, kv_heads=2, intermediate=256)
+_MEDIUM = dict(hidden=160, layers=4, heads=4, kv_heads=2, intermediate=448)
+_LARGE = dict(hidden=256, layers=5, heads=8, kv_heads=4, intermediate=688)
+_BOTH = ("add30", "sub30")
+
+#: name -> spec of every model of the research tier (registered in ``OFFLINE_MODELS`` below).
+MICRO_MODELS: dict[str, MicroSpec] = {
+    "micro-llama-s": MicroSpec("llama", "bpe", **_SMALL, families=_BOTH, steps=550, lr=3e-3, batch=64),
+    "micro-llama-s-add": MicroSpec("llama", "bpe", **_SMALL, families=("add30",), steps=400, lr=3e-3, batch=64),
+    "micro-llama-s-sub": MicroSpec("llama", "bpe", **_SMALL, families=("sub30",), steps=400, lr=3e-3, batch=64),
+    "micro-llama-l": MicroSpec("llama", "bpe", **_LARGE, families=_BOTH, steps=300, lr=1e-3, batch=64),
+    "micro-qwen-m": MicroSpec("qwen2", "bpe", **_MEDIUM, families=_BOTH, steps=400, lr=2e-3, batch=64),
+    "micro-qwen-s-char": MicroSpec("qwen2", "char", **_SMALL, families=("sub30",), steps=600, lr=3e-3, batch=64),
+}
+
+for _name, _spec in MICRO_MODELS.items():
+    OFFLINE_MODELS[_name] = lambda out, spec=_spec: build_micro(out, spec)
