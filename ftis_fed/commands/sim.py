@@ -357,8 +357,12 @@ def simulate_inprocess(app: str | Path = ".", run_config: list[str] | None = Non
     """The same run config as ``simulate``, run through the in-process transport
     (``ftis_fed.commands.inprocess``: same engine, same participants, no Flower); 0 when every round
     completed."""
+    import logging
+
     from ftis_fed.commands.inprocess import run_inprocess
 
+    if not logging.getLogger().handlers:            # the engine's round lines, as flwr run's log has them
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = Path(app).resolve()
     overrides, _ = checked_run_config(app, layered_overrides(app, list(run_config or []), preset))
     cfg = merged_run_config(app, overrides)
