@@ -216,3 +216,67 @@ def test_flwr_run_gives_the_in_process_metrics(tmp_path, mode):
         assert a.keys() == b.keys(), key
         for k in a:
             assert a[k] == b[k], (key, k, a[k], b[k])
+
+
+# ----------------------------------------------------------------------------- source-adapt = guard
+
+def test_alignment_weight_rule():
+    from ftis_fed.learn.guard import alignment_weight
+
+    assert alignment_weight(0.2, 0.4) == 0.5 and alignment_weight(0.8, 0.4) == 1.0
+    assert alignment_weight(-0.1, 0.4) == 0.0
+    assert alignment_weight(0.1, 0.0) == 1.0 and alignment_weight(-0.1, -0.2) == 0.0   # own has no direction
+    assert alignment_weight(float("nan"), 0.4) == 0.0
+
+
+def test_validation_batch_is_own_families_and_ood_from_the_train_split():
+    from ftis_fed.learn.guard import validation_prompts
+    from ftis_fed.tasks.families import OOD_FAMILIES
+    from ftis_fed.tasks.suite import TaskSpec
+
+    task = TaskSpec(scheme="expertise", families=("add30", "sub30"))
+    val = validation_prompts(task, 1, 2, 8)
+    fams = [p.task_id.split("/")[0] for p in val]
+    assert fams[:4] == ["sub30"] * 4 and fams[4:] == list(OOD_FAMILIES[:4])      # expert of sub30: its own family
+    assert all(p.task_id.split("/")[1] == "train" for p in val)
+    assert validation_prompts(task, 1, 2, 8) == val                               # deterministic
+
+
+@pytest.mark.parametrize("with_better", [True, False])
+def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_better):
+    """Two candidate updates from the same start; the validation reward decides which one stays:
+    the kept weights equal those of a plain Trainer step on the chosen sample set."""
+    import dataclasses as dc
+
+    import torch
+
+    from ftis_fed.learn.guard import GuardedUpdate
+    from ftis_fed.learn.objective import ObjectiveConfig
+    from ftis_fed.learn.training import Trainer, TrainSample
+    from ftis_fed.policies import build_policy
+    from ftis_fed.policies.config import PolicyConfig
+    from ftis_fed.tasks.prompt import Prompt
+    from ftis_fed.wire.batch import SamplingParams
+
+    def trainer():
+        torch.manual_seed(0)
+        return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig())
+
+    def sample(src, local, adv, ids):
+        return TrainSample([1, 2, 3], ids, np.full(len(ids), -2.0, np.float32), -2.0 * len(ids), adv, src, local)
+
+    samples = [sample("me", True, 1.0, [5, 6]), sample("me", True, -1.0, [7, 8]),
+               sample("peer", False, 1.0, [9, 10]), sample("peer", False, -1.0, [11, 12])]
+    sampling = SamplingParams(max_new_tokens=4)
+    rewards = iter([0.5, 0.25] if with_better else [0.25, 0.5])                # with peers, then without
+    t = trainer()
+    g = GuardedUpdate(t, [Prompt("add1/train/0/0", "What is 1 + 2?", "3")], lambda: next(rewards))
+    m = g.step(samples, sampling)
+    assert m["guard/kept_peers"] == float(with_better) and "guard/peer/weight" in m
+    w = m["guard/peer/weight"]
+    ref = trainer()
+    chosen = samples[:2] + [dc.replace(s, advantage=s.advantage * w) for s in samples[2:]] if with_better else samples[:2]
+    ref.step(chosen, sampling)
+    got, want = t.policy.trainable_state(), ref.policy.trainable_state()
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    assert t.steps == 1
