@@ -620,10 +620,13 @@ def family_table(cells: Sequence[Cell], out: Path) -> list[dict]:
 
 
 def stronger_participant(initial: dict[str, dict]) -> str | None:
-    """The participant with the higher ID accuracy before training (ties: name order)."""
-    scored = [(_num(r.get("eval/id/accuracy")), p) for p, r in initial.items()]
-    scored = [(-v, p) for v, p in scored if math.isfinite(v)]
-    return min(scored)[1] if scored else None
+    """The participant with the highest ID accuracy before training; None when none was measured or
+    the best two tie (no stronger partner)."""
+    scored = sorted(((-_num(r.get("eval/id/accuracy")), p) for p, r in initial.items()
+                     if math.isfinite(_num(r.get("eval/id/accuracy")))))
+    if not scored or (len(scored) > 1 and scored[0][0] == scored[1][0]):
+        return None
+    return scored[0][1]
 
 
 def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str | None,
@@ -631,8 +634,9 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
     """The verdict table: one row per claim of the paper (and the beyond-the-paper goal), each held /
     not held / inconclusive from the pigeonhole-bootstrap 95 % intervals of ``paired_prompt_table``
     (``grid_stats``: at_least, greater_than, less_than, all_of, any_of). Margins: 1 point where the
-    claim states one ("≥ Alone − 1 point")."""
-    from ftis_fed.commands.grid_stats import MISSING, all_of, any_of, at_least, greater_than, less_than
+    claim states one ("≥ Alone − 1 point"). A participant for which neither method solved a single
+    prompt of the set (0 for both: a floor at which the claim cannot show) counts as inconclusive."""
+    from ftis_fed.commands.grid_stats import INCONCLUSIVE, MISSING, all_of, any_of, at_least, greater_than, less_than
 
     by = {(r["a"], r["b"], r["participant"], r["set"]): r for r in paired}
 
@@ -644,8 +648,11 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
                 vs.append(MISSING)
                 texts.append(f"{p}: –")
                 continue
-            vs.append(rule(r["lo"], r["hi"]))
-            texts.append(f"{p}: {100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}] ({r['seeds']} seeds)")
+            floor = r["a_acc"] == 0 and r["b_acc"] == 0          # nothing solved by either: untestable
+            vs.append(INCONCLUSIVE if floor else rule(r["lo"], r["hi"]))
+            texts.append(f"{p}: " + ("0 % for both (floor)" if floor else
+                                     f"{100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}]")
+                         + f" ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
         return vs, "; ".join(texts)
 
     rows = []
@@ -665,7 +672,8 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
           any_of, how="held: some lower bound > 0; not held: every upper bound ≤ 0")
     claim("4", "F-TIS gains OOD accuracy over Alone (some participant)", REFERENCE, BASELINE, "ood", greater_than,
           any_of, how="held: some lower bound > 0; not held: every upper bound ≤ 0")
-    claim("5", f"the stronger partner ({stronger or '?'}) loses OOD accuracy with F-TIS vs Alone", REFERENCE,
+    claim("5", f"the stronger partner ({stronger or 'none: the participants tie before training'}) loses OOD "
+          "accuracy with F-TIS vs Alone", REFERENCE,
           BASELINE, "ood", less_than, all_of, ps=[stronger] if stronger else ["?"],
           how="held: upper bound < 0; not held: lower bound ≥ 0")
     claim("6", f"beyond the paper ({beyond or 'none run'}): no partner loses OOD vs Alone (≥ −1 point)",
