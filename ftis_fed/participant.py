@@ -35,7 +35,8 @@ from ftis_fed.actions import reply_fields, request_args, variants_of
 from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
-from ftis_fed.learn.evaluation import evaluate as evaluate_policy
+from ftis_fed.learn.evaluation import evaluate as evaluate_policy, greedy_replies, solved_share
+from ftis_fed.learn.guard import GuardedUpdate, validation_prompts
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
 from ftis_fed.policies.share import CardInfo, make_shareable, update_card
@@ -58,6 +59,23 @@ def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
     """Write the resume state after ``round``'s update? Every ``every``-th round (``checkpoint-every``)
     and after the last round; ``every`` = 0: after the last round only."""
     return round >= num_rounds or (every > 0 and round % every == 0)
+
+
+#: Per-prompt results of every evaluation, in the participant's state folder (gzip members, one
+#: JSON line per evaluation and set): what ``ftis-fed grid`` pairs prompt by prompt.
+EVAL_PROMPTS = "eval_prompts.jsonl.gz"
+
+
+def write_eval_prompts(path: Path, participant: str, round: int, per_prompt: dict[str, list[tuple[str, bool]]]) -> None:
+    """Append one line per set: ``{"round", "participant", "set", "ids": [task ids], "solved": "0110..."}``
+    (a gzip member per evaluation; concatenated members read as one stream)."""
+    import gzip
+
+    lines = [json.dumps({"round": round, "participant": participant, "set": name, "ids": [t for t, _ in rows],
+                         "solved": "".join("1" if ok else "0" for _, ok in rows)}) for name, rows in per_prompt.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:
+        f.write(gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0))
 
 
 class Participant:
@@ -89,6 +107,7 @@ class Participant:
         self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
         self.peer_models: dict[str, str] = {}               # peer -> model id of its accepted batches (card)
         self.heldout: dict[int, dict[str, float]] = {}      # round -> held-out accuracies (card)
+        self.guarded = self._guarded() if fed.source_adapt.mode == "guard" else None
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self._rejoin()
@@ -106,6 +125,14 @@ class Participant:
     def _inbox_config(self) -> InboxConfig:
         return InboxConfig(run_id=self.run_id, max_tokens=self.fed.max_batch_tokens,
                            tokenizer_fp=self.policy.tokenizer_fp)
+
+    def _guarded(self) -> GuardedUpdate:
+        """``source-adapt = guard``: the update weighted by validation-gradient alignment and kept
+        only if no worse on this participant's own validation batch (``learn/guard.py``)."""
+        val = validation_prompts(self.fed.task, self.spec.partition_id, self.spec.num_partitions,
+                                 self.fed.source_adapt.val_size)
+        return GuardedUpdate(self.trainer, val, lambda: solved_share(
+            val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier))
 
     def _count_load(self) -> int:
         """Record this model load in state_dir/model_loads.jsonl; return the loads of this run so far
@@ -167,7 +194,8 @@ class Participant:
         participant_state.save(self.state_dir, self.run_key, self.seq, self.completed_round, self.guard)
         batch = CompletionBatch(sender=self.name, run_id=self.run_id, round=round, seq=self.seq,
                                 model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
-                                vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups))
+                                vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups),
+                                eos_id=getattr(self.policy.tokenizer, "eos_token_id", None))
         signed = [sign_batch(batch, self.key, send_options(t), max_tokens=fed.max_batch_tokens) for t in variants]
         self.own[round] = batch
         frames = [f for t in variants for f in self._attack(batch, round, t)] if self.spec.byzantine else signed
@@ -208,7 +236,8 @@ class Participant:
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
         if samples:
-            metrics.update(self.trainer.step(samples, self.fed.sampling))
+            step = self.guarded.step if self.guarded is not None else self.trainer.step
+            metrics.update(step(samples, self.fed.sampling))
             self.adapt.observe(self.trainer.source_kl)
             metrics.update(self.adapt.metrics())
         metrics["train/seconds"] = time.perf_counter() - t0
@@ -273,7 +302,10 @@ class Participant:
     def evaluate(self, round: int) -> dict[str, float]:
         t0 = time.perf_counter()
         sets = self.fed.eval_sets()
-        out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens)
+        per_prompt: dict[str, list[tuple[str, bool]]] = {}
+        out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens,
+                              per_prompt=per_prompt)
+        write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt)
         out["eval/seconds"] = time.perf_counter() - t0
         self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
         if round >= self.fed.num_rounds and self.fed.export_final:

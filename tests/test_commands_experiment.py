@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import statistics
@@ -119,12 +120,12 @@ def test_summary_is_computed_from_the_metrics_files(tmp_path):
     assert paired[("noIS", "a")]["eval/id/accuracy:diff_mean"] == pytest.approx(0.20)
     assert paired[("noIS", "a")]["eval/id/accuracy:ref_wins"] == 3
     # changing one cell's file changes the summary: nothing is typed in
-    f = tmp_path / "cells" / "alone__vertical__s0" / "run" / "metrics.jsonl"
-    rows = [json.loads(x) for x in f.read_text().splitlines()]
+    f = tmp_path / "cells" / "alone__vertical__s0" / "run" / "metrics.jsonl.gz"      # compacted cell
+    rows = [json.loads(x) for x in gzip.decompress(f.read_bytes()).decode().splitlines()]
     for r in rows:
         if r["phase"] == "eval" and r["round"] == 2 and r["participant"] == "a":
             r["eval/id/accuracy"] = 0.9
-    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    f.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
     out2 = write_summary(cells, tmp_path, "test grid")
     row = {(r["method"], r["participant"]): r for r in out2["summary"]}[("alone", "a")]
     assert row["eval/id/accuracy:mean"] == pytest.approx(statistics.fmean([0.9, 0.31, 0.32]))
@@ -134,7 +135,7 @@ def test_summary_is_computed_from_the_metrics_files(tmp_path):
     assert math.isnan(diag[("noIS", "b")]["offpolicy/kl_mean:mean"])          # not in the files: not invented
     md = (tmp_path / "summary.md").read_text()
     assert "Training diagnostics" in md
-    assert "F-TIS − noIS" in md and "| F-TIS |" in md
+    assert "| F-TIS |" in md
     assert (tmp_path / "summary.csv").exists() and (tmp_path / "cells.csv").exists()
     assert (tmp_path / "final_accuracy.png").stat().st_size > 1000
     assert (tmp_path / "curves.png").stat().st_size > 1000
@@ -214,7 +215,7 @@ def test_the_initial_evaluation_runs_in_one_cell_and_serves_the_whole_grid(tmp_p
     assert all(r["round"] == 2 for r in out["results"])
     curves = grid._curves(cells, tmp_path)
     for meth in ("alone", "F-TIS"):
-        assert curves[(meth, "a", "eval/id/accuracy")][0] == (0, pytest.approx(0.1))
+        assert curves[(meth, "a", "eval/id/accuracy")][0][:2] == (0, pytest.approx(0.1))
     md = (tmp_path / "summary.md").read_text()
     assert "| *before training* | 0.100 | 0.100 |" in md
     assert json.loads((tmp_path / "cells" / "F-TIS__vertical__s0" / "done.json").read_text())["eval_initial"] is True

@@ -67,13 +67,14 @@ def test_each_participant_generates_ceil_g_over_n():
     assert federation_from_run_config({"group-size": 6}).completions_per_prompt(4) == 6    # vertical: all of G
 
 
-def test_alone_with_horizontal_groups_of_one_completion_is_refused_before_the_run():
-    """alone trains on its own share only: a share of 1 completion gives no group signal."""
+def test_alone_with_horizontal_groups_generates_the_full_group_of_the_shared_prompts():
+    """The horizontal baseline trains alone on the same shared prompts with the full group G (not on
+    its share ceil(G/N) of a mixed group, which would confound the comparison with half the data)."""
     rc = {"advantage-groups": "horizontal", "loss-mode": "alone", "group-size": 2,
           "p0-model": "tiny-llama", "p1-model": "tiny-llama", "p2-model": ""}
-    with pytest.raises(ValueError, match=r"group-size=2 .*loss-mode='alone' over 2 participants.*group-size >= 3"):
-        validate_run_config(rc)
-    assert validate_run_config({**rc, "group-size": 3}).completions_per_prompt(2) == 2
+    fed = validate_run_config(rc)
+    assert fed.completions_per_prompt(2) == 2 and fed.task.scheme == "shared"
+    assert validate_run_config({**rc, "group-size": 6}).completions_per_prompt(3) == 6
     assert validate_run_config({**rc, "loss-mode": "F-TIS"}).completions_per_prompt(2) == 1   # mixed group: 2
 
 
@@ -122,20 +123,20 @@ def test_a_peer_group_for_another_task_or_over_the_share_is_refused(tmp_path):
     assert m2["offpolicy/rejected/too_large"] == 1 and m2["train/peer_samples"] == 0
 
 
-def test_alone_with_horizontal_groups_trains_on_its_own_share_only(tmp_path):
-    """alone + horizontal: a participant's update is the same with or without its peer's batch (its
-    groups are its own G/N completions); two identical copies of alice, one given bob's frame."""
+def test_alone_with_horizontal_groups_trains_on_its_own_full_groups_only(tmp_path):
+    """alone + horizontal: a participant generates all G of each shared prompt and its update is the
+    same with or without its peer's batch; two identical copies of alice, one given bob's frame."""
     _keys(tmp_path, "alice", "bob")
-    fed = _fed(tmp_path, 2, 4, mode="alone")                               # share 2
+    fed = _fed(tmp_path, 2, 4, mode="alone")                               # full G = 4
     a1 = _participant(tmp_path, fed, "alice", 0, 2, "a1")
     a2 = _participant(tmp_path, fed, "alice", 0, 2, "a2")
-    bob = _participant(tmp_path, _fed(tmp_path, 2, 4), "bob", 1, 2)       # F-TIS peer, same shared prompts
+    bob = _participant(tmp_path, _fed(tmp_path, 2, 4), "bob", 1, 2)       # F-TIS peer (share 2), same prompts
     frames, _ = bob.generate(1, False)
     a1.generate(1, False)
     a2.generate(1, False)
     with_peer, without = a1.learn(1, frames), a2.learn(1, [])
     assert with_peer["offpolicy/accepted"] == 1                            # bob's batch was valid and shared
-    assert with_peer["train/peer_samples"] == 0 and with_peer["train/own_samples"] == 4
+    assert with_peer["train/peer_samples"] == 0 and with_peer["train/own_samples"] == 8   # 2 prompts x G
     assert with_peer["train/horizontal_mixed_groups"] == 0
     for k in ("train/loss", "train/grad_norm", "train/samples"):
         assert with_peer[k] == without[k], k

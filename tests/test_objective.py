@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -497,7 +499,7 @@ def test_kl_estimate_clamps_each_token_symmetrically():
 
 import numpy as np  # noqa: E402
 
-from ftis_fed.wire.batch import CompletionBatch, SamplingParams, make_group  # noqa: E402
+from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, SamplingParams, make_group  # noqa: E402
 from ftis_fed.learn.training import (advantage_group_metrics, completion_ended, samples_from_batches,  # noqa: E402
                                sender_eos_id)
 
@@ -574,6 +576,24 @@ def test_sender_eos_is_derived_from_its_own_batch():
     samples_from_batches([b], "me", "tok-other", ObjectiveConfig(),
                          retokenize=lambda p, c, e: calls.append(e) or ([1], [2, 3]))
     assert calls == [True, False, True, True]
+
+
+def test_a_carried_eos_id_decides_what_inference_cannot():
+    """Issue 18: no completion stopped early and one completion's EOS is exactly its budget-th token.
+    Inferred, every completion looks cut (no EOS id to read); carried by the batch (``eos_id``),
+    the one ending with EOS is read as ended, the others as cut."""
+    b = _batch("peer", ["t/0"], [[1.0, 0.0]], budget=3, completions=[[[5, 6, 9], [5, 6, 7]]])
+    assert sender_eos_id(b) is None
+    calls = []
+    retok = lambda p, c, e: calls.append(e) or ([1], [2, 3])                  # noqa: E731
+    samples_from_batches([b], "me", "tok-other", ObjectiveConfig(), retokenize=retok)
+    assert calls == [False, False]                                            # inference: both "cut"
+    calls.clear()
+    samples_from_batches([dataclasses.replace(b, eos_id=9).validate()], "me", "tok-other", ObjectiveConfig(),
+                         retokenize=retok)
+    assert calls == [True, False]
+    with pytest.raises(BatchValidationError, match="eos_id=100"):
+        dataclasses.replace(b, eos_id=100).validate()
 
 
 def test_implausible_claims_are_flagged_per_completion():

@@ -273,3 +273,26 @@ def test_v2_logprob_codes_above_the_escape_are_refused():
             assert decode_frame(frame).groups[0].logprobs[0][0] == np.float32(-0xFFFE / 256)
         else:
             assert _reason(frame) == "undecodable"
+
+
+def test_the_senders_eos_id_travels_in_the_signed_header_and_is_bounded():
+    """Issue 18: the generator's EOS id is carried (FLAG_EOS_ID, one varint), not inferred; a frame
+    without it decodes to None (older senders); an id at or above vocab_size is refused."""
+    b = dataclasses.replace(small_batch(vocab=100), tokenizer_fp=FP)
+    plain = frame_of(b, send_options(False))
+    with_eos = frame_of(dataclasses.replace(b, eos_id=99), send_options(False))
+    assert not parse_header(plain).flags & wire.FLAG_EOS_ID and decode_frame(plain).eos_id is None
+    h = parse_header(with_eos)
+    assert h.flags & wire.FLAG_EOS_ID and h.eos_id == 99
+    assert decode_frame(with_eos).validate().eos_id == 99
+    assert len(with_eos) - len(plain) <= 5                                   # a varint: bytes/token unchanged
+    with pytest.raises(BatchValidationError, match="eos_id"):
+        encode_body(dataclasses.replace(b, eos_id=100), send_options(False))
+    # a header whose eos varint (its last byte here) is >= vocab_size: refused by the reader
+    body = bytearray(encode_body(dataclasses.replace(b, eos_id=1), WireOptions(texts=False, compress=False)))
+    h1 = parse_header(bytes(body) + bytes(SIGNATURE_LEN))
+    at = h1.body_len - h1.payload_len - 1
+    assert h1.eos_id == 1 and body[at] == 1
+    body[at] = 0x7F
+    with pytest.raises(BatchValidationError, match="eos_id=127"):
+        parse_header(bytes(body) + bytes(SIGNATURE_LEN))

@@ -377,8 +377,28 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
             (home / OWNER_FILE).unlink(missing_ok=True)
 
 
+def simulate_inprocess(app: str | Path = ".", run_config: list[str] | None = None, preset: str | None = None) -> int:
+    """The same run config as ``simulate``, run through the in-process transport
+    (``ftis_fed.commands.inprocess``: same engine, same participants, no Flower); 0 when every round
+    completed."""
+    import logging
+
+    from ftis_fed.commands.inprocess import run_inprocess
+
+    if not logging.getLogger().handlers:            # the engine's round lines, as flwr run's log has them
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    app = Path(app).resolve()
+    overrides, _ = checked_run_config(app, layered_overrides(app, list(run_config or []), preset))
+    cfg = merged_run_config(app, overrides)
+    print(f"[ftis-fed] in-process run: results in {overrides['output-dir']}", flush=True)
+    done = run_inprocess(cfg)
+    return 0 if done == int(cfg.get("num-rounds", 0)) else 1
+
+
 def _sim_cli(a) -> int:
     try:
+        if a.transport == "inprocess":
+            return simulate_inprocess(a.app, a.run_config, a.preset)
         return simulate(a.app, a.connection, a.run_config, a.keep_superlink, address=a.address, preset=a.preset,
                         reuse_superlink=a.reuse_superlink)
     except (ValueError, FileNotFoundError, LaunchError) as e:
@@ -399,4 +419,7 @@ def add_cli(sub) -> None:
     p.add_argument("--reuse-superlink", action="store_true",
                    help="run on a SuperLink already listening on the connection's address that ftis-fed did not start")
     p.add_argument("--address", default=None, help="host:port replacing the connection's address")
+    p.add_argument("--transport", choices=("flwr", "inprocess"), default="flwr",
+                   help="flwr (default: flwr run on a SuperLink) or inprocess (the same engine and participants "
+                        "in this process, no Flower: ftis_fed/commands/inprocess.py)")
     p.set_defaults(func=_sim_cli)

@@ -92,6 +92,10 @@ class FederationConfig:
         against the distinct problems the families have.""")
     eval_ood_size: int = knob("eval-ood-size", 8, "prompts per OOD family set (five families), >= 0; 0 = eval-size.")
     eval_max_new_tokens: int = knob("eval-max-new-tokens", 16, "generation budget of the greedy evaluation, >= 1.")
+    eval_seed: int = knob("eval-seed", -1, """
+        seeds the procedural held-out sets, >= -1; -1 = ``task-seed``. ``ftis-fed grid`` fixes it while
+        ``task-seed`` varies with the seed, so every seed trains on other prompts and every cell is
+        evaluated on the same held-out prompts (paired per-prompt comparisons).""")
     run_name: str = knob("run-name", "ftis-fed", """
         the run's name, non-empty, at most 200 characters; frames and hello proofs are bound to the run
         id ``<run-name>@<random nonce>`` the server draws at start (kept across a resume), so no frame
@@ -184,6 +188,7 @@ class FederationConfig:
         need(self.eval_size >= 1, "eval_size", "must be >= 1")
         need(self.eval_ood_size >= 0, "eval_ood_size", "must be >= 0 (0 = eval_size)")
         need(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
+        need(self.eval_seed >= -1, "eval_seed", "must be >= -1 (-1 = task-seed)")
         need(bool(self.run_name), "run_name", "must be non-empty")
         need(len(self.run_name) <= 200, "run_name", "must be at most 200 characters (with its 33-character run nonce "
                                                     "it is the run id every frame carries, limit 256)")
@@ -243,20 +248,14 @@ class FederationConfig:
     def completions_per_prompt(self, num_participants: int) -> int:
         """Completions each participant generates per prompt: ``group-size`` G (vertical), or its share
         ceil(G / N) of the mixed group with N participants (horizontal; the mixed group then has
-        N * ceil(G / N) >= G completions, G itself when N divides it). ValueError when horizontal
-        ``alone`` would train on groups of one completion (no group-relative signal)."""
+        N * ceil(G / N) >= G completions, G itself when N divides it). A local-only mode (``alone``)
+        with horizontal groups generates the full G of every shared prompt: the baseline that trains
+        alone on the same prompts with the same group size (not on its share of a group)."""
         if isinstance(num_participants, bool) or int(num_participants) != num_participants or num_participants < 1:
             raise ValueError(f"num_participants={num_participants!r}: must be an integer >= 1")
-        if self.objective.advantage_groups != "horizontal":
+        if self.objective.advantage_groups != "horizontal" or MODES[self.objective.mode].local_only:
             return self.group_size
-        share = -(-self.group_size // int(num_participants))
-        if share < 2 and MODES[self.objective.mode].local_only:
-            raise ValueError(f"group-size={self.group_size} with advantage-groups='horizontal' and "
-                             f"loss-mode={self.objective.mode!r} "
-                             f"over {num_participants} participants: each generates ceil(G/N)={share} completion per "
-                             f"prompt and trains on its own only, so no group has a signal: set group-size >= "
-                             f"{int(num_participants) + 1}")
-        return share
+        return -(-self.group_size // int(num_participants))
 
     def eval_sets(self) -> dict:
         """The held-out sets every participant evaluates on. ``id``: the held-out part of what is
@@ -269,7 +268,8 @@ class FederationConfig:
         others = {b: path for b, path in (("gsm8k", t.gsm8k_data), ("math500", t.math500_data))
                   if path and b != t.source}
         if t.source == "procedural":
-            sets = eval_sets(self.eval_size, seed=t.seed, id_families=t.families, n_ood=self.eval_ood_size or None)
+            sets = eval_sets(self.eval_size, seed=self.eval_seed_value, id_families=t.families,
+                             n_ood=self.eval_ood_size or None)
         elif t.source == "user":
             return t.user.eval_sets(self.eval_size, n_ood)
         else:
@@ -278,11 +278,16 @@ class FederationConfig:
                 raise ValueError(f"the {t.source} held-out set has {len(held)} items, fewer than {self.eval_size}")
             sets = {"id": list(held[:self.eval_size])}
             if not others:
-                sets.update({k: v for k, v in eval_sets(1, t.seed, id_families=t.families,
+                sets.update({k: v for k, v in eval_sets(1, self.eval_seed_value, id_families=t.families,
                                                         n_ood=self.eval_ood_size or None).items() if k != "id"})
         for b, path in others.items():
             sets[b] = list(eval_pool(b, path, int(t.math500_eval_percent), False)[:n_ood])
         return sets
+
+    @property
+    def eval_seed_value(self) -> int:
+        """The seed of the procedural held-out sets: ``eval-seed``, or ``task-seed`` when it is -1."""
+        return self.task.seed if self.eval_seed < 0 else self.eval_seed
 
     @property
     def sampling(self) -> SamplingParams:

@@ -1,8 +1,10 @@
 """In-process transport: every participant in this Python process, called directly.
 
-A testing and debugging tool (fast engine tests, stepping through a round in a debugger), not a
-way to run a federation: the product path is ``flwr run`` (simulation or deployment), which goes
-through ``strategies/`` and ``clients/``.
+Used by fast engine tests, for stepping through a round in a debugger, and by the research tier's
+cells (``ftis-fed sim/grid --transport inprocess``, ``commands/inprocess.py``, which serialises the
+participants and gives each its own torch RNG so that seeded runs equal ``flwr run``'s). The product
+path for a federation is ``flwr run`` (simulation or deployment), through ``strategies/`` and
+``clients/``.
 
 Each request runs ``participant.handle(action, request)`` on its own daemon thread; the call
 waits until every thread is done or the deadline passes. A participant still running at the

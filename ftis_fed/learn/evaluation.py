@@ -41,13 +41,19 @@ def greedy_replies(policy: GreedyGenerator, prompts: Sequence[Prompt], max_new_t
     return replies
 
 
+def solved(prompts: Sequence[Prompt], replies: Sequence[str], verifier: Verifier) -> list[bool]:
+    """Per prompt: does its reply solve the task (a rule's format bonus does not count)."""
+    return [bool(verifier.check(p.task_id, r, p.reference, p.text)[0]) for p, r in zip(prompts, replies)]
+
+
 def solved_share(prompts: Sequence[Prompt], replies: Sequence[str], verifier: Verifier) -> float:
     """Share of ``prompts`` whose reply solves the task (a rule's format bonus does not count)."""
-    return sum(verifier.check(p.task_id, r, p.reference, p.text)[0] for p, r in zip(prompts, replies)) / len(prompts)
+    return sum(solved(prompts, replies, verifier)) / len(prompts)
 
 
 def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], verifier: Verifier | None = None,
-             max_new_tokens: int | Mapping[str, int] = 32, batch_size: int = 64) -> dict[str, float]:
+             max_new_tokens: int | Mapping[str, int] = 32, batch_size: int = 64,
+             per_prompt: dict[str, list[tuple[str, bool]]] | None = None) -> dict[str, float]:
     """Greedy pass@1 on every named set.
 
     sets: ``"id"`` -> the ID held-out set; an OOD family name -> its held-out set; ``"gsm8k"`` /
@@ -56,6 +62,8 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
     max_new_tokens: one generation budget, or one per set name (missing names get 32).
     The sets that share a budget are generated together (``batch_size`` prompts per call, not one
     call per small set: fuller batches), then scored set by set.
+    per_prompt: if given, filled with set name -> [(task id, solved)] in the set's order (what the
+        paired statistics of ``ftis-fed grid`` read).
     """
     verifier = verifier or Verifier()
     budget = {name: max_new_tokens.get(name, 32) if isinstance(max_new_tokens, Mapping) else max_new_tokens
@@ -72,7 +80,10 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
     out: dict[str, float] = {}
     ood = []
     for name, prompts in sets.items():
-        acc = solved_share(prompts, replies[name], verifier)
+        ok = solved(prompts, replies[name], verifier)
+        acc = sum(ok) / len(prompts)
+        if per_prompt is not None:
+            per_prompt[name] = [(p.task_id, o) for p, o in zip(prompts, ok)]
         prefix = "eval/id" if name == "id" else f"eval/ood/{name}" if name in OOD_FAMILIES else f"eval/{name}"
         out[f"{prefix}/accuracy"] = acc
         out[f"{prefix}/n"] = float(len(prompts))

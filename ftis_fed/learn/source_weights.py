@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 
 from ftis_fed.config.knobs import knob
 
-SOURCE_ADAPT_MODES = ("off", "kl")
+SOURCE_ADAPT_MODES = ("off", "kl", "guard")
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,19 @@ class SourceAdaptConfig:
     """Per-source adaptation of peers' samples (beyond the paper); each field is a run-config key."""
 
     mode: str = knob("source-adapt", "off", """
-        ``off`` (the paper: every source treated alike) or ``kl`` (negative-advantage samples of peer
-        s weighted by exp(-m_s / tau), m_s the running mean of s's measured sample KL).""")
+        ``off`` (the paper: every source treated alike), ``kl`` (negative-advantage samples of peer
+        s weighted by exp(-m_s / tau), m_s the running mean of s's measured sample KL) or ``guard``
+        (``learn/guard.py``: each peer's samples weighted by how well their gradient aligns with the
+        gradient of the receiver's own validation batch, and the update with peers kept only if the
+        receiver's validation reward is no worse than that of the update without them).""")
     tau: float = knob("source-adapt-tau", 10.0,
                       "nats, > 0; the KL at which a source keeps 1/e of its negative signal.")
     decay: float = knob("source-adapt-decay", 0.5, """
         in (0, 1]; weight of the newest update's measurement in m_s (1 = only the last update counts).""")
+    val_size: int = knob("source-adapt-val-size", 16, """
+        ``guard``: prompts of the receiver's validation batch, >= 2: half from its own training families,
+        half from the OOD families, all from their *train* split under a seed of their own (disjoint
+        by content from every held-out evaluation set).""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -60,6 +67,8 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-tau={self.tau}: must be a finite number > 0")
         if not 0 < self.decay <= 1:
             raise ValueError(f"source-adapt-decay={self.decay}: must lie in (0, 1]")
+        if isinstance(self.val_size, bool) or int(self.val_size) != self.val_size or self.val_size < 2:
+            raise ValueError(f"source-adapt-val-size={self.val_size!r}: must be an integer >= 2")
 
 
 def source_weight(mean_kl: float, tau: float) -> float:
@@ -90,8 +99,8 @@ class SourceAdapter:
             self.updates[source] = self.updates.get(source, 0) + 1
 
     def weight(self, source: str) -> float:
-        """w_s for the next update: 1 when off, for the receiver itself, or before any observation."""
-        if self.cfg.mode == "off" or source == self.receiver or source not in self.kl:
+        """w_s for the next update: 1 when not ``kl``, for the receiver itself, or before any observation."""
+        if self.cfg.mode != "kl" or source == self.receiver or source not in self.kl:
             return 1.0
         return source_weight(self.kl[source], self.cfg.tau)
 
@@ -101,7 +110,7 @@ class SourceAdapter:
     def apply(self, samples: Sequence) -> list:
         """Samples with each peer's negative advantages multiplied by its weight (others unchanged).
         Works on any dataclass with ``advantage``, ``source`` and ``local`` fields (``TrainSample``)."""
-        if self.cfg.mode == "off":
+        if self.cfg.mode != "kl":
             return list(samples)
         out = []
         for s in samples:

@@ -67,7 +67,8 @@ Retokenize = Callable[[str, str, bool], tuple[list[int], list[int]]]
 
 
 def sender_eos_id(batch: CompletionBatch) -> int | None:
-    """The sender's EOS id as its own batch shows it, or None.
+    """The sender's EOS id inferred from its batch, or None: the fallback for a batch that does not
+    carry ``eos_id`` (wire v1, older v2 frames); a batch that carries it is read as it says.
 
     Generation stops before ``sampling.max_new_tokens`` only at EOS (both backends pass the
     tokenizer's single EOS id and no stop strings), so every completion shorter than the budget ends
@@ -82,9 +83,10 @@ def sender_eos_id(batch: CompletionBatch) -> int | None:
 def completion_ended(completion_ids: np.ndarray, budget: int, eos: int | None) -> bool:
     """Did the sender's completion end with EOS (rather than being cut at the budget)?
 
-    With the sender's EOS id known (``sender_eos_id``): its last token is that id (this also covers
-    a completion whose EOS is exactly its ``budget``-th token). Otherwise: it is shorter than the
-    budget.
+    With the sender's EOS id known (the batch's ``eos_id``, else ``sender_eos_id``): its last token
+    is that id (this also covers a completion whose EOS is exactly its ``budget``-th token, which
+    inference cannot tell from a cut when no completion stopped early). Otherwise: it is shorter
+    than the budget.
     """
     if len(completion_ids) == 0:
         return False
@@ -126,7 +128,7 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
         if cross and retokenize is None:
             raise ValueError(f"batch from {b.sender!r} has tokenizer {b.tokenizer_fp}, receiver has "
                              f"{tokenizer_fp}: a retokenize function is needed")
-        eos = sender_eos_id(b) if cross else None
+        eos = (b.eos_id if b.eos_id is not None else sender_eos_id(b)) if cross else None
         for gi, g in enumerate(b.groups):
             rewards = g.rewards
             weights = (sample_weights or {}).get((bi, gi), np.ones(g.size))

@@ -47,8 +47,10 @@ class PolicyConfig:
     score_zero_advantage: bool = knob("score-zero-advantage", False, """
         also run the forward pass of training micro-batches whose rows all have advantage 0 (groups of
         equal rewards: no gradient), so that they count in the off-policy diagnostics
-        (``offpolicy/<source>/...``, which ``source-adapt`` reads). Off (default): such micro-batches
-        are skipped (``train/unscored_rows``); loss, gradient and weights are the same either way.""")
+        (``offpolicy/<source>/...``). Off (default): such micro-batches are skipped
+        (``train/unscored_rows``); the loss and gradient of an update are the same either way. With
+        ``source-adapt = kl`` the per-source weights read those diagnostics, so from the second
+        update on they (and the model) differ with this knob; ``off`` and ``guard`` do not read them.""")
     logit_chunk: int = knob("logit-chunk", 32, "completion positions per LM-head chunk, >= 1; see scoring.py.")
     logit_graph_mb: float = knob("logit-graph-mb", 256.0, """
         MiB of LM-head log-softmax values (rows x completion positions x vocabulary, fp32) a training

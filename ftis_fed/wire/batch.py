@@ -122,6 +122,9 @@ class CompletionBatch:
         :func:`prompt_ids_digest` of the prompt ids the sender generated from, and every group's
         ``prompt_ids`` is empty (a decoded wire-v2 frame without prompt ids; the receiver renders
         the prompts itself and checks the digest, ``receive.py``).
+    eos_id: the generator's end-of-sequence token id (generation stops only there before
+        ``max_new_tokens``), or None when not carried (wire v1, older v2 frames): a receiver with
+        another tokenizer reads from it whether a completion ended or was cut at the budget.
     """
 
     sender: str
@@ -134,6 +137,7 @@ class CompletionBatch:
     sampling: SamplingParams
     groups: tuple[PromptGroup, ...]
     prompt_digest: bytes = b""
+    eos_id: int | None = None
 
     @property
     def num_completions(self) -> int:
@@ -172,6 +176,8 @@ class CompletionBatch:
             _fail("bad_header", f"seq={self.seq}: must be below 2**63 (a sender's seq only grows)")
         if not 1 <= self.vocab_size <= 1 << 32:
             _fail("bad_header", f"vocab_size={self.vocab_size}: must be in [1, 2**32]")
+        if self.eos_id is not None and not 0 <= int(self.eos_id) < self.vocab_size:
+            _fail("bad_header", f"eos_id={self.eos_id}: must be in [0, vocab_size={self.vocab_size})")
         if not isinstance(self.sampling, SamplingParams):
             _fail("missing_field", "sampling: must be a SamplingParams")
         if not self.groups:

@@ -70,8 +70,9 @@ FLAG_TEXTS = 0x02      # payload carries prompt_text and completion_texts
 FLAG_LOGP_F32 = 0x04   # log-probs stored as raw float32 instead of fixed-point codes
 FLAG_PROMPT_DIGEST = 0x08  # v2: no prompt ids, an 8-byte digest of them in the header instead
 FLAG_FP_HEX = 0x10     # v2: tokenizer_fp "tok-<16 hex>" stored as its 8 raw bytes
+FLAG_EOS_ID = 0x20     # v2: the generator's EOS token id, a varint at the end of the header
 _KNOWN_FLAGS = FLAG_ZSTD | FLAG_TEXTS | FLAG_LOGP_F32
-_KNOWN_FLAGS_V2 = _KNOWN_FLAGS | FLAG_PROMPT_DIGEST | FLAG_FP_HEX
+_KNOWN_FLAGS_V2 = _KNOWN_FLAGS | FLAG_PROMPT_DIGEST | FLAG_FP_HEX | FLAG_EOS_ID
 #: v2 tries the packaged zstd dictionary only on payloads up to this size (it pays on small ones;
 #: a second level-19 pass over a large payload would cost time for nothing).
 DICTIONARY_MAX_RAW = 64 << 10
@@ -206,6 +207,7 @@ class WireHeader:
     body_len: int           # header + payload: the bytes the signature covers
     prompt_digest: bytes = b""  # v2 with FLAG_PROMPT_DIGEST: the 8-byte digest of the prompt ids
     dict_id: int = 0            # v2: zstd dictionary of the payload (0: none; ``wiredict``)
+    eos_id: int | None = None   # v2 with FLAG_EOS_ID: the generator's EOS token id
 
     @property
     def has_texts(self) -> bool:
@@ -461,6 +463,12 @@ def _header_v2(batch: CompletionBatch, opts: WireOptions, width: int, flags: int
     if not opts.prompt_ids:
         flags |= FLAG_PROMPT_DIGEST
         digest = batch.prompt_digest or prompt_ids_digest([g.prompt_ids for g in gs])
+    eos = b""
+    if batch.eos_id is not None:
+        if not 0 <= int(batch.eos_id) < int(batch.vocab_size):
+            raise _bad("bad_header", f"eos_id={batch.eos_id}: must be in [0, vocab_size={batch.vocab_size})")
+        flags |= FLAG_EOS_ID
+        eos = _uvarint(int(batch.eos_id))
     for name in ("sender", "run_id", "model_id", "tokenizer_fp"):
         if len(str(getattr(batch, name)).encode("utf-8")) > 0xFFFF:
             raise _bad("bad_header", f"{name}: longer than 65535 bytes")
@@ -475,7 +483,7 @@ def _header_v2(batch: CompletionBatch, opts: WireOptions, width: int, flags: int
             _uvarint(len(gs)), _uvarint(sum(g.size for g in gs)),
             _uvarint(sum(len(g.prompt_ids) for g in gs) if opts.prompt_ids else 0),
             _uvarint(batch.num_completion_tokens), _uvarint(raw_len), _uvarint(payload_len),
-            _vstr(str(batch.sender)), _vstr(str(batch.run_id)), _vstr(str(batch.model_id)), fp_bytes, digest]
+            _vstr(str(batch.sender)), _vstr(str(batch.run_id)), _vstr(str(batch.model_id)), fp_bytes, digest, eos]
     return b"".join(head)
 
 
@@ -619,11 +627,14 @@ def _parse_header_v2(frame, limits: WireLimits, signature_len: int) -> WireHeade
     else:
         fp = c.string("tokenizer_fp", lim)
     digest = c.take(PROMPT_DIGEST_LEN, "prompt_digest") if digest_mode else b""
+    eos = c.varint("eos_id") if flags & FLAG_EOS_ID else None
+    if eos is not None and eos >= vocab:
+        raise _bad("undecodable", f"eos_id={eos}: must be below vocab_size={vocab}")
     body_len = c.pos + payload_len
     if n != body_len + signature_len:
         raise _bad("undecodable", f"frame has {n} bytes: header declares {body_len} + {signature_len}-byte signature")
     return WireHeader(2, flags, width, bits, rnd, seq, vocab, temp, top_p, top_k, max_new, n_groups, n_compl, n_ptok,
-                      n_ctok, raw_len, payload_len, sender, run_id, model_id, fp, body_len, digest, dict_id)
+                      n_ctok, raw_len, payload_len, sender, run_id, model_id, fp, body_len, digest, dict_id, eos)
 
 
 def _check_widths(flags: int, width: int, bits: int) -> None:
@@ -880,7 +891,7 @@ def _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logpro
                               max_new_tokens=h.max_new_tokens)
     return CompletionBatch(sender=h.sender, run_id=h.run_id, round=h.round, seq=h.seq,
                            model_id=h.model_id, tokenizer_fp=h.tokenizer_fp, vocab_size=h.vocab_size,
-                           sampling=sampling, groups=tuple(groups), prompt_digest=h.prompt_digest)
+                           sampling=sampling, groups=tuple(groups), prompt_digest=h.prompt_digest, eos_id=h.eos_id)
 
 
 def decode_frame(frame: bytes, limits: WireLimits = WireLimits()) -> CompletionBatch:

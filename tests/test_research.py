@@ -1,0 +1,282 @@
+"""The research tier: in-process cells, per-prompt records, paired statistics and the verdict table."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ftis_fed.commands import experiment as grid
+from ftis_fed.commands import grid_stats as gs
+from ftis_fed.commands.experiment import Cell, plan, run_grid
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "research-grid"
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def test_t_interval_against_hand_computed_values():
+    # mean 3, sd sqrt(2.5) = 1.5811, t(0.975, 4) = 2.776 -> half-width 2.776 * 1.5811 / sqrt(5) = 1.9630
+    m, lo, hi = gs.t_interval([1, 2, 3, 4, 5])
+    assert m == 3 and lo == pytest.approx(3 - 1.96296, abs=1e-4) and hi == pytest.approx(3 + 1.96296, abs=1e-4)
+    m, lo, hi = gs.t_interval([0.1, 0.3])                       # t(1) = 12.706, sd 0.1414, n 2: half 1.2706
+    assert lo == pytest.approx(0.2 - 1.2706, abs=1e-4) and hi == pytest.approx(0.2 + 1.2706, abs=1e-4)
+    assert math.isnan(gs.t_interval([0.5])[1]) and gs.t975(100) == pytest.approx(1.96, abs=1e-3)
+
+
+def test_pigeonhole_bootstrap_known_cases():
+    # no variation at all: the interval is the point
+    r = gs.paired_interval(np.full((5, 40), 0.25), "const")
+    assert r["diff"] == r["lo"] == r["hi"] == 0.25 and r["discord"] == 1.0
+    # prompt variance only (every seed the same row): the bootstrap sd is the prompt-sampling sd
+    rng = np.random.default_rng(0)
+    row = rng.choice([-1.0, 0.0, 1.0], size=2000, p=[0.1, 0.7, 0.2])
+    reps = gs.pigeonhole_bootstrap(np.tile(row, (5, 1)), draws=3000, seed=1)
+    assert reps.std() == pytest.approx(row.std() / math.sqrt(row.size), rel=0.1)
+    # seed variance only (each seed constant over prompts): the bootstrap resamples the seed means
+    d = np.repeat(np.array([0.0, 0.1, 0.2, 0.3, 0.4])[:, None], 50, axis=1)
+    reps = gs.pigeonhole_bootstrap(d, draws=4000, seed=2)
+    assert reps.mean() == pytest.approx(0.2, abs=0.01)
+    assert reps.std() == pytest.approx(np.std([0, 0.1, 0.2, 0.3, 0.4]) / math.sqrt(5), rel=0.1)
+    # deterministic: the same name gives the same interval, byte for byte
+    a, b = gs.paired_interval(d + row[:50], "x"), gs.paired_interval(d + row[:50], "x")
+    assert a == b
+
+
+def test_paired_eval_size_and_verdict_rules():
+    assert gs.paired_eval_size(0.03, 0.3, 5) == math.ceil(1.959964 ** 2 * 0.3 / (0.0009 * 5)) == 257
+    assert gs.paired_eval_size(0.03, 0.3, 1) == 1281
+    assert gs.at_least(-0.005, 0.02, -0.01) == gs.HELD
+    assert gs.at_least(-0.05, -0.02, -0.01) == gs.NOT_HELD
+    assert gs.at_least(-0.02, 0.02, -0.01) == gs.INCONCLUSIVE
+    assert gs.greater_than(0.001, 0.1) == gs.HELD and gs.greater_than(-0.1, 0.0) == gs.NOT_HELD
+    assert gs.less_than(-0.1, -0.01) == gs.HELD and gs.less_than(0.0, 0.1) == gs.NOT_HELD
+    assert gs.all_of([gs.HELD, gs.INCONCLUSIVE]) == gs.INCONCLUSIVE
+    assert gs.all_of([gs.HELD, gs.NOT_HELD]) == gs.NOT_HELD and gs.any_of([gs.NOT_HELD, gs.HELD]) == gs.HELD
+    assert gs.any_of([gs.NOT_HELD, gs.INCONCLUSIVE]) == gs.INCONCLUSIVE
+    assert gs.all_of([gs.HELD, gs.MISSING]) == gs.MISSING
+
+
+# ----------------------------------------------------------------------------- paired per-prompt table
+
+def _records_runner(correct):
+    """A fake ``ftis-fed sim`` writing metrics rows and per-prompt records; correct(cell, participant)
+    -> (N,) 0/1 array on the shared ID prompts (4 OOD prompts per family, all wrong)."""
+    from ftis_fed.participant import write_eval_prompts
+
+    def run(cell: Cell, cell_dir, log_path):
+        log_path.write_text("fake\n")
+        run_dir = cell_dir / "run"
+        rows = []
+        for p in ("a", "b"):
+            ok = correct(cell, p)
+            ids = [f"{'add30' if i % 2 == 0 else 'sub30'}/eval/0/{i // 2}" for i in range(len(ok))]
+            per = {"id": list(zip(ids, map(bool, ok))), "add3": [(f"add3/eval/0/{i}", False) for i in range(4)]}
+            write_eval_prompts(run_dir / "participants" / p / "eval_prompts.jsonl.gz", p, 2, per)
+            rows.append({"round": 1, "participant": p, "phase": "train", "train/samples": 8.0, "reward/mean": 0.1})
+            rows.append({"round": 2, "participant": p, "phase": "train", "train/samples": 8.0, "reward/mean": 0.2})
+            rows.append({"round": 2, "participant": p, "phase": "eval", "eval/id/accuracy": float(np.mean(ok)),
+                         "eval/ood/accuracy": 0.0, "eval/id/n": float(len(ok))})
+        for rnd in (1, 2):
+            rows.append({"round": rnd, "participant": "_federation", "phase": "train", "fed/replies": 2.0,
+                         "fed/complete": 1.0})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0
+
+    return run
+
+
+def test_paired_table_is_the_per_prompt_difference_over_seeds(tmp_path):
+    rng = np.random.default_rng(3)
+    table = {(m, p, s): (rng.random(40) < q).astype(float)
+             for m, q in (("alone", 0.3), ("F-TIS", 0.5), ("noIS", 0.2)) for p in "ab" for s in range(3)}
+    cells = plan(["alone", "noIS", "F-TIS"], 3)
+    assert run_grid(cells, tmp_path, _records_runner(lambda c, p: table[(c.mode, p, c.seed)]),
+                    echo=lambda s: None) == []
+    assert not list(tmp_path.glob("cells/*/run/participants"))                  # compacted: metrics only
+    out = grid.write_summary(grid.discover_cells(tmp_path), tmp_path, "t")
+    rows = {(r["a"], r["b"], r["participant"], r["set"]): r for r in out["prompt_paired"]}
+    d = np.stack([table[("F-TIS", "a", s)] - table[("alone", "a", s)] for s in range(3)])
+    r = rows[("F-TIS", "alone", "a", "id")]
+    assert r["diff"] == pytest.approx(d.mean()) and r["seeds"] == 3 and r["prompts"] == 40
+    assert r["lo"] < r["diff"] < r["hi"]
+    assert (r["t_lo"], r["t_hi"]) == pytest.approx(gs.t_interval(d.mean(axis=1))[1:])
+    fam = rows[("F-TIS", "alone", "a", "id:add30")]
+    assert fam["diff"] == pytest.approx(d[:, 0::2].mean()) and fam["prompts"] == 20
+    assert rows[("F-TIS", "alone", "b", "ood")]["diff"] == 0.0
+    assert ("noIS", "alone", "a", "id") in rows and ("F-TIS", "noIS", "b", "id") in rows
+    v = {x["claim"]: x for x in out["verdicts"]}
+    assert v["2b"]["verdict"] == gs.MISSING and v["1"]["verdict"] in (gs.HELD, gs.INCONCLUSIVE, gs.NOT_HELD)
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Verdicts" in md and "| id:add30 |" in md.replace(" id:add30 |", "| id:add30 |")
+    fams = {(x["method"], x["participant"], x["set"]): x for x in out["families"]}
+    assert fams[("noIS", "b", "id:sub30")]["mean"] == pytest.approx(
+        np.mean([table[("noIS", "b", s)][1::2].mean() for s in range(3)]))
+
+
+# ----------------------------------------------------------------------------- the committed fixture
+
+def test_summary_only_reproduces_the_committed_fixture_byte_for_byte(tmp_path):
+    """tests/fixtures/research-grid: the cells' committed metrics and the summary ``ftis-fed grid
+    --summary-only`` wrote from them; rerun here, every output file is the same, byte for byte."""
+    work = tmp_path / "g"
+    shutil.copytree(FIXTURE, work)
+    outputs = ("summary.md", "summary.csv", "cells.csv", "final_accuracy.png", "curves.png")
+    for name in outputs:
+        (work / name).unlink()
+    from ftis_fed.commands.cli import main
+
+    assert main(["grid", "--summary-only", "--out", str(work)]) == 0
+    for name in outputs:
+        assert (work / name).read_bytes() == (FIXTURE / name).read_bytes(), name
+
+
+# ----------------------------------------------------------------------------- in-process cells
+
+def test_a_research_tier_cell_runs_end_to_end_in_process(tmp_path):
+    """``ftis-fed sim --transport inprocess`` on the research-tiny preset: the same engine and
+    participants, signed frames verified, per-prompt records written; well under a minute of CPU."""
+    from ftis_fed.commands.sim import simulate_inprocess
+
+    c0 = time.process_time()
+    assert simulate_inprocess(ROOT, [f'output-dir="{tmp_path}"', "num-rounds=2", 'loss-mode="F-TIS"'],
+                              "research-tiny") == 0
+    assert time.process_time() - c0 < 60
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    fed = [r for r in rows if r["participant"] == "_federation"]
+    assert len(fed) == 2 and all(r["fed/rejected"] == 0 and r["fed/frames_verified"] == 2 for r in fed)
+    train = [r for r in rows if r["phase"] == "train" and r["participant"] in ("full", "lora")]
+    assert all(r["offpolicy/accepted"] == 1 and r["train/peer_samples"] > 0 for r in train)
+    for p in ("full", "lora"):
+        lines = gzip.decompress((tmp_path / "participants" / p / "eval_prompts.jsonl.gz").read_bytes()).decode()
+        got = [json.loads(x) for x in lines.splitlines()]
+        assert {r["round"] for r in got} == {0, 2} and {r["set"] for r in got} >= {"id", "add3"}
+        ev = [r for r in rows if r["participant"] == p and r["phase"] == "eval" and r["round"] == 2][0]
+        ids = [r for r in got if r["round"] == 2 and r["set"] == "id"][0]
+        assert ev["eval/id/accuracy"] == pytest.approx(ids["solved"].count("1") / len(ids["solved"]))
+
+
+def test_in_process_runs_are_deterministic_and_participants_keep_their_own_rng(tmp_path):
+    """Two runs of the same cell give the same metrics (timings aside): each participant's torch
+    RNG is its own, whatever order the engine's threads reach it in."""
+    from ftis_fed.commands.sim import simulate_inprocess
+
+    got = []
+    for k in range(2):
+        out = tmp_path / str(k)
+        assert simulate_inprocess(ROOT, [f'output-dir="{out}"', "num-rounds=2", 'loss-mode="noIS"'],
+                                  "research-tiny") == 0
+        got.append(comparable_rows(grid.read_rows(out / "metrics.jsonl")))
+    assert got[0] == got[1]
+
+
+#: metrics that measure the machine or the process, not the run's computation
+VOLATILE = ("seconds", "worker/pid", "tok_per_s", "model_loads", "wire/frame_bytes", "wire/bytes_per_token",
+            "fed/bytes", "fed/round_seconds", "load")
+
+
+def comparable_rows(rows):
+    """Rows keyed by (round, participant, phase) without the volatile metrics (timings, pids)."""
+    return {(r["round"], r["participant"], r.get("phase")): {k: v for k, v in r.items()
+                                                             if not any(x in k for x in VOLATILE)}
+            for r in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["alone", "noIS", "VIS", "TIS", "F-noIS", "F-VIS", "F-TIS", "F-TIS+guard"])
+def test_flwr_run_gives_the_in_process_metrics(tmp_path, mode):
+    """One small cell per method through ``flwr run`` (Flower simulation, a worker process per
+    participant) and through the in-process transport: the same metrics, value for value, apart from
+    timings, process ids and signature-dependent frame sizes."""
+    import socket
+
+    cell = plan([mode], 1)[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    extra = ["eval-seed=0", "num-rounds=2"]
+    runs = {"flwr": grid.sim_runner(ROOT, "research-tiny", extra, ["--address", f"127.0.0.1:{port}"]),
+            "inprocess": grid.inprocess_runner(ROOT, "research-tiny", extra)}
+    got = {}
+    for name, runner in runs.items():
+        d = tmp_path / name
+        d.mkdir()
+        assert runner(cell, d, d / "run.log") == 0, (d / "run.log").read_text()[-3000:]
+        got[name] = comparable_rows(grid.read_rows(d / "run" / "metrics.jsonl"))
+    assert got["flwr"].keys() == got["inprocess"].keys()
+    for key in got["flwr"]:
+        a, b = got["flwr"][key], got["inprocess"][key]
+        assert a.keys() == b.keys(), key
+        for k in a:
+            assert a[k] == b[k], (key, k, a[k], b[k])
+
+
+# ----------------------------------------------------------------------------- source-adapt = guard
+
+def test_alignment_weight_rule():
+    from ftis_fed.learn.guard import alignment_weight
+
+    assert alignment_weight(0.2, 0.4) == 0.5 and alignment_weight(0.8, 0.4) == 1.0
+    assert alignment_weight(-0.1, 0.4) == 0.0
+    assert alignment_weight(0.1, 0.0) == 1.0 and alignment_weight(-0.1, -0.2) == 0.0   # own has no direction
+    assert alignment_weight(float("nan"), 0.4) == 0.0
+
+
+def test_validation_batch_is_own_families_and_ood_from_the_train_split():
+    from ftis_fed.learn.guard import validation_prompts
+    from ftis_fed.tasks.families import OOD_FAMILIES
+    from ftis_fed.tasks.suite import TaskSpec
+
+    task = TaskSpec(scheme="expertise", families=("add30", "sub30"))
+    val = validation_prompts(task, 1, 2, 8)
+    fams = [p.task_id.split("/")[0] for p in val]
+    assert fams[:4] == ["sub30"] * 4 and fams[4:] == list(OOD_FAMILIES[:4])      # expert of sub30: its own family
+    assert all(p.task_id.split("/")[1] == "train" for p in val)
+    assert validation_prompts(task, 1, 2, 8) == val                               # deterministic
+
+
+@pytest.mark.parametrize("with_better", [True, False])
+def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_better):
+    """Two candidate updates from the same start; the validation reward decides which one stays:
+    the kept weights equal those of a plain Trainer step on the chosen sample set."""
+    import dataclasses as dc
+
+    import torch
+
+    from ftis_fed.learn.guard import GuardedUpdate
+    from ftis_fed.learn.objective import ObjectiveConfig
+    from ftis_fed.learn.training import Trainer, TrainSample
+    from ftis_fed.policies import build_policy
+    from ftis_fed.policies.config import PolicyConfig
+    from ftis_fed.tasks.prompt import Prompt
+    from ftis_fed.wire.batch import SamplingParams
+
+    def trainer():
+        torch.manual_seed(0)
+        return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig())
+
+    def sample(src, local, adv, ids):
+        return TrainSample([1, 2, 3], ids, np.full(len(ids), -2.0, np.float32), -2.0 * len(ids), adv, src, local)
+
+    samples = [sample("me", True, 1.0, [5, 6]), sample("me", True, -1.0, [7, 8]),
+               sample("peer", False, 1.0, [9, 10]), sample("peer", False, -1.0, [11, 12])]
+    sampling = SamplingParams(max_new_tokens=4)
+    rewards = iter([0.5, 0.25] if with_better else [0.25, 0.5])                # with peers, then without
+    t = trainer()
+    g = GuardedUpdate(t, [Prompt("add1/train/0/0", "What is 1 + 2?", "3")], lambda: next(rewards))
+    m = g.step(samples, sampling)
+    assert m["guard/kept_peers"] == float(with_better) and "guard/peer/weight" in m
+    w = m["guard/peer/weight"]
+    ref = trainer()
+    chosen = samples[:2] + [dc.replace(s, advantage=s.advantage * w) for s in samples[2:]] if with_better else samples[:2]
+    ref.step(chosen, sampling)
+    got, want = t.policy.trainable_state(), ref.policy.trainable_state()
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    assert t.steps == 1
