@@ -257,7 +257,7 @@ _BOTH = ("add30", "sub30")
 
 #: name -> spec of every model of the research tier (registered in ``OFFLINE_MODELS`` below).
 MICRO_MODELS: dict[str, MicroSpec] = {
-    "micro-llama-s": MicroSpec("llama", "bpe", **_SMALL, families=_BOTH, steps=400, lr=3e-3, batch=64),
+    "micro-llama-s": MicroSpec("llama", "bpe", **_SMALL, families=_BOTH, steps=550, lr=3e-3, batch=64),
     "micro-llama-s-add": MicroSpec("llama", "bpe", **_SMALL, families=("add30",), steps=250, lr=3e-3, batch=64),
     "micro-llama-s-sub": MicroSpec("llama", "bpe", **_SMALL, families=("sub30",), steps=400, lr=3e-3, batch=64),
     "micro-llama-l": MicroSpec("llama", "bpe", **_LARGE, families=_BOTH, steps=250, lr=1e-3, batch=64),
