@@ -24,6 +24,7 @@ def test_ours_worker_generates_exactly_max_new_tokens():
     assert res["step_cpu_s"][0] >= res["generate_cpu_s"][0] > 0 and res["train_cpu_s"][0] > 0
 
 
+@pytest.mark.slow
 def test_the_command_runs_our_side_in_a_fresh_process_with_the_options_given(capsys):
     """``ftis-fed bench step --sides ours ...``: the options reach the measured subprocess (its
     completion tokens per step are prompts x G x max-new-tokens, checked by the bench itself)."""

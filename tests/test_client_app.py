@@ -24,7 +24,7 @@ def worker_calls(monkeypatch):
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
     calls = []
 
-    def call(conn, action, request, timeout=None):
+    def call(conn, action, request, timeout=None, participant=None, node_config=None):
         calls.append((action, request))
         if action == "hello":
             return {"info": {"participant": "alice", "proof": b"sig"}}
@@ -32,7 +32,7 @@ def worker_calls(monkeypatch):
             return {"frames": [b"frame"], "metrics": {"reward/mean": 0.5}}
         return {"metrics": {"train/loss": 0.1}}
 
-    monkeypatch.setattr(client_app, "_worker", lambda ctx: ("conn", 5.0))
+    monkeypatch.setattr(client_app, "_worker", lambda ctx: ("conn", 5.0, ("alice", dict(ctx.node_config))))
     monkeypatch.setattr(client_app, "call", call)
     return calls
 

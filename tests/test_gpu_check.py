@@ -65,6 +65,7 @@ def run_script(*args: str, path: str | None = None) -> tuple[int, dict, str]:
     return r.returncode, json.loads(lines[0]), r.stderr
 
 
+@pytest.mark.slow
 def test_without_dry_it_fails_unless_cuda_really_ran():
     """No GPU here: the real check exits non-zero, the cuda check says why, and nothing else counts
     as passed or skipped-and-fine."""
@@ -75,6 +76,7 @@ def test_without_dry_it_fails_unless_cuda_really_ran():
     assert "[gpu_check] FAILED" in err and "DRY RUN" not in err
 
 
+@pytest.mark.slow
 def test_a_gpu_torch_cannot_use_is_a_failure_with_the_reason(tmp_path):
     """A pretend machine with two H200s (a fake nvidia-smi) and this CPU build of torch: a GPU box
     whose CUDA checks would all have been 'skipped' before now fails with the reason."""

@@ -5,6 +5,8 @@ by the server and by receivers, by name. Real tiny models, real keys, real TRL f
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 from pathlib import Path
@@ -185,9 +187,11 @@ def test_splits_families_and_resolver(tmp_path):
     (dict(eval_every=1, eval_size=500), r"eval-size=500 .* held-out set has \d+ rows, fewer than 500"),
 ])
 def test_config_errors_name_the_key(tmp_path, kw, match):
+    """Declared errors when the config is parsed, data errors when its data is checked (``check_data``,
+    which ``validate_run_config`` calls before a run): both name the key."""
     data, module = write_task(tmp_path, add_rows())
     with pytest.raises(ValueError, match=match):
-        federation_from_run_config(user_rc(data, module, **kw))
+        federation_from_run_config(user_rc(data, module, **kw)).check_data()
 
 
 def test_digest_covers_data_functions_and_weights_not_paths(tmp_path):
@@ -258,6 +262,7 @@ def test_a_peer_on_another_task_is_refused_by_receiver_and_server(tmp_path):
     data, module = write_task(tmp_path, add_rows())
     other = {**user_rc(data, module), "task-reward-weights": "1.0,2.0"}    # another task definition
     fed, parts = _participants(tmp_path, {"alice": user_rc(data, module), "mallory": other}, "mix")
+    fed = dataclasses.replace(fed, wait_for_participants_s=2.0)   # mallory is refused: no need to wait for others
     assert parts["alice"].task_digest != parts["mallory"].task_digest
     # the receiver: mallory's signed batch is refused by name, whatever the relay does
     frames, _ = parts["mallory"].generate(1, False)

@@ -63,6 +63,7 @@ def test_processed_logprobs_match_hf_warpers():
         assert torch.allclose(ref[~torch.isinf(ref)], ours[~torch.isinf(ours)], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_sampler_draws_from_the_processed_distribution():
     """RecordingSampler's inverse-CDF draw (used instead of torch.multinomial) matches exp(log-probs): a
     chi-square test over 60,000 draws per row (top-k / top-p leave zero-probability tokens, never drawn),

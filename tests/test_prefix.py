@@ -10,7 +10,7 @@ import torch
 
 from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.learn.objective import LossInputs, ObjectiveConfig, count_denominators, ftis_loss
-from ftis_fed.policies import PolicyConfig, build_policy, prefix
+from ftis_fed.policies import PolicyConfig, build_policy, logprobs, prefix
 from ftis_fed.policies.prefix import prompt_index, shared_token_logprobs, supports_shared_prefix, worth_sharing
 from ftis_fed.policies.logprobs import token_logprobs
 from ftis_fed.policies.scoring import unwrap_causal_lm
@@ -180,7 +180,7 @@ def test_hook_dispatches_only_when_a_prompt_repeats(monkeypatch):
     pol = tiny("full", False)
     calls = []
     real = prefix.shared_token_logprobs
-    monkeypatch.setattr(prefix, "shared_token_logprobs", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    monkeypatch.setattr(logprobs, "shared_token_logprobs", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     P, C = rows(pol.vocab_size)
     pad = pol.tokenizer.pad_token_id
     token_logprobs(pol.model, P, C, SP, pad, grad=False, share_prefix=True)

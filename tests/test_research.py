@@ -179,7 +179,7 @@ def test_in_process_runs_are_deterministic_and_participants_keep_their_own_rng(t
 
 #: metrics that measure the machine or the process, not the run's computation
 VOLATILE = ("seconds", "worker/pid", "tok_per_s", "model_loads", "wire/frame_bytes", "wire/bytes_per_token",
-            "fed/bytes", "fed/round_seconds", "load")
+            "fed/bytes", "fed/round_seconds", "load", "fed/server_cpu_s", "fed/server_rss_mb")
 
 
 def comparable_rows(rows):

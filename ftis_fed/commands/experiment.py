@@ -795,6 +795,16 @@ def _method_order(method: str) -> tuple[int, str]:
 PNG_META = {"Software": None}
 
 
+def _finish(plt, fig, axes, legend_size: int, title: str, path: Path, dpi: int) -> Path:
+    """Legend on the first panel, title, layout; saved without metadata (reproducible bytes); closed."""
+    axes[0][0].legend(fontsize=legend_size, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi, metadata=PNG_META)
+    plt.close(fig)
+    return path
+
+
 def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path]:
     import matplotlib
 
@@ -818,12 +828,8 @@ def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(participants))], participants, fontsize=8)
             ax.set_ylabel(m.replace("eval/", "").replace("/accuracy", " pass@1"))
             ax.grid(alpha=0.3, axis="y")
-        axes[0][0].legend(fontsize=7, ncol=2)
-        fig.suptitle("Final held-out accuracy (mean ± sd over seeds)")
-        fig.tight_layout()
-        fig.savefig(out / "final_accuracy.png", dpi=110, metadata=PNG_META)
-        plt.close(fig)
-        written.append(out / "final_accuracy.png")
+        written.append(_finish(plt, fig, axes, 7, "Final held-out accuracy (mean ± sd over seeds)",
+                               out / "final_accuracy.png", 110))
     curves = _curves(cells, out)
     if curves:
         keys = ("eval/id/accuracy", "eval/ood/accuracy", "reward/mean")
@@ -845,12 +851,8 @@ def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path
                 ax.set_xlabel("round")
                 ax.set_ylabel(key)
                 ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=6, ncol=2)
-        fig.suptitle("Learning curves: mean over seeds, band ± 1 sd over seeds")
-        fig.tight_layout()
-        fig.savefig(out / "curves.png", dpi=100, metadata=PNG_META)
-        plt.close(fig)
-        written.append(out / "curves.png")
+        written.append(_finish(plt, fig, axes, 6, "Learning curves: mean over seeds, band ± 1 sd over seeds",
+                               out / "curves.png", 100))
     return written
 
 
