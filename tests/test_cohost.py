@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from clients.client_app import worker_host
-from clients.worker import WorkerError, call, ensure_worker, existing_worker
-from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec
+from clients.worker import FAULT_ENV, WorkerError, call, ensure_worker, existing_worker
+from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec, to_jsonable
 from ftis_fed.trust.signing import generate_keypair, load_key_directory, verify_challenge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,8 +22,8 @@ RUN_CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"
 @pytest.mark.slow
 def test_three_participants_share_one_worker_and_fail_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("FTIS_FED_RUNTIME", str(tmp_path / "rt"))
-    table = {"participants": [{"name": "t", "count": 3, "model": "tiny-llama", "adapter": "full",
-                               "overrides": {"1": {"fault": "raise:generate:1"}}}]}
+    monkeypatch.setenv(FAULT_ENV, "t-1=raise:generate:1")            # the worker inherits it
+    table = {"participants": [{"name": "t", "count": 3, "model": "tiny-llama", "adapter": "full"}]}
     rc, _ = absolute_paths({**RUN_CONFIG, "population": json.dumps(table), "output-dir": str(tmp_path / "out"),
                             "participants-per-worker": 3, "task-families": "add1", "max-new-tokens": 4,
                             "prompts-per-round": 1, "eval-every": 0, "run-name": "cohost"}, {})
@@ -35,7 +35,8 @@ def test_three_participants_share_one_worker_and_fail_alone(tmp_path, monkeypatc
     specs = [participant_spec(rc, nc, fed) for nc in nodes]
     hosts = {worker_host(fed, s, nc)[0] for s, nc in zip(specs, nodes)}
     assert hosts == {"host0-of-3"}
-    payload = {"run_config": rc, "node_config": nodes[0], "concurrent": 1, "run_key": "r1"}
+    payload = {"run_config": rc, "node_config": nodes[0], "participant": to_jsonable(specs[0]), "concurrent": 1,
+               "run_key": "r1"}
     conn = ensure_worker("r1", "host0-of-3", payload, tmp_path / "worker.log", start_timeout=600)
     infos = []
     for s, nc in zip(specs, nodes):

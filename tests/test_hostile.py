@@ -17,6 +17,7 @@ import pytest
 import zstandard as zstd
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from ftis_fed.trust.bounds import RETOKENIZE_FACTOR
 from ftis_fed.wire import codec as wire
 from ftis_fed.wire.batch import CompletionBatch, make_group
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
@@ -355,7 +356,7 @@ def test_emoji_texts_of_another_tokenizer_are_bounded_by_their_retokenized_lengt
     with hard_limit(60):
         recv = receive([signed(batch(policy, [g], tokenizer_fp="tok-other"))], 1, *rx)
     assert rejected(recv, "retokenized_too_long") and rx[0].strikes["alice"] == 1
-    assert rx[1].bounds.max_retokenized_tokens == 2 * 32 + 1
+    assert rx[1].bounds.max_retokenized_tokens == RETOKENIZE_FACTOR * 32 + 1 == 129   # 2,000+ tokens refused
     fine = group_for(policy, t, [t.reference, "1", "2", "3"])
     recv = receive([signed(batch(policy, [fine], round=2, tokenizer_fp="tok-other"))], 2, *rx)
     assert recv.metrics["offpolicy/accepted"] == 1

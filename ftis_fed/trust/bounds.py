@@ -25,7 +25,7 @@ CHARS_PER_TOKEN = 32
 #: run's ``max-new-tokens`` in the receiver's tokenizer (plus its EOS), and a batch's texts to this
 #: many times the run's completion tokens per frame (``max_retokenized_tokens`` /
 #: ``max_retokenized_batch_tokens``); beyond, the batch is refused (``retokenized_too_long``).
-RETOKENIZE_FACTOR = 2
+RETOKENIZE_FACTOR = 4
 
 
 @dataclass(frozen=True)
