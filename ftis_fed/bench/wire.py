@@ -12,7 +12,7 @@ encode+sign+verify+decode throughput.
     ftis-fed bench wire --source synthetic   # no model (smoke test)
     ftis-fed bench wire --prompt-set task --prompts 4 --group-size 4 --max-new-tokens 24
                                              # the default federation's shapes and prompts
-    ftis-fed bench wire ... --rollouts-file /tmp/rollouts.json   # generate once, then reuse
+    ftis-fed bench wire ... --rollouts-file outputs/rollouts.json   # generate once, then reuse
 
 The rollout source is one small function (``SOURCES``): ``policy`` uses the project's policy API
 (``build_policy(PolicyConfig(model=...)).generate``), ``transformers`` plain ``generate`` with
