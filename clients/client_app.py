@@ -45,15 +45,21 @@ def _spec(context: Context):
 def _worker(context: Context):
     """(connection to this participant's worker, seconds to wait for its answer)."""
     run_config, node_config, fed, spec = _spec(context)
-    host, per = worker_host(fed, spec, node_config)
-    concurrent = 1 if "participant" in node_config else -(-int(node_config.get("num-partitions", 1)) // per)
-    payload = {"run_config": run_config, "node_config": node_config, "participant": to_jsonable(spec),
-               "concurrent": concurrent, "run_key": str(context.run_id)}
+    host, payload = worker_payload(run_config, node_config, fed, spec, str(context.run_id))
     conn = ensure_worker(str(context.run_id), host, payload, Path(spec.state_dir) / "worker.log",
                          start_timeout=fed.wait_for_participants_s)
     # The server stops waiting after round-timeout-s; so does the ClientApp, which frees it (and a
     # simulation's actor) from a hung participant.
     return conn, fed.round_timeout_s, (spec.name, node_config)
+
+
+def worker_payload(run_config: dict, node_config: dict, fed, spec, run_key: str) -> tuple[str, dict]:
+    """(the worker's host name, what it needs to build its participant): the run and node config,
+    the resolved participant spec, how many participants it may serve at once, the run key."""
+    host, per = worker_host(fed, spec, node_config)
+    concurrent = 1 if "participant" in node_config else -(-int(node_config.get("num-partitions", 1)) // per)
+    return host, {"run_config": run_config, "node_config": node_config, "participant": to_jsonable(spec),
+                  "concurrent": concurrent, "run_key": run_key}
 
 
 def worker_host(fed, spec, node_config) -> tuple[str, int]:

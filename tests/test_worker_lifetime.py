@@ -48,10 +48,16 @@ def _run_config(tmp: Path, **over) -> dict:
 _CLIENTAPP = textwrap.dedent(r"""
     import json, sys, time
     from pathlib import Path
+    from clients.client_app import worker_payload
     from clients.worker import WorkerError, call, ensure_worker
-    payload = json.loads(sys.argv[1])
+    from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec
+    given = json.loads(sys.argv[1])
+    run_config, node_config = absolute_paths(given["run_config"], given["node_config"])
+    fed = federation_from_run_config(run_config)
+    spec = participant_spec(run_config, node_config, fed)           # what the ClientApp resolves
+    host, payload = worker_payload(run_config, node_config, fed, spec, given["run_key"])
     try:
-        conn = ensure_worker("run-1", "p0", payload, Path(sys.argv[2]), start_timeout=600)
+        conn = ensure_worker("run-1", host, payload, Path(sys.argv[2]), start_timeout=600)
     except WorkerError as e:
         print(json.dumps({"error": str(e)}), flush=True)
         sys.exit(0)
@@ -97,11 +103,15 @@ def test_a_worker_whose_run_is_gone_exits(tmp_path):
 
 @pytest.mark.slow                       # two processes importing torch: ~20 s
 def test_a_worker_that_cannot_have_its_device_stops_with_one_line(tmp_path):
-    app = _clientapp(tmp_path, _run_config(tmp_path, **{"p0-device": "cuda:3"}))
+    from ftis_fed.config.federation import participant_names
+
+    rc = _run_config(tmp_path, **{"p0-device": "cuda:3"})
+    app = _clientapp(tmp_path, rc)
     out = json.loads(app.stdout.readline())
     app.wait(timeout=120)
     err = out["error"]
-    assert err.startswith("participant 'p0': p0-device='cuda:3': not visible; visible CUDA devices: none"), err
+    name = participant_names(rc)[0]
+    assert err.startswith(f"participant '{name}': p0-device='cuda:3': not visible; visible CUDA devices: none"), err
     assert "\n" not in err and "Traceback" not in err
 
 
