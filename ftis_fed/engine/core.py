@@ -503,11 +503,7 @@ class Engine:
                 frames, texts_variant = frames[:1], frames[1]   # the boundary checked their order and headers
             for frame in frames:
                 try:
-                    sender = parse_header(frame, self.inbox.config.limits).sender
-                    if sender != name:
-                        raise BatchValidationError("sender_mismatch", f"frame names sender {sender[:64]!r}, "
-                                                                      f"the node said hello as {name!r}")
-                    acc = self.inbox.accept(frame, expected_round=rnd)
+                    acc = self.inbox.accept(frame, expected_round=rnd, expected_sender=name)
                     self._check_tasks(acc.batch)
                 except Exception as e:                          # noqa: BLE001 - never let a frame end the run
                     self._refused_frame(name, rnd, stats, e)

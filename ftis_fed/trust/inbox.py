@@ -129,13 +129,15 @@ class Inbox:
         self.strikes: Counter[str] = Counter()       # signed batches per sender that disagreed (receive.py)
 
     def accept(self, frame: bytes | None, expected_round: int | None = None,
-               bounds: ReceiveBounds | None = None) -> Accepted:
+               bounds: ReceiveBounds | None = None, expected_sender: str | None = None) -> Accepted:
         """One frame -> Accepted, or BatchValidationError (counted under its reason).
 
-        bounds: this call's receiver bounds (default ``config.bounds``).
+        bounds: this call's receiver bounds (default ``config.bounds``). expected_sender: the
+        sender the frame must name (``sender_mismatch`` otherwise, before the replay guard sees it).
         """
         try:
-            out = self._accept(frame, expected_round, bounds if bounds is not None else self.config.bounds)
+            out = self._accept(frame, expected_round, bounds if bounds is not None else self.config.bounds,
+                               expected_sender)
         except BatchValidationError as e:
             self.counts[f"rejected/{e.reason}"] += 1
             raise
@@ -159,14 +161,14 @@ class Inbox:
         """Cumulative counters as namespaced metrics, e.g. ``offpolicy/rejected/replay``."""
         return {prefix + k: v for k, v in sorted(self.counts.items())}
 
-    def _accept(self, frame, expected_round, bounds: ReceiveBounds | None) -> Accepted:
+    def _accept(self, frame, expected_round, bounds: ReceiveBounds | None, expected_sender=None) -> Accepted:
         cfg = self.config
         if frame is None:
             raise BatchValidationError("missing_field", "frame: no batch bytes in the message")
         limits = cfg.limits
         if bounds is not None:                         # only the frame size before the signature holds
             limits = dataclasses.replace(limits, max_frame_bytes=min(limits.max_frame_bytes, bounds.max_frame_bytes))
-        h, body = verify_frame(frame, self.keys, limits)
+        h, body = verify_frame(frame, self.keys, limits, expected_sender)
         try:
             return self._authenticated(h, body, bytes(frame), expected_round, bounds)
         except BatchValidationError as e:

@@ -336,8 +336,11 @@ def sign_batch(batch: CompletionBatch, key: Ed25519PrivateKey, options: WireOpti
 
 
 def verify_frame(frame: bytes, keys: Mapping[str, Ed25519PublicKey],
-                 limits: WireLimits = WireLimits()) -> tuple[WireHeader, bytes]:
+                 limits: WireLimits = WireLimits(), expected_sender: str | None = None) -> tuple[WireHeader, bytes]:
     """Check a frame's signature with its sender's registered key -> (header, body).
+
+    expected_sender: who must have sent it (the server: the participant the node said hello as);
+    another sender in the header is ``sender_mismatch``, found before any key is used.
 
     Reasons: ``unknown_sender`` (no key for the header's sender), ``bad_signature``,
     ``revoked_key`` (a valid signature by a key the ``KeyDirectory``'s revocation file lists,
@@ -346,6 +349,9 @@ def verify_frame(frame: bytes, keys: Mapping[str, Ed25519PublicKey],
     decompressed before the signature holds.
     """
     h = parse_header(frame, limits)
+    if expected_sender is not None and h.sender != expected_sender:
+        raise BatchValidationError("sender_mismatch", f"frame names sender {h.sender[:64]!r}, "
+                                                      f"the node said hello as {expected_sender!r}")
     key = keys.get(h.sender)
     if key is None:
         raise BatchValidationError("unknown_sender", f"sender {h.sender!r}: not in the key directory "
