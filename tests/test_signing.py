@@ -99,6 +99,17 @@ def test_sign_verify_round_trip(keydir):
     assert np.array_equal(decode_payload(h, body).groups[0].completion_ids[0], [4, 5])
 
 
+def test_an_expected_sender_is_checked_before_any_key(keydir):
+    """The server knows who sent a reply (the node's hello): a frame naming anyone else is
+    sender_mismatch, even one validly signed by that other participant."""
+    keys = load_key_directory(keydir)
+    frame = sign_batch(batch(), load_private_key(keydir / "private" / "alice.key"))
+    assert verify_frame(frame, keys, expected_sender="alice")[0].sender == "alice"
+    with pytest.raises(BatchValidationError) as e:
+        verify_frame(frame, keys, expected_sender="bob")
+    assert e.value.reason == "sender_mismatch"
+
+
 def test_sign_batch_validates_first(keydir):
     b = batch()
     g = b.groups[0]
