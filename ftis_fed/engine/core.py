@@ -310,10 +310,14 @@ class Engine:
         said = {i["participant"]: (i["tokenizer_fp"], _int_or_none(i.get("vocab_size"))) for i in self.nodes.values()}
         self.inbox.config = dataclasses.replace(self.inbox.config, tokenizers=said)
 
+    def hello_requests(self, addrs: list[Address]) -> tuple[dict[Address, bytes], dict[Address, dict]]:
+        """(a fresh 32-byte challenge per node, the hello request carrying it, the run id and the node)."""
+        challenges = {a: secrets.token_bytes(32) for a in addrs}
+        return challenges, {a: {"run": self.run_id, "node": str(a), "challenge": challenges[a]} for a in addrs}
+
     def _hello(self, addrs: list[Address], timeout: float) -> None:
         """Say hello to ``addrs`` (fresh challenges) and admit the nodes whose proofs hold."""
-        challenges = {a: secrets.token_bytes(32) for a in addrs}
-        requests = {a: {"run": self.run_id, "node": str(a), "challenge": challenges[a]} for a in addrs}
+        challenges, requests = self.hello_requests(addrs)
         with PhaseProgress("hello (participants loading their models)", {a: str(a) for a in addrs}, self.log,
                            self.fed.progress_every_s, self.clock, tracked=self.io.reports_replies) as progress:
             replies, dropped = self.io.send("hello", requests, timeout, on_reply=progress.replied)

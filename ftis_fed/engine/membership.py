@@ -24,7 +24,6 @@ is counted in the federation row (``fed/joined``, ``fed/rejoined``, ``fed/retire
 
 from __future__ import annotations
 
-import secrets
 from collections import Counter
 from logging import INFO, WARNING
 from typing import Any, Hashable
@@ -125,8 +124,7 @@ class Membership:
 
     def _hello(self, rnd: int, addrs: list[Address], connected: set, events: Counter) -> None:
         e, fed = self.engine, self.engine.fed
-        challenges = {a: secrets.token_bytes(32) for a in addrs}
-        requests = {a: {"run": e.run_id, "node": str(a), "challenge": challenges[a]} for a in addrs}
+        challenges, requests = e.hello_requests(addrs)
         replies, dropped = e.io.send("hello", requests, fed.join_timeout_s)
         for a, why in dropped.items():
             e.log(WARNING, "round %d: node %s did not answer hello (%s): %s", rnd, a, why.reason, why.detail[-200:])
