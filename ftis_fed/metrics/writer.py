@@ -82,6 +82,7 @@ class MetricsWriter:
         self.jsonl = self.dir / "metrics.jsonl"
         self.csv = self.dir / "metrics.csv"
         self.moved: list[tuple[Path, Path]] = [] if append else self._move_aside()
+        self._csv_cols: list[str] | None = None        # the CSV's header, once read or written
 
     def _move_aside(self) -> list[tuple[Path, Path]]:
         old = [p for p in (self.jsonl, self.csv) if p.exists()]
@@ -104,11 +105,22 @@ class MetricsWriter:
         return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        """Append rows (JSONL) and rewrite the CSV."""
+        """Append rows to the JSONL, and to the CSV while they bring no new column (the CSV is
+        rewritten from the JSONL when they do: a run's cost per round stays that round's rows)."""
+        lines = [json.dumps({k: _clean(v) for k, v in r.items()}) for r in rows]
         with self.jsonl.open("a") as f:
-            for r in rows:
-                f.write(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n")
-        self._write_csv(self.rows())
+            f.writelines(line + "\n" for line in lines)
+        rows = [json.loads(line) for line in lines]            # what the CSV holds: the JSONL's values
+        if self._csv_cols is None and self.csv.exists():
+            with self.csv.open(newline="") as f:
+                self._csv_cols = next(csv.reader(f), [])
+        if self._csv_cols and {k for r in rows for k in r} <= set(self._csv_cols):
+            with self.csv.open("a", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=self._csv_cols)
+                for r in rows:
+                    w.writerow({k: r.get(k, "") for k in self._csv_cols})
+        else:
+            self._write_csv(self.rows())
         for sink in self.sinks:
             sink.log(rows)
 
@@ -126,6 +138,7 @@ class MetricsWriter:
             w.writeheader()
             for r in rows:
                 w.writerow({k: r.get(k, "") for k in cols})
+        self._csv_cols = cols
 
     def plot(self) -> list[Path]:
         """One PNG per entry of ``PLOTS`` (skipping metrics nobody reported) + fed.png; returns paths."""
