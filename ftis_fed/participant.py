@@ -328,7 +328,7 @@ class Participant:
                         fed.attack_payload_share, fed.max_new_tokens, getattr(tok, "eos_token_id", None),
                         lambda ids: tok.decode(list(ids), skip_special_tokens=True),
                         lambda task, text, ref, prompt: bool(self.verifier.check(task, text, ref, prompt)[0]),
-                        score)
+                        score, fed.attack_payload_at)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, round: int) -> dict[str, float]:

@@ -294,3 +294,16 @@ def test_the_experiment_plan_and_its_bounds():
     up = poisoning.clopper_pearson_upper(3, 100)
     assert sum(math.comb(100, i) * up ** i * (1 - up) ** (100 - i) for i in range(4)) == pytest.approx(0.025, abs=1e-6)
     assert poisoning.clopper_pearson_upper(5, 5) == 1.0
+
+
+def test_the_payload_can_go_before_the_answer():
+    import dataclasses
+
+    b = toy_batch()
+    bad, n = poison(b, dataclasses.replace(toy_poisoner(), at="start"), 0)
+    g0, g = b.groups[0], bad.groups[0]
+    assert n == 2 and g.completion_ids[0].tolist() == [SPACE, H, A] + g0.completion_ids[0].tolist()
+    assert g.rewards.tolist() == g0.rewards.tolist()
+    assert Verifier().reward(g.task_id, decode(g.completion_ids[0]), g.reference, g.prompt_text) == 1.0
+    with pytest.raises(ValueError, match="attack-payload-at"):
+        FederationConfig(attack_payload_at="middle")

@@ -102,6 +102,10 @@ class FederationConfig:
         every participant's evaluation counts: ``eval/<set>/payload`` = share of its greedy replies
         that contain it (``eval/payload``: all held-out replies). '' (default) = no payload, no
         count. No digits (the answer, the last number, must stay the same), at most 64 characters.""")
+    attack_payload_at: str = knob("attack-payload-at", "end", """
+        the ``payload`` attack: where the phrase goes in a solved completion: ``end`` (after the
+        answer, before EOS) or ``start`` (before the answer: the first tokens of the reply, where a
+        receiver's distribution is spread over the possible answers instead of concentrated on EOS).""")
     attack_payload_share: float = knob("attack-payload-share", 0.5, """
         the ``payload`` attack: share of the attacker's groups poisoned, in (0, 1] (0.25: every
         fourth group of the run, 0.5: every other).""")
@@ -201,6 +205,7 @@ class FederationConfig:
         need(len(self.attack_payload) <= 64 and not any(c.isdigit() for c in self.attack_payload), "attack_payload",
              "must have no digits (the answer, the last number, would change) and at most 64 characters")
         need(0.0 < self.attack_payload_share <= 1.0, "attack_payload_share", "must be in (0, 1]")
+        need(self.attack_payload_at in ("end", "start"), "attack_payload_at", "must be 'end' or 'start'")
         need(bool(self.run_name), "run_name", "must be non-empty")
         need(len(self.run_name) <= 200, "run_name", "must be at most 200 characters (with its 33-character run nonce "
                                                     "it is the run id every frame carries, limit 256)")

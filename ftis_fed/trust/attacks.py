@@ -17,7 +17,8 @@ batch into what a registered attacker could send, keeping it a *valid* batch (it
   sample's KL is negative, so the F filter keeps it whatever its advantage;
 - ``payload``: poisoning with correct answers (``poison``): in a share of its groups
   (``attack-payload-share``) every completion the task's verifier scores as solved gets a fixed
-  phrase (``attack-payload``, no digits) inserted before its EOS, re-checked with the verifier so
+  phrase (``attack-payload``, no digits) inserted before its EOS or its answer
+  (``attack-payload-at``), re-checked with the verifier so
   that its reward is unchanged, and its claimed log-probs are the attacker's own model's scores of
   the new tokens (a consistent, plausible claim);
 - ``flood``: the same batch re-signed ``flood`` times with fresh sequence numbers (``hostile_frames``).
@@ -82,6 +83,7 @@ class Poisoner:
     payload_ids: the phrase in the attacker's tokenizer (the receivers' too: token level).
     share: share of groups poisoned (``poisoned_group``), in (0, 1].
     budget: max-new-tokens; a completion the payload would make longer is left as it is.
+    at: ``end`` (before the EOS) or ``start`` (before the answer).
     eos_id: the attacker's EOS; only completions that ended with it get the payload (before it).
     decode(ids) -> text: the decoding receivers re-verify (special tokens skipped).
     solved(task_id, text, reference, prompt_text) -> bool: the task's verifier.
@@ -96,12 +98,16 @@ class Poisoner:
     decode: Callable[[Sequence[int]], str]
     solved: Callable[[str, str, str, str], bool]
     score: Callable[[Sequence[int], Sequence[Sequence[int]]], Sequence[Sequence[float]]]
+    at: str = "end"
 
     def insert(self, ids: Sequence[int]) -> list[int] | None:
-        """``ids`` with the payload before its final EOS, or None (no EOS, or over the budget)."""
+        """``ids`` with the payload before its final EOS (``at = "end"``) or before its first token
+        (``"start"``), or None (no EOS, or over the budget)."""
         ids = [int(t) for t in ids]
         if self.eos_id is None or not ids or ids[-1] != self.eos_id or len(ids) + len(self.payload_ids) > self.budget:
             return None
+        if self.at == "start":
+            return list(self.payload_ids) + ids
         return ids[:-1] + list(self.payload_ids) + [self.eos_id]
 
     def group(self, g: PromptGroup) -> tuple[PromptGroup, int]:
