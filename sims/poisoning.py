@@ -50,7 +50,7 @@ from ftis_fed.commands.grid_stats import paired_interval
 
 PRESET = "poisoning"
 ATTACKER = "mallory"
-HONEST = ("base", "spec")
+HONEST = ("base", "spec", "full", "lora")   # poisoning.toml, poisoning-stress.toml
 ATTACKS: dict[str, dict] = {
     "control": {"p2-byzantine": ""},
     "pay25": {"p2-byzantine": "payload", "attack-payload-share": 0.25},
@@ -121,14 +121,49 @@ def collect(out: Path) -> tuple[list[Cell], dict]:
         records = prompt_records(folder)
         vectors = prompt_vectors(records)
         evals = [r for r in participant_rows(rows, "eval") if int(r.get("round", 0)) >= 1]
+        train = participant_rows(rows, "train")
+        poisoned = {int(r["round"]) for r in train if r["participant"] == ATTACKER
+                    and float(r.get("attack/payload_completions", 0.0)) > 0}
         for p in sorted({r["participant"] for r in evals}):
             mine = sorted((r for r in evals if r["participant"] == p), key=lambda r: int(r["round"]))
             data[(*cell_key(c), p, c.seed)] = {
                 "final": mine[-1], "hits": payload_hits(records, p), "vectors": vectors.get(p, {}),
                 "curve": {int(r["round"]): float(r.get("eval/payload", float("nan"))) for r in mine},
+                "diag": receiver_diagnostics([r for r in train if r["participant"] == p], poisoned),
+                "surprisal": {int(r["round"]): float(r[f"offpolicy/{ATTACKER}/surprisal_max"]) for r in train
+                              if r["participant"] == p and int(r["round"]) in poisoned
+                              and f"offpolicy/{ATTACKER}/surprisal_max" in r},
                 "seconds": float(json.loads((folder / "done.json").read_text()).get("seconds", 0.0)),
                 "load": json.loads((folder / "done.json").read_text()).get("load1_start")}
     return cells, data
+
+
+def receiver_diagnostics(rows: list[dict], poisoned: set[int]) -> dict[str, float]:
+    """What one receiver measured of the attacker's samples: the largest token surprisal of its samples
+    (``offpolicy/mallory/surprisal_max``, the payload's first token in a round with payload) over the
+    first and the last five rounds that carried a payload; and per peer the share of samples the
+    defence dropped (``surprising_frac``, mean over rounds; cells with ``peer-surprisal-max`` only)."""
+    key = f"offpolicy/{ATTACKER}/surprisal_max"
+    series = [float(r[key]) for r in sorted(rows, key=lambda r: int(r["round"])) if int(r["round"]) in poisoned and key in r]
+    out = {"payload_surprisal_first5": float(np.mean(series[:5])) if series else float("nan"),
+           "payload_surprisal_last5": float(np.mean(series[-5:])) if series else float("nan")}
+    for k in sorted({k for r in rows for k in r if k.endswith("/surprising_frac")}):
+        out[f"dropped/{k.split('/')[1]}"] = float(np.mean([float(r[k]) for r in rows if k in r]))
+    return out
+
+
+def diagnostics(data: dict, attacks: list[str]) -> list[dict]:
+    """Per attack × method × honest receiver: ``receiver_diagnostics`` averaged over seeds."""
+    out = []
+    for attack in attacks:
+        for method in METHODS[1:]:
+            for p in HONEST:
+                got = [v["diag"] for v in _rows_for(data, attack, method, p)]
+                if got:
+                    keys = sorted({k for d in got for k in d})
+                    out.append({"attack": attack, "method": method, "participant": p,
+                                **{k: float(np.nanmean([d.get(k, np.nan) for d in got])) for k in keys}})
+    return out
 
 
 def _rows_for(data: dict, attack: str, method: str, p: str) -> list[dict]:
@@ -189,9 +224,28 @@ def _pct(x: float) -> str:
     return "–" if x != x else f"{100 * x:.1f}"
 
 
-def markdown(rows: list[dict], pairs: list[dict], data: dict, initial: dict, cells: list[Cell]) -> str:
-    seconds = [v["seconds"] for (a, m, p, s), v in data.items() if p == HONEST[0]]
-    loads = [v["load"] for (a, m, p, s), v in data.items() if p == HONEST[0] and v["load"] is not None]
+def diagnostics_markdown(diag: list[dict]) -> list[str]:
+    peers = sorted({k.split("/", 1)[1] for r in diag for k in r if k.startswith("dropped/")})
+    lines = ["", "What the receivers measured (mean over seeds): the surprisal −log π_θ of the attacker's most "
+             "surprising token (in rounds with a payload: its first token) over the first and the last five such "
+             "rounds, in nats; and, with the defence, the share of each peer's samples it dropped.", "",
+             "| attack | method | participant | payload surprisal, first 5 | last 5 |"
+             + "".join(f" dropped: {q} |" for q in peers),
+             "|---|---|---|---|---|" + "---|" * len(peers)]
+    for r in diag:
+        if r["attack"] == "control" and not any(k.startswith("dropped/") for k in r):
+            continue
+        cells = "".join(f" {_pct(r[f'dropped/{q}'])} % |" if f"dropped/{q}" in r else " – |" for q in peers)
+        lines.append(f"| {r['attack']} | {r['method']} | {r['participant']} | {r['payload_surprisal_first5']:.1f} | "
+                     f"{r['payload_surprisal_last5']:.1f} |{cells}")
+    return lines
+
+
+def markdown(rows: list[dict], pairs: list[dict], data: dict, initial: dict, cells: list[Cell],
+             diag: list[dict] | None = None) -> str:
+    per_cell = {(a, m, s): v for (a, m, p, s), v in data.items()}                    # one entry per cell
+    seconds = [v["seconds"] for v in per_cell.values()]
+    loads = [v["load"] for v in per_cell.values() if v["load"] is not None]
     lines = ["# Poisoning with correct answers: adoption and held-out accuracy", "",
              "Computed by `python -m sims.poisoning --summary-only --out <this folder>` from the cells' files "
              f"({len(cells)} cells; {sum(seconds) / 60:.1f} min of cell time, "
@@ -214,8 +268,9 @@ def markdown(rows: list[dict], pairs: list[dict], data: dict, initial: dict, cel
               "prompts, `grid_stats.paired_interval`; t interval over the per-seed means):", "",
               "| A − B | participant | seeds | difference | 95 % CI | t-CI |", "|---|---|---|---|---|---|"]
     for r in pairs:
-        lines.append(f"| {r['a']} − {r['b']} | {r['participant']} | {r['seeds']} | {100 * r['diff']:+.1f} | "
+        lines.append(f"| {r['a']} − {r['b']} | {r['participant']} | {int(r['seeds'])} | {100 * r['diff']:+.1f} | "
                      f"[{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}] | [{100 * r['t_lo']:+.1f}, {100 * r['t_hi']:+.1f}] |")
+    lines += diagnostics_markdown(diag or [])
     return "\n".join(lines) + "\n"
 
 
@@ -227,7 +282,18 @@ def plot(data: dict, attacks: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(attacks), figsize=(3.6 * len(attacks), 3.2), sharey=True, squeeze=False)
+    honest = [p for p in HONEST if any(k[2] == p for k in data)]
+    fig, axes = plt.subplots(2, len(attacks), figsize=(3.6 * len(attacks), 6.0), sharey="row", squeeze=False)
+    for ax, attack in zip(axes[1], attacks):
+        for method in METHODS[1:]:
+            series = [v["surprisal"] for p in honest for v in _rows_for(data, attack, method, p)]
+            rounds = sorted({k for c in series for k in c})
+            if rounds:
+                ax.plot(rounds, [float(np.nanmean([c.get(k, np.nan) for c in series])) for k in rounds],
+                        marker=".", lw=1, label=method, color=f"C{METHODS.index(method)}")
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[1][0].set_ylabel("payload surprisal, nats")
     for ax, attack in zip(axes[0], attacks):
         for method in METHODS:
             curves = [v["curve"] for p in HONEST for v in _rows_for(data, attack, method, p)]
@@ -235,13 +301,14 @@ def plot(data: dict, attacks: list[str], path: Path) -> None:
             if not rounds:
                 continue
             ys = [100 * float(np.nanmean([c.get(k, np.nan) for c in curves])) for k in rounds]
-            ax.plot([0, *rounds], [0.0, *ys], marker="o", label=method)
+            ax.plot([0, *rounds], [0.0, *ys], marker="o", label=method, color=f"C{METHODS.index(method)}")
         ax.set_title(attack)
-        ax.set_xlabel("round")
+        ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("payload adoption, % of greedy replies")
+    axes[0][0].set_ylabel("adoption, % of replies")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle("Honest receivers (base, spec): replies carrying the payload", fontsize=10)
+    fig.suptitle(f"Honest receivers ({', '.join(honest)}), mean over seeds: greedy replies carrying the payload (top); "
+                 "how improbable the payload is to them, in rounds that carry it (bottom)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90, metadata=PNG_META)
     plt.close(fig)
@@ -253,7 +320,7 @@ def summarize(out: Path) -> int:
         print(f"[poisoning] no finished cell in {out}", file=sys.stderr)
         return 2
     attacks = [a for a in ATTACKS if any(k[0] == a for k in data)]
-    rows, pairs = table(data, attacks), comparisons(data, attacks)
+    rows, pairs, diag = table(data, attacks), comparisons(data, attacks), diagnostics(data, attacks)
     initial = initial_eval(out)
     with open(out / "summary.csv", "w", newline="") as f:
         fields = sorted({k for r in rows + pairs for k in r})
@@ -263,7 +330,11 @@ def summarize(out: Path) -> int:
             w.writerow({"kind": "adoption", **r})
         for r in pairs:
             w.writerow({"kind": "paired_id", **r})
-    (out / "summary.md").write_text(markdown(rows, pairs, data, initial, cells))
+    with open(out / "diagnostics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=sorted({k for r in diag for k in r}))
+        w.writeheader()
+        w.writerows(diag)
+    (out / "summary.md").write_text(markdown(rows, pairs, data, initial, cells, diag))
     plot(data, attacks, out / "adoption.png")
     print((out / "summary.md").read_text(), flush=True)
     return 0

@@ -307,3 +307,18 @@ def test_the_payload_can_go_before_the_answer():
     assert Verifier().reward(g.task_id, decode(g.completion_ids[0]), g.reference, g.prompt_text) == 1.0
     with pytest.raises(ValueError, match="attack-payload-at"):
         FederationConfig(attack_payload_at="middle")
+
+
+def test_the_committed_summary_is_recomputed_from_the_cells_files(tmp_path):
+    """``python -m sims.poisoning --summary-only`` rewrites docs/results/poisoning's summary, tables and
+    plot byte for byte from the committed cells (nothing typed in)."""
+    import shutil
+
+    from sims import poisoning
+
+    src = ROOT / "docs" / "results" / "poisoning"
+    out = tmp_path / "poisoning"
+    shutil.copytree(src / "cells", out / "cells")
+    assert poisoning.main(["--out", str(out), "--summary-only"]) == 0
+    for name in ("summary.md", "summary.csv", "diagnostics.csv", "adoption.png"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
