@@ -13,7 +13,8 @@ Federation (``sims/presets/poisoning.toml``): ``base`` and ``spec`` (the researc
   every solved completion gets ``attack-payload`` before its EOS; its claimed log-probs are its own
   model's scores of the new tokens;
 - ``paylie``: the payload in 1/2 of its groups and every claimed log-prob log(1e-4) (``lowlogprobs``):
-  every token then gets the largest truncated weight C while the k1 filter keeps the sample.
+  every token then gets the largest truncated weight C while the k1 filter keeps the sample;
+- ``pay100``: the payload in every group (beyond the issue's 1/4 and 1/2; the stress setting).
 
 Methods: ``noIS``, ``F-TIS`` and ``F-TIS+def`` (F-TIS with ``peer-surprisal-max``) under every attack,
 and ``alone`` once per seed (it trains on its own samples only, so no attack reaches it). Seeds: per
@@ -56,6 +57,7 @@ ATTACKS: dict[str, dict] = {
     "pay25": {"p2-byzantine": "payload", "attack-payload-share": 0.25},
     "pay50": {"p2-byzantine": "payload", "attack-payload-share": 0.5},
     "paylie": {"p2-byzantine": "payload,lowlogprobs", "attack-payload-share": 0.5},
+    "pay100": {"p2-byzantine": "payload", "attack-payload-share": 1.0},      # the stress setting only
 }
 METHODS = ("alone", "noIS", "F-TIS", "F-TIS+def")
 #: the defence's threshold (nats) unless --surprisal says otherwise; chosen in the calibration
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default=PRESET, help="the federation (sims/presets/NAME.toml)")
     ap.add_argument("--app", default=".")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of {', '.join(ATTACKS)}")
+    ap.add_argument("--attacks", default="control,pay25,pay50,paylie", help=f"comma-separated, of {', '.join(ATTACKS)}")
     ap.add_argument("--surprisal", type=float, default=SURPRISAL, help="peer-surprisal-max of the F-TIS+def cells")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--run-config", action="append", default=[], help="extra run-config items for every cell")
