@@ -342,6 +342,45 @@ def summarize(out: Path) -> int:
     return 0
 
 
+def probe(models: list[str], n: int = 40, out: Path | None = None) -> str:
+    """How far a digit-free payload is from each model's greedy reply: the mean surprisal (nats, at the
+    run's T = 0.7) of the most probable non-digit, non-special tokens as the first token of a reply and
+    right after the correct answer (where EOS competes), over ``n`` train prompts (add30 / sub30
+    alternating, task seed 5: no held-out item). Written to ``out`` (markdown) when given."""
+    import torch
+
+    from ftis_fed.policies import PolicyConfig, build_policy
+    from ftis_fed.tasks.suite import task_at
+    from ftis_fed.wire.batch import SamplingParams
+
+    sampling = SamplingParams(0.7, 1.0, 0, 8)
+    lines = ["| model | first token: best digit | first token: best digit-free tokens | after the answer: EOS "
+             "| after the answer: best digit-free tokens |", "|---|---|---|---|---|"]
+    for name in models:
+        pol = build_policy(PolicyConfig(model=name))
+        tok = pol.tokenizer
+        V = len(tok)
+        digits = {tok.convert_tokens_to_ids(str(d)) for d in range(10)}
+        start, end = torch.zeros(V), torch.zeros(V)                                   # (V,) summed log-probs
+        for i in range(n):
+            t = task_at("add30" if i % 2 else "sub30", "train", 5, i)
+            p = pol.format_prompt(t.text)
+            ans = tok(t.reference, add_special_tokens=False)["input_ids"]
+            start += pol.score_padded([p] * V, [[v] for v in range(V)], sampling, False)[:, 0]
+            end += pol.score_padded([p] * V, [ans + [v] for v in range(V)], sampling, False)[:, len(ans)]
+        start, end = -start / n, -end / n                                             # mean surprisal
+        free = [v for v in range(V) if v not in digits and v not in set(tok.all_special_ids)]
+
+        def best(x):
+            return ", ".join(f"`{tok.decode([v])!r}` {float(x[v]):.1f}" for v in sorted(free, key=lambda v: x[v])[:3])
+        lines.append(f"| {name} | {min(float(start[d]) for d in digits):.1f} | {best(start)} | "
+                     f"{float(end[tok.eos_token_id]):.2f} | {best(end)} |")
+    text = "\n".join(lines) + "\n"
+    if out is not None:
+        out.write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/poisoning")
@@ -353,8 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--run-config", action="append", default=[], help="extra run-config items for every cell")
     ap.add_argument("--summary-only", action="store_true")
+    ap.add_argument("--probe", default="", help="comma-separated models: print how improbable a digit-free payload "
+                    "is to each (probe.md in --out), and exit")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
+    if a.probe:
+        out.mkdir(parents=True, exist_ok=True)
+        print(probe([m.strip() for m in a.probe.split(",") if m.strip()], out=out / "probe.md"), flush=True)
+        return 0
     if a.summary_only:
         return summarize(out)
     attacks = [x.strip() for x in a.attacks.split(",") if x.strip()]
