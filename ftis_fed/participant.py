@@ -45,6 +45,7 @@ from ftis_fed.trust.attacks import Poisoner, hostile_frames, parse_kinds, poison
 from ftis_fed.trust.receive import ReceiverContext, receive
 from ftis_fed.learn.rollouts import scored_groups
 from ftis_fed.learn.source_weights import SourceAdapter
+from ftis_fed.learn.surprisal import needed_rows
 from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key,
                                    run_name_of, sign_batch, sign_challenge)
 from ftis_fed.learn.training import Trainer, samples_from_batches
@@ -240,8 +241,11 @@ class Participant:
         weights = recv.sample_weights(offset=len(batches))
         batches += recv.batches
         self.peer_models.update({b.sender: b.model_id for b in recv.batches})
+        exempt, n_exempt = self._surprisal_exempt(batches)
+        if exempt is not None:
+            metrics["train/surprisal_exempt"] = float(n_exempt)
         samples = samples_from_batches(batches, self.name, self.policy.tokenizer_fp, self.fed.objective,
-                                       retokenize=self.policy.retokenize, sample_weights=weights)
+                                       retokenize=self.policy.retokenize, sample_weights=weights, exempt=exempt)
         samples = self.adapt.apply(samples)                 # source-adapt: peers' negative advantages x w_s
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
@@ -262,6 +266,28 @@ class Participant:
             make_shareable(self.policy.export(self.state_dir / "export"), self.spec.policy, self._card())
             metrics["export/seconds"] = time.perf_counter() - t1
         return metrics
+
+    def _surprisal_exempt(self, batches: list[CompletionBatch]) -> tuple[dict | None, int]:
+        """``peer-surprisal-max`` with ``peer-surprisal-keep-needed``: per peer group (same tokenizer),
+        which completions' surprising tokens (under this participant's current policy) their
+        receiver-recomputed reward needs (``learn/surprisal.py``); (None, 0) when the check is off."""
+        obj = self.fed.objective
+        if obj.peer_surprisal_max <= 0 or not obj.peer_surprisal_keep_needed:
+            return None, 0
+        tok, out, n = self.policy.tokenizer, {}, 0
+        for bi, b in enumerate(batches):
+            if b.sender == self.name or b.tokenizer_fp != self.policy.tokenizer_fp:
+                continue
+            for gi, g in enumerate(b.groups):
+                comps = [c.tolist() for c in g.completion_ids]
+                lp = self.policy.score_padded([g.prompt_ids.tolist()] * len(comps), comps, self.fed.sampling, False)
+
+                def reward(ids, g=g):
+                    return self.verifier.reward(g.task_id, tok.decode(list(ids), skip_special_tokens=True),
+                                                g.reference, g.prompt_text)
+                out[(bi, gi)] = needed_rows(comps, lp.tolist(), g.rewards.tolist(), obj.peer_surprisal_max, reward)
+                n += sum(out[(bi, gi)])
+        return out, n
 
     def _receiver_context(self, peer_round: int) -> ReceiverContext:
         """How this participant checks peers' batches of ``peer_round``. Horizontal groups: a peer's

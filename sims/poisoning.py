@@ -16,8 +16,9 @@ Federation (``sims/presets/poisoning.toml``): ``base`` and ``spec`` (the researc
   every token then gets the largest truncated weight C while the k1 filter keeps the sample;
 - ``pay100``: the payload in every group (beyond the issue's 1/4 and 1/2; the stress setting).
 
-Methods: ``noIS``, ``F-TIS`` and ``F-TIS+def`` (F-TIS with ``peer-surprisal-max``) under every attack,
-and ``alone`` once per seed (it trains on its own samples only, so no attack reaches it). Seeds: per
+Methods: ``noIS``, ``F-TIS``, ``F-TIS+def`` (F-TIS with ``peer-surprisal-max``: every peer sample with a
+surprising token dropped) and ``F-TIS+need`` (the same, keeping those whose reward needs the surprising
+tokens, ``peer-surprisal-keep-needed``) under every attack, and ``alone`` once per seed (it trains on its own samples only, so no attack reaches it). Seeds: per
 seed s, ``seed = task-seed = s``; ``eval-seed = 0`` (the same held-out prompts in every cell).
 
 Cells run one at a time in this process (``ftis-fed grid``'s ``run_grid`` and in-process runner, one
@@ -59,7 +60,10 @@ ATTACKS: dict[str, dict] = {
     "paylie": {"p2-byzantine": "payload,lowlogprobs", "attack-payload-share": 0.5},
     "pay100": {"p2-byzantine": "payload", "attack-payload-share": 1.0},      # the stress setting only
 }
-METHODS = ("alone", "noIS", "F-TIS", "F-TIS+def")
+METHODS = ("alone", "noIS", "F-TIS", "F-TIS+def", "F-TIS+need")
+#: the defended variants: cell-name suffix -> (method, extra run-config items besides peer-surprisal-max)
+DEFENCES = {"def": ("F-TIS+def", {"peer-surprisal-keep-needed": False}),     # every surprising peer sample dropped
+            "need": ("F-TIS+need", {"peer-surprisal-keep-needed": True})}    # ... unless the reward needs those tokens
 #: the defence's threshold (nats) unless --surprisal says otherwise; chosen in the calibration
 #: (docs/security.md): above every honest peer token the receivers saw, below the payload's first token
 SURPRISAL = 12.0
@@ -74,15 +78,17 @@ def plan(seeds: int, attacks: list[str], surprisal: float) -> list[Cell]:
             items = ATTACKS[a]
             cells.append(Cell("noIS", "vertical", s, a, tuple(sorted(items.items()))))
             cells.append(Cell("F-TIS", "vertical", s, a, tuple(sorted(items.items()))))
-            cells.append(Cell("F-TIS", "vertical", s, f"{a}-def",
-                              tuple(sorted({**items, "peer-surprisal-max": surprisal}.items()))))
+            for suffix, (_method, more) in DEFENCES.items():
+                cells.append(Cell("F-TIS", "vertical", s, f"{a}-{suffix}",
+                                  tuple(sorted({**items, "peer-surprisal-max": surprisal, **more}.items()))))
     return cells
 
 
 def cell_key(c: Cell) -> tuple[str, str]:
-    """(attack, method) of a cell: ``F-TIS+pay50-def`` -> (pay50, F-TIS+def)."""
-    attack = c.variant.removesuffix("-def")
-    return attack, c.mode + ("+def" if c.variant.endswith("-def") else "")
+    """(attack, method) of a cell: ``F-TIS+pay50-def`` -> (pay50, F-TIS+def), ``F-TIS+pay50-need`` ->
+    (pay50, F-TIS+need)."""
+    attack, _, suffix = c.variant.partition("-")
+    return attack, DEFENCES[suffix][0] if suffix in DEFENCES else c.mode
 
 
 # ----------------------------------------------------------------------------- summary
@@ -210,10 +216,12 @@ def paired(data: dict, a: tuple[str, str], b: tuple[str, str], p: str, key: str 
 
 def comparisons(data: dict, attacks: list[str]) -> list[dict]:
     rows = []
-    pairs = [(("control", "F-TIS+def"), ("control", "F-TIS"))]
-    pairs += [((a, "F-TIS+def"), ("control", "F-TIS")) for a in attacks if a != "control"]
+    pairs = []
+    for d in ("F-TIS+def", "F-TIS+need"):
+        pairs += [(("control", d), ("control", "F-TIS"))]
+        pairs += [((a, d), ("control", "F-TIS")) for a in attacks if a != "control"]
     pairs += [((a, "F-TIS"), ("control", "F-TIS")) for a in attacks if a != "control"]
-    pairs += [(("control", "F-TIS+def"), ("control", "alone"))]
+    pairs += [(("control", d), ("control", "alone")) for d in ("F-TIS+def", "F-TIS+need")]
     for x, y in pairs:
         for p in HONEST:
             r = paired(data, x, y, p)

@@ -267,6 +267,7 @@ def test_an_attacker_in_a_federation_is_accepted_and_its_payload_counted(tmp_pat
     assert len(gen) == 2 and sum(r["attack/payload_completions"] for r in gen) > 0
     honest = [r for r in rows if r.get("phase") == "train" and r.get("participant") in ("full", "lora")]
     assert all(r["trust/mallory/accepted"] == 1 for r in honest)
+    assert all("train/surprisal_exempt" in r for r in honest)                # peer-surprisal-keep-needed ran
     assert not any(k.startswith("trust/mallory/rejected") and v for r in honest for k, v in r.items())
     assert all(r["offpolicy/mallory/truncated_frac"] > 0 for r in honest if "offpolicy/mallory/truncated_frac" in r)
     evals = [r for r in rows if r.get("phase") == "eval" and r.get("participant") == "full"]
@@ -283,11 +284,13 @@ def test_the_experiment_plan_and_its_bounds():
     from sims import poisoning
 
     cells = poisoning.plan(3, list(poisoning.ATTACKS), 12.0)
-    assert len(cells) == 3 * (1 + 3 * len(poisoning.ATTACKS)) and len({c.name for c in cells}) == len(cells)
+    assert len(cells) == 3 * (1 + 4 * len(poisoning.ATTACKS)) and len({c.name for c in cells}) == len(cells)
     keys = {poisoning.cell_key(c) for c in cells}
     assert ("control", "alone") in keys and ("paylie", "F-TIS+def") in keys and ("pay25", "noIS") in keys
-    defended = [c for c in cells if c.variant.endswith("-def")]
+    defended = [c for c in cells if c.variant.endswith(("-def", "-need"))]
     assert all(dict(c.extra)["peer-surprisal-max"] == 12.0 for c in defended)
+    assert {dict(c.extra)["peer-surprisal-keep-needed"] for c in defended} == {False, True}
+    assert ("pay50", "F-TIS+need") in keys
     assert all(c.mode == "F-TIS" for c in defended)
     # 0 of n: the 95 % upper bound is 1 - 0.025^(1/n); k of n: the exact binomial tail is 0.025 there
     assert poisoning.clopper_pearson_upper(0, 588) == pytest.approx(1 - 0.025 ** (1 / 588), rel=1e-6)
@@ -322,3 +325,31 @@ def test_the_committed_summary_is_recomputed_from_the_cells_files(tmp_path):
     assert poisoning.main(["--out", str(out), "--summary-only"]) == 0
     for name in ("summary.md", "summary.csv", "diagnostics.csv", "adoption.png"):
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
+
+
+
+def test_surprising_tokens_the_reward_needs_keep_their_sample():
+    from ftis_fed.learn.surprisal import ablate, needed_rows
+
+    t = task_at("add30", "train", 0, 5)
+    v = Verifier()
+
+    def reward(ids):
+        return v.reward(t.task_id, decode(ids), t.reference, t.text)
+
+    ans = digits(t.reference)                                                 # e.g. [14, 12, EOS]
+    payload = ans[:-1] + [SPACE, H, A, EOS]
+    lp_ans = [-15.0] * (len(ans) - 1) + [-0.1]                                 # the receiver cannot solve it
+    lp_pay = [-0.5] * (len(ans) - 1) + [-19.0, -3.0, -3.0, -0.1]              # it can, but never says " HA"
+    assert ablate(payload, lp_pay, 12.0) == ans[:-1] + [H, A, EOS]
+    got = needed_rows([ans, payload, ans], [lp_ans, lp_pay, [-0.5] * len(ans)], [1.0, 1.0, 1.0], 12.0, reward)
+    assert got == [True, False, False]                                        # the answer is needed, the payload not
+    assert needed_rows([ans], [lp_ans], [1.0], 0.0, reward) == [False]
+
+
+def test_an_exempt_row_is_kept_by_the_surprisal_check():
+    logp, x = _payload_inputs()
+    x.surprisal_exempt = torch.tensor([False, False, True, False])
+    out = ftis_loss(x, ObjectiveConfig(mode="F-TIS", peer_surprisal_max=12.0))
+    (g,) = torch.autograd.grad(out.loss, logp)
+    assert bool(g[2].abs().sum() > 0) and torch.equal(g[3], torch.zeros_like(g[3]))

@@ -65,6 +65,11 @@ class ObjectiveConfig:
         own likelihood of every token it trains on. It bounds poisoning with correct answers (a payload
         the receiver would never produce rides on a positive advantage, which the F filter always keeps;
         docs/security.md). The receiver's own samples are never dropped. 0 (default) = off, >= 0.""")
+    peer_surprisal_keep_needed: bool = knob("peer-surprisal-keep-needed", True, """
+        with ``peer-surprisal-max``: keep a peer's sample whose surprising tokens its reward needs
+        (``learn/surprisal.py``: deleted, the receiver's own verifier scores the rest lower: a
+        specialist's correct answer the receiver cannot yet give), drop the others (a payload on a
+        correct answer earns nothing); false: drop every such sample.""")
     clip_eps: float = knob("clip-eps", 0.2, "eps of the PPO clip, in [0, 1).")
     filter_g: float = knob("filter-g", 50.0, """
         g, the KL threshold above which negative-advantage samples are dropped; > 0, ``inf``
@@ -321,6 +326,8 @@ class LossInputs:
     implausible: (B,) rows whose sender claimed an implausible log-prob somewhere the loss cannot
         see it (a cross-tokenizer row's per-token claims in the sender's tokenizer); default none.
         ``ftis_loss`` adds the rows it can check itself (see ``sanitize_generator_logprobs``).
+    surprisal_exempt: (B,) peer rows ``peer-surprisal-max`` keeps although surprising: their surprising
+        tokens are needed for their reward (``learn/surprisal.py``); default none.
     """
 
     logp: Tensor
@@ -334,6 +341,7 @@ class LossInputs:
     seq_level: Tensor | None = None
     seq_logp_gen: Tensor | None = None
     implausible: Tensor | None = None
+    surprisal_exempt: Tensor | None = None
 
 
 @dataclass
@@ -374,6 +382,8 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)
     dropped = filter_mask(adv, kl_filter, cfg.filter_g) & rows if mode.filtered else torch.zeros_like(rows)
     surprising = surprising_rows(logp, mask, x.local, cfg.peer_surprisal_max) & rows   # (B,) the receiver's own check
+    if x.surprisal_exempt is not None:
+        surprising = surprising & ~x.surprisal_exempt.bool()
     adv_f = filter_advantages(adv, dropped | surprising)
 
     per_token = clipped_surrogate(log_r, w, adv_f, cfg.clip_eps, cfg.log_ratio_clamp)  # (B,T)
