@@ -221,7 +221,7 @@ def comparisons(data: dict, attacks: list[str]) -> list[dict]:
         pairs += [(("control", d), ("control", "F-TIS"))]
         pairs += [((a, d), ("control", "F-TIS")) for a in attacks if a != "control"]
     pairs += [((a, "F-TIS"), ("control", "F-TIS")) for a in attacks if a != "control"]
-    pairs += [(("control", d), ("control", "alone")) for d in ("F-TIS+def", "F-TIS+need")]
+    pairs += [(("control", d), ("control", "alone")) for d in ("F-TIS", "F-TIS+def", "F-TIS+need")]
     for x, y in pairs:
         for p in HONEST:
             r = paired(data, x, y, p)
