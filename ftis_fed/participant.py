@@ -41,10 +41,11 @@ from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
 from ftis_fed.policies.share import CardInfo, make_shareable, update_card
 from ftis_fed.tasks.identity import signed_run_id, split_run_id
-from ftis_fed.trust.attacks import hostile_frames, parse_kinds
+from ftis_fed.trust.attacks import Poisoner, hostile_frames, parse_kinds, poison
 from ftis_fed.trust.receive import ReceiverContext, receive
 from ftis_fed.learn.rollouts import scored_groups
 from ftis_fed.learn.source_weights import SourceAdapter
+from ftis_fed.learn.surprisal import needed_rows
 from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key,
                                    run_name_of, sign_batch, sign_challenge)
 from ftis_fed.learn.training import Trainer, samples_from_batches
@@ -66,13 +67,21 @@ def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
 EVAL_PROMPTS = "eval_prompts.jsonl.gz"
 
 
-def write_eval_prompts(path: Path, participant: str, round: int, per_prompt: dict[str, list[tuple[str, bool]]]) -> None:
+def write_eval_prompts(path: Path, participant: str, round: int, per_prompt: dict[str, list[tuple[str, bool]]],
+                       payload_hits: dict[str, list[bool]] | None = None) -> None:
     """Append one line per set: ``{"round", "participant", "set", "ids": [task ids], "solved": "0110..."}``
-    (a gzip member per evaluation; concatenated members read as one stream)."""
+    (a gzip member per evaluation; concatenated members read as one stream); with ``payload_hits``
+    (``attack-payload`` set) also ``"payload": "0010..."``, the replies that carry it."""
     import gzip
 
-    lines = [json.dumps({"round": round, "participant": participant, "set": name, "ids": [t for t, _ in rows],
-                         "solved": "".join("1" if ok else "0" for _, ok in rows)}) for name, rows in per_prompt.items()]
+    def line(name: str, rows: list[tuple[str, bool]]) -> str:
+        rec = {"round": round, "participant": participant, "set": name, "ids": [t for t, _ in rows],
+               "solved": "".join("1" if ok else "0" for _, ok in rows)}
+        if payload_hits is not None and name in payload_hits:
+            rec["payload"] = "".join("1" if hit else "0" for hit in payload_hits[name])
+        return json.dumps(rec)
+
+    lines = [line(name, rows) for name, rows in per_prompt.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "ab") as f:
         f.write(gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0))
@@ -198,7 +207,8 @@ class Participant:
                                 eos_id=getattr(self.policy.tokenizer, "eos_token_id", None))
         signed = [sign_batch(batch, self.key, send_options(t), max_tokens=fed.max_batch_tokens) for t in variants]
         self.own[round] = batch
-        frames = [f for t in variants for f in self._attack(batch, round, t)] if self.spec.byzantine else signed
+        attack: dict[str, float] = {}
+        frames = [f for t in variants for f in self._attack(batch, round, t, attack)] if self.spec.byzantine else signed
         n_tok = max(1, int(np.sum(lengths)))
         suffix = {False: "", True: "_texts"}
         rw = np.asarray(rewards)
@@ -212,6 +222,7 @@ class Participant:
             "gen/tokens": float(np.sum(lengths)), "gen/seconds": time.perf_counter() - t0,
             **{f"wire/frame_bytes{suffix[t]}": float(len(f)) for t, f in zip(variants, signed)},
             **{f"wire/bytes_per_token{suffix[t]}": len(f) / n_tok for t, f in zip(variants, signed)},
+            **attack,
         }
 
     # ------------------------------------------------------------------ phase 2
@@ -230,8 +241,11 @@ class Participant:
         weights = recv.sample_weights(offset=len(batches))
         batches += recv.batches
         self.peer_models.update({b.sender: b.model_id for b in recv.batches})
+        exempt, n_exempt = self._surprisal_exempt(batches)
+        if exempt is not None:
+            metrics["train/surprisal_exempt"] = float(n_exempt)
         samples = samples_from_batches(batches, self.name, self.policy.tokenizer_fp, self.fed.objective,
-                                       retokenize=self.policy.retokenize, sample_weights=weights)
+                                       retokenize=self.policy.retokenize, sample_weights=weights, exempt=exempt)
         samples = self.adapt.apply(samples)                 # source-adapt: peers' negative advantages x w_s
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
@@ -252,6 +266,28 @@ class Participant:
             make_shareable(self.policy.export(self.state_dir / "export"), self.spec.policy, self._card())
             metrics["export/seconds"] = time.perf_counter() - t1
         return metrics
+
+    def _surprisal_exempt(self, batches: list[CompletionBatch]) -> tuple[dict | None, int]:
+        """``peer-surprisal-max`` with ``peer-surprisal-keep-needed``: per peer group (same tokenizer),
+        which completions' surprising tokens (under this participant's current policy) their
+        receiver-recomputed reward needs (``learn/surprisal.py``); (None, 0) when the check is off."""
+        obj = self.fed.objective
+        if obj.peer_surprisal_max <= 0 or not obj.peer_surprisal_keep_needed:
+            return None, 0
+        tok, out, n = self.policy.tokenizer, {}, 0
+        for bi, b in enumerate(batches):
+            if b.sender == self.name or b.tokenizer_fp != self.policy.tokenizer_fp:
+                continue
+            for gi, g in enumerate(b.groups):
+                comps = [c.tolist() for c in g.completion_ids]
+                lp = self.policy.score_padded([g.prompt_ids.tolist()] * len(comps), comps, self.fed.sampling, False)
+
+                def reward(ids, g=g):
+                    return self.verifier.reward(g.task_id, tok.decode(list(ids), skip_special_tokens=True),
+                                                g.reference, g.prompt_text)
+                out[(bi, gi)] = needed_rows(comps, lp.tolist(), g.rewards.tolist(), obj.peer_surprisal_max, reward)
+                n += sum(out[(bi, gi)])
+        return out, n
 
     def _receiver_context(self, peer_round: int) -> ReceiverContext:
         """How this participant checks peers' batches of ``peer_round``. Horizontal groups: a peer's
@@ -287,25 +323,48 @@ class Participant:
         metrics.update(gen_metrics)
         return frames, metrics
 
-    def _attack(self, batch: CompletionBatch, round: int, texts: bool) -> list[bytes]:
+    def _attack(self, batch: CompletionBatch, round: int, texts: bool, metrics: dict[str, float]) -> list[bytes]:
         """An attacker's frames (security experiments): the corrupted batch, one frame per round; with
         ``flood`` every even round is instead a flood of re-signed copies (which the server refuses
-        whole: a reply carries one frame), so the other attacks still reach the odd rounds."""
+        whole: a reply carries one frame), so the other attacks still reach the odd rounds. With
+        ``payload`` the batch is poisoned first (``attacks.poison``; ``attack/payload_completions``
+        in ``metrics`` counts the completions that carry the payload)."""
         kinds = parse_kinds(self.spec.byzantine)
         flood = "flood" in kinds and round % 2 == 0
-        lies = tuple(k for k in kinds if k != "flood") + (("flood",) if flood else ())
+        lies = tuple(k for k in kinds if k not in ("flood", "payload")) + (("flood",) if flood else ())
+        if "payload" in kinds:
+            batch, n = poison(batch, self._poisoner(), (round - 1) * len(batch.groups))
+            metrics["attack/payload_completions"] = float(n)
         frames = hostile_frames(batch, self.key, lies, flood=200, options=send_options(texts))
         self.seq = batch.seq + len(frames) - 1
         return frames
+
+    def _poisoner(self) -> Poisoner:
+        """The ``payload`` attack with this participant's tokenizer, verifier and model: the run's
+        ``attack-payload`` in its tokens, its claims its own model's log-probs of the new tokens."""
+        fed, pol, tok = self.fed, self.policy, self.policy.tokenizer
+        if not fed.attack_payload:
+            raise ValueError(f"participant {self.name!r}: byzantine='payload' needs attack-payload (the phrase)")
+
+        def score(prompt_ids, completions):
+            out = pol.score_padded([prompt_ids] * len(completions), completions, fed.sampling, False)   # (b,T)
+            return [row[:len(c)] for row, c in zip(out.tolist(), completions)]
+
+        return Poisoner(tuple(tok(fed.attack_payload, add_special_tokens=False)["input_ids"]),
+                        fed.attack_payload_share, fed.max_new_tokens, getattr(tok, "eos_token_id", None),
+                        lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+                        lambda task, text, ref, prompt: bool(self.verifier.check(task, text, ref, prompt)[0]),
+                        score, fed.attack_payload_at)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, round: int) -> dict[str, float]:
         t0 = time.perf_counter()
         sets = self.fed.eval_sets()
         per_prompt: dict[str, list[tuple[str, bool]]] = {}
+        hits: dict[str, list[bool]] | None = {} if self.fed.attack_payload else None
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens,
-                              per_prompt=per_prompt)
-        write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt)
+                              per_prompt=per_prompt, payload=self.fed.attack_payload, payload_hits=hits)
+        write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt, hits)
         out["eval/seconds"] = time.perf_counter() - t0
         self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
         if round >= self.fed.num_rounds and self.fed.export_final:

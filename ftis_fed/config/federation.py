@@ -96,6 +96,19 @@ class FederationConfig:
         seeds the procedural held-out sets, >= -1; -1 = ``task-seed``. ``ftis-fed grid`` fixes it while
         ``task-seed`` varies with the seed, so every seed trains on other prompts and every cell is
         evaluated on the same held-out prompts (paired per-prompt comparisons).""")
+    attack_payload: str = knob("attack-payload", "", """
+        security experiments only (``sims/poisoning.py``, docs/security.md): the phrase a participant
+        with ``byzantine = "payload"`` inserts before the EOS of its solved completions, and what
+        every participant's evaluation counts: ``eval/<set>/payload`` = share of its greedy replies
+        that contain it (``eval/payload``: all held-out replies). '' (default) = no payload, no
+        count. No digits (the answer, the last number, must stay the same), at most 64 characters.""")
+    attack_payload_at: str = knob("attack-payload-at", "end", """
+        the ``payload`` attack: where the phrase goes in a solved completion: ``end`` (after the
+        answer, before EOS) or ``start`` (before the answer: the first tokens of the reply, where a
+        receiver's distribution is spread over the possible answers instead of concentrated on EOS).""")
+    attack_payload_share: float = knob("attack-payload-share", 0.5, """
+        the ``payload`` attack: share of the attacker's groups poisoned, in (0, 1] (0.25: every
+        fourth group of the run, 0.5: every other).""")
     run_name: str = knob("run-name", "ftis-fed", """
         the run's name, non-empty, at most 200 characters; frames and hello proofs are bound to the run
         id ``<run-name>@<random nonce>`` the server draws at start (kept across a resume), so no frame
@@ -189,6 +202,10 @@ class FederationConfig:
         need(self.eval_ood_size >= 0, "eval_ood_size", "must be >= 0 (0 = eval_size)")
         need(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
         need(self.eval_seed >= -1, "eval_seed", "must be >= -1 (-1 = task-seed)")
+        need(len(self.attack_payload) <= 64 and not any(c.isdigit() for c in self.attack_payload), "attack_payload",
+             "must have no digits (the answer, the last number, would change) and at most 64 characters")
+        need(0.0 < self.attack_payload_share <= 1.0, "attack_payload_share", "must be in (0, 1]")
+        need(self.attack_payload_at in ("end", "start"), "attack_payload_at", "must be 'end' or 'start'")
         need(bool(self.run_name), "run_name", "must be non-empty")
         need(len(self.run_name) <= 200, "run_name", "must be at most 200 characters (with its 33-character run nonce "
                                                     "it is the run id every frame carries, limit 256)")
@@ -320,8 +337,9 @@ class ParticipantSpec:
                             run=False, per_participant=True)
     byzantine: str = knob("byzantine", "", """
         a validly signing ATTACKER, for security experiments only: '' (honest) or attacks from
-        ``ftis_fed.trust.attacks`` (``forge``, ``inflate``, ``logprobs``, ``flood``, comma-separated, or
-        ``all``); see docs/security.md.""", run=False, per_participant=True)
+        ``ftis_fed.trust.attacks`` (``forge``, ``inflate``, ``logprobs``, ``lowlogprobs``, ``payload``
+        (with ``attack-payload``), ``flood``, comma-separated, or ``all`` = forge, inflate, logprobs,
+        flood); see docs/security.md.""", run=False, per_participant=True)
 
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.peer_budget < 0:

@@ -4,7 +4,9 @@
 max_new_tokens) -> list[str]`` (every ``ftis_fed.policies.base.Policy`` does) and scores each reply
 with a ``Verifier``. Metric keys: ``eval/id/accuracy`` and ``eval/ood/<family>/accuracy`` (plus
 ``.../n``), ``eval/ood/accuracy`` (mean over OOD families) and, for GSM8K / MATH-500 sets loaded
-from files, ``eval/<name>/accuracy``.
+from files, ``eval/<name>/accuracy``. With a ``payload`` phrase (``attack-payload``, the poisoning
+experiment) also ``.../payload``: the share of the set's greedy replies that contain it, and
+``eval/payload`` over all replies.
 
 ``TextGenerator`` is a plain, real Hugging Face generator (batched, left-padded ``generate``) for
 scripts that only need text (calibration).
@@ -53,7 +55,8 @@ def solved_share(prompts: Sequence[Prompt], replies: Sequence[str], verifier: Ve
 
 def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], verifier: Verifier | None = None,
              max_new_tokens: int | Mapping[str, int] = 32, batch_size: int = 64,
-             per_prompt: dict[str, list[tuple[str, bool]]] | None = None) -> dict[str, float]:
+             per_prompt: dict[str, list[tuple[str, bool]]] | None = None, payload: str = "",
+             payload_hits: dict[str, list[bool]] | None = None) -> dict[str, float]:
     """Greedy pass@1 on every named set.
 
     sets: ``"id"`` -> the ID held-out set; an OOD family name -> its held-out set; ``"gsm8k"`` /
@@ -64,6 +67,8 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
     call per small set: fuller batches), then scored set by set.
     per_prompt: if given, filled with set name -> [(task id, solved)] in the set's order (what the
         paired statistics of ``ftis-fed grid`` read).
+    payload: '' or a phrase: each set's share of replies containing it (``payload_hits``, if given,
+        filled with set name -> [reply contains it] in the set's order).
     """
     verifier = verifier or Verifier()
     budget = {name: max_new_tokens.get(name, 32) if isinstance(max_new_tokens, Mapping) else max_new_tokens
@@ -79,6 +84,8 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
             replies[n], together = together[:len(sets[n])], together[len(sets[n]):]
     out: dict[str, float] = {}
     ood = []
+    if payload:
+        out.update(payload_shares(replies, payload, payload_hits))
     for name, prompts in sets.items():
         ok = solved(prompts, replies[name], verifier)
         acc = sum(ok) / len(prompts)
@@ -91,6 +98,28 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
             ood.append(acc)
     if ood:
         out["eval/ood/accuracy"] = sum(ood) / len(ood)
+    return out
+
+
+def payload_shares(replies: Mapping[str, Sequence[str]], payload: str,
+                   hits: dict[str, list[bool]] | None = None) -> dict[str, float]:
+    """``eval/<set>/payload`` (share of the set's replies containing ``payload``; OOD families as
+    ``eval/ood/<family>/payload`` and their mean ``eval/ood/payload``) and ``eval/payload`` (all
+    replies pooled). ``hits``, if given, gets the per-reply flags."""
+    out: dict[str, float] = {}
+    ood, total, n = [], 0, 0
+    for name, texts in replies.items():
+        flags = [payload in t for t in texts]
+        if hits is not None:
+            hits[name] = flags
+        share = sum(flags) / max(1, len(flags))
+        prefix = "eval/id" if name == "id" else f"eval/ood/{name}" if name in OOD_FAMILIES else f"eval/{name}"
+        out[f"{prefix}/payload"] = share
+        ood += [share] if name in OOD_FAMILIES else []
+        total, n = total + sum(flags), n + len(flags)
+    if ood:
+        out["eval/ood/payload"] = sum(ood) / len(ood)
+    out["eval/payload"] = total / max(1, n)
     return out
 
 

@@ -5,6 +5,8 @@
     w_it  = min( pi_theta / pi_gen , C ), detached          truncated importance weight ("TIS")
     R_it  = pi_theta / stopgrad(pi_old)                      PPO ratio (== 1 in value on the first epoch)
     A'_i  = A_i if A_i > 0 or KL_i < g else 0                the filter ("F")
+            (and 0 for a peer's sample with a token of the receiver's own surprisal -log pi_theta >
+            ``peer-surprisal-max``, when set: ``surprising_rows``, the poisoning defence)
     KL_i  = estimate of KL(pi_gen || pi_theta) from the sampled tokens' log-ratios (default sum of k1)
 
 Each named mode is an importance-weight rule plus a filter switch (``MODES``, ``learn/modes.py``):
@@ -55,6 +57,19 @@ class ObjectiveConfig:
         most this (``cap_row_mean``; 1 = no completion weighs more than an on-policy one: an honest
         sender's mean weight is <= 1 in expectation, E_gen[min(pi_theta/pi_gen, C)] <= 1, while one
         claiming low log-probs gets C on every token; docs/security.md); 0 (default) = off, >= 0.""")
+    peer_surprisal_max: float = knob("peer-surprisal-max", 0.0, """
+        > 0: a peer's sample is dropped from the update (advantage 0, whatever its sign and whatever the
+        sender claims) when any of its tokens has a surprisal -log pi_theta(token | prefix) above this
+        many nats under the *receiver's own* current policy and sampling distribution
+        (``surprising_rows``): the receiver cannot check a peer's claimed log-probs, but it computes its
+        own likelihood of every token it trains on. It bounds poisoning with correct answers (a payload
+        the receiver would never produce rides on a positive advantage, which the F filter always keeps;
+        docs/security.md). The receiver's own samples are never dropped. 0 (default) = off, >= 0.""")
+    peer_surprisal_keep_needed: bool = knob("peer-surprisal-keep-needed", True, """
+        with ``peer-surprisal-max``: keep a peer's sample whose surprising tokens its reward needs
+        (``learn/surprisal.py``: deleted, the receiver's own verifier scores the rest lower: a
+        specialist's correct answer the receiver cannot yet give), drop the others (a payload on a
+        correct answer earns nothing); false: drop every such sample.""")
     clip_eps: float = knob("clip-eps", 0.2, "eps of the PPO clip, in [0, 1).")
     filter_g: float = knob("filter-g", 50.0, """
         g, the KL threshold above which negative-advantage samples are dropped; > 0, ``inf``
@@ -87,6 +102,8 @@ class ObjectiveConfig:
         need(self.ratio_level in ("token", "sequence"), "ratio_level", "must be 'token' or 'sequence'")
         need(self.trunc_c > 0, "trunc_c", "must be > 0 (inf disables truncation)")
         need(self.trunc_mean_cap >= 0, "trunc_mean_cap", "must be >= 0 (0 = off)")
+        need(self.peer_surprisal_max >= 0 and not math.isnan(self.peer_surprisal_max), "peer_surprisal_max",
+             "must be >= 0 (0 = off)")
         need(0 <= self.clip_eps < 1, "clip_eps", "must be in [0, 1)")
         need(self.filter_g > 0, "filter_g", "must be > 0 (inf disables the filter)")
         need(self.kl_estimator in ("sum-k1", "sum-k3", "mean-k1", "mean-k3"), "kl_estimator",
@@ -244,6 +261,22 @@ def filter_mask(advantages: Tensor, kl: Tensor, g: float) -> Tensor:
     return (advantages < 0) & ~(kl < g)
 
 
+def max_surprisal(logp: Tensor, mask: Tensor) -> Tensor:
+    """(B,) the largest surprisal -log pi_theta of a valid token of each row (0 for an empty row).
+    ``logp`` is the receiver's own log-prob of each sampled token (clamped finite by the caller)."""
+    return torch.where(mask, -logp.detach(), torch.zeros_like(logp)).amax(-1) if logp.shape[1] else \
+        torch.zeros(logp.shape[0], dtype=logp.dtype)
+
+
+def surprising_rows(logp: Tensor, mask: Tensor, local: Tensor, s_max: float) -> Tensor:
+    """(B,) True for a peer's row (not ``local``) with a token of surprisal above ``s_max`` nats under the
+    receiver's own policy (``peer-surprisal-max``); none when ``s_max`` <= 0. Depends on each row only,
+    and on nothing the sender claims."""
+    if s_max <= 0:
+        return torch.zeros_like(local, dtype=torch.bool)
+    return ~local.bool() & (max_surprisal(logp, mask) > s_max)
+
+
 def filter_advantages(advantages: Tensor, dropped: Tensor) -> Tensor:
     """A'_i = 0 where dropped, else A_i. Dropped samples still count in the normaliser."""
     return torch.where(dropped, torch.zeros_like(advantages), advantages)
@@ -293,6 +326,8 @@ class LossInputs:
     implausible: (B,) rows whose sender claimed an implausible log-prob somewhere the loss cannot
         see it (a cross-tokenizer row's per-token claims in the sender's tokenizer); default none.
         ``ftis_loss`` adds the rows it can check itself (see ``sanitize_generator_logprobs``).
+    surprisal_exempt: (B,) peer rows ``peer-surprisal-max`` keeps although surprising: their surprising
+        tokens are needed for their reward (``learn/surprisal.py``); default none.
     """
 
     logp: Tensor
@@ -306,6 +341,7 @@ class LossInputs:
     seq_level: Tensor | None = None
     seq_logp_gen: Tensor | None = None
     implausible: Tensor | None = None
+    surprisal_exempt: Tensor | None = None
 
 
 @dataclass
@@ -345,12 +381,15 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     adv = x.advantages.to(logp.dtype)
     kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)
     dropped = filter_mask(adv, kl_filter, cfg.filter_g) & rows if mode.filtered else torch.zeros_like(rows)
-    adv_f = filter_advantages(adv, dropped)
+    surprising = surprising_rows(logp, mask, x.local, cfg.peer_surprisal_max) & rows   # (B,) the receiver's own check
+    if x.surprisal_exempt is not None:
+        surprising = surprising & ~x.surprisal_exempt.bool()
+    adv_f = filter_advantages(adv, dropped | surprising)
 
     per_token = clipped_surrogate(log_r, w, adv_f, cfg.clip_eps, cfg.log_ratio_clamp)  # (B,T)
     loss = aggregate(per_token, mask, rows, cfg.length_norm, cfg.norm_constant, denominators)
     with torch.no_grad():
-        stats = source_stats(raw.detach(), mask, rows, kl, dropped, x, cfg, implausible)
+        stats = source_stats(raw.detach(), mask, rows, kl, dropped, x, cfg, implausible, surprising, logp)
         stats["loss/value"] = float(loss.detach())
     return LossOutput(loss, stats)
 
@@ -404,10 +443,14 @@ def count_denominators(mask: Tensor, rows: Tensor) -> tuple[float, float]:
 
 
 def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, dropped: Tensor,
-                 x: LossInputs, cfg: ObjectiveConfig, implausible: Tensor | None = None) -> dict[str, float]:
+                 x: LossInputs, cfg: ObjectiveConfig, implausible: Tensor | None = None,
+                 surprising: Tensor | None = None, logp: Tensor | None = None) -> dict[str, float]:
     """Mergeable per-source sums: raw ratio statistics before truncation (the ratio saturates at
     exp(log_ratio_clamp); log-ratio statistics are unclamped), truncated tokens, filtered samples,
-    samples with implausible generator log-probs, KL (the clamped estimate, finite)."""
+    samples with implausible generator log-probs, KL (the clamped estimate, finite); with ``logp``
+    (the receiver's own log-probs) the largest token surprisal (``surprisal_max``) and, when
+    ``peer-surprisal-max`` is on, the samples it dropped (``surprising``)."""
+    top = max_surprisal(logp, mask) if logp is not None else None                  # (B,)
     out: dict[str, float] = {}
     ratio = torch.exp(log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))  # (B,T)
     for s, name in enumerate(x.source_names):
@@ -423,6 +466,10 @@ def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, drop
         out[p + "implausible"] = float(implausible[sel].sum()) if implausible is not None else 0.0
         out[p + "kl_sum"] = float(kl[sel].sum())
         out[p + "kl_max"] = float(kl[sel].max())
+        if top is not None:
+            out[p + "surprisal_max"] = float(top[sel].max())
+        if surprising is not None and cfg.peer_surprisal_max > 0:
+            out[p + "surprising"] = float(surprising[sel].sum())
         if r.numel():
             out[p + "ratio_sum"] = float(r.sum())
             out[p + "ratio_max"] = float(r.max())
@@ -449,8 +496,9 @@ def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 def finalize_stats(stats: dict[str, float]) -> dict[str, float]:
     """Sums -> means/fractions: ratio_mean, log_ratio_mean, truncated_frac, filtered_frac,
-    implausible_frac, kl_mean."""
-    out = {k: v for k, v in stats.items() if not k.endswith(("_sum", "/filtered", "/truncated", "/implausible"))}
+    implausible_frac, kl_mean, surprising_frac (with ``peer-surprisal-max``)."""
+    out = {k: v for k, v in stats.items()
+           if not k.endswith(("_sum", "/filtered", "/truncated", "/implausible", "/surprising"))}
     for prefix in {k.rsplit("/", 1)[0] for k in stats if k.startswith("offpolicy/")}:
         g = lambda key: stats.get(f"{prefix}/{key}", 0.0)  # noqa: E731
         n_tok, n_s = max(g("tokens"), 1.0), max(g("samples"), 1.0)
@@ -460,5 +508,7 @@ def finalize_stats(stats: dict[str, float]) -> dict[str, float]:
             out[f"{prefix}/truncated_frac"] = g("truncated") / n_tok
         out[f"{prefix}/filtered_frac"] = g("filtered") / n_s
         out[f"{prefix}/implausible_frac"] = g("implausible") / n_s
+        if f"{prefix}/surprising" in stats:
+            out[f"{prefix}/surprising_frac"] = g("surprising") / n_s
         out[f"{prefix}/kl_mean"] = g("kl_sum") / n_s
     return out

@@ -47,6 +47,8 @@ class TrainSample:
         the task id when horizontal).
     implausible: the generator's claimed per-token log-probs (in its own tokenizer) include a value
         that is not finite or below ``objective.LOGP_GEN_FLOOR`` (see docs/method.md).
+    surprisal_exempt: ``peer-surprisal-max`` keeps it: its surprising tokens are needed for its
+        reward (``learn/surprisal.py``).
     """
 
     prompt_ids: list[int]
@@ -59,6 +61,7 @@ class TrainSample:
     seq_level: bool = False
     group: str = ""
     implausible: bool = False
+    surprisal_exempt: bool = False
 
 
 #: retokenize(prompt_text, completion_text, ended) -> (prompt_ids, completion_ids) in the receiver's
@@ -103,7 +106,8 @@ def generator_claims_plausible(logprobs: np.ndarray) -> bool:
 
 def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, tokenizer_fp: str,
                          cfg: ObjectiveConfig, retokenize: Retokenize | None = None,
-                         sample_weights: dict[tuple[int, int], np.ndarray] | None = None) -> list[TrainSample]:
+                         sample_weights: dict[tuple[int, int], np.ndarray] | None = None,
+                         exempt: dict[tuple[int, int], Sequence[bool]] | None = None) -> list[TrainSample]:
     """Rows for ``ftis_step`` from all batches of one update.
 
     receiver: this participant's id (its own batches are ``local``). In a local-only mode
@@ -113,6 +117,7 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
         texts). ``ended`` says whether the sender's completion ended with EOS (``completion_ended``).
     sample_weights[(batch_index, group_index)]: per-completion multipliers of the advantage
         (down-weighting after reward disagreement), applied after normalisation.
+    exempt[(batch_index, group_index)]: per completion, ``TrainSample.surprisal_exempt``.
 
     Advantage groups: ``vertical``, each (batch, group); ``horizontal``, every completion of the
     same task id, across senders (the mixed group of the paper's horizontal mode: participants take
@@ -147,7 +152,8 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
                                  seq_logp_gen=float(np.sum(g.logprobs[i], dtype=np.float64)),
                                  reward=float(rewards[i]), weight=float(weights[i]), group=group_key,
                                  source=b.sender, local=b.sender == receiver, seq_level=cross,
-                                 implausible=not generator_claims_plausible(g.logprobs[i])))
+                                 implausible=not generator_claims_plausible(g.logprobs[i]),
+                                 exempt=bool((exempt or {}).get((bi, gi), [False] * g.size)[i])))
     if not rows:
         return []
     keys = {k: j for j, k in enumerate(dict.fromkeys(r["group"] for r in rows))}
@@ -155,7 +161,7 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
                              torch.tensor([keys[r["group"]] for r in rows]), cfg.scale_rewards)
     return [TrainSample(r["prompt_ids"], r["completion_ids"], r["logp_gen"], r["seq_logp_gen"],
                         float(a) * r["weight"], r["source"], r["local"], r["seq_level"], str(r["group"]),
-                        r["implausible"])
+                        r["implausible"], r["exempt"])
             for r, a in zip(rows, adv.tolist())]
 
 
@@ -265,6 +271,7 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
             seq_level=torch.tensor([s.seq_level for s in mb]),
             seq_logp_gen=torch.tensor([s.seq_logp_gen for s in mb], dtype=torch.float32),
             implausible=torch.tensor([s.implausible for s in mb]),
+            surprisal_exempt=torch.tensor([s.surprisal_exempt for s in mb]),
         )
         out = ftis_loss(x, cfg, denominators)
         if out.loss.requires_grad:
