@@ -108,13 +108,20 @@ def worker_id(run_key: str, participant: str) -> str:
 
 
 #: Fault injection for the end-to-end tests only (no run-config key; never set in a run):
-#: ``<participant>=<raise|exit|hang>:<action>:<round>``, comma-separated. A worker serving that
-#: participant then raises, exits (as a crash would) or hangs when that request arrives.
+#: ``<participant>=<raise|exit|hang>:<action>:<round>``, comma-separated, or ``@<file>`` holding that
+#: (read at every request, so a test can lift a fault while the worker's SuperNode keeps running). A
+#: worker serving that participant then raises, exits (as a crash would) or hangs when that request arrives.
 FAULT_ENV = "FTIS_FED_TEST_FAULT"
 
 
 def inject_fault(participant: str, action: str, round: int, env: Mapping[str, str] = os.environ) -> None:
-    for item in filter(None, env.get(FAULT_ENV, "").split(",")):
+    spec = env.get(FAULT_ENV, "")
+    if spec.startswith("@"):
+        try:
+            spec = Path(spec[1:]).read_text()
+        except OSError:
+            spec = ""
+    for item in filter(None, (part.strip() for part in spec.split(","))):
         who, _, what = item.partition("=")
         kind, at_action, at_round = what.split(":")
         if who == participant and at_action == action and int(at_round) == round:

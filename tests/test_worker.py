@@ -17,6 +17,17 @@ def test_only_the_named_participant_action_and_round_fail():
     inject_fault("bob", "generate", 2, {})                         # not set: never
 
 
+def test_a_fault_file_is_read_at_every_request(tmp_path):
+    faults = tmp_path / "faults"
+    env = {FAULT_ENV: f"@{faults}"}
+    inject_fault("bob", "learn", 3, env)                           # no file yet: nothing
+    faults.write_text("bob=raise:learn:3\n")
+    with pytest.raises(RuntimeError, match="bob: injected fault at learn round 3"):
+        inject_fault("bob", "learn", 3, env)
+    faults.write_text("")                                          # lifted
+    inject_fault("bob", "learn", 3, env)
+
+
 def test_a_worker_of_another_run_of_the_same_state_dir_is_ended(tmp_path):
     """A resumed run (a new Flower run) ends the interrupted run's worker of the participant's state
     dir, which its SuperNode would otherwise keep alive with its model until worker-idle-timeout-s;
