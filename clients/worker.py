@@ -108,9 +108,10 @@ def worker_id(run_key: str, participant: str) -> str:
 
 
 #: Fault injection for the end-to-end tests only (no run-config key; never set in a run):
-#: ``<participant>=<raise|exit|hang>:<action>:<round>``, comma-separated, or ``@<file>`` holding that
-#: (read at every request, so a test can lift a fault while the worker's SuperNode keeps running). A
-#: worker serving that participant then raises, exits (as a crash would) or hangs when that request arrives.
+#: ``<participant>=<raise|exit|hang|delay<seconds>>:<action>:<round>``, comma-separated, or
+#: ``@<file>`` holding that (read at every request, so a test can lift a fault while the worker's
+#: SuperNode keeps running). A worker serving that participant then raises, exits (as a crash
+#: would), hangs, or waits that many seconds and then handles it, when that request arrives.
 FAULT_ENV = "FTIS_FED_TEST_FAULT"
 
 
@@ -129,6 +130,9 @@ def inject_fault(participant: str, action: str, round: int, env: Mapping[str, st
                 os._exit(3)
             if kind == "hang":
                 time.sleep(1e6)
+            if kind.startswith("delay"):
+                time.sleep(float(kind[len("delay"):]))
+                continue
             raise RuntimeError(f"{participant}: injected fault at {action} round {round} ({FAULT_ENV})")
 
 

@@ -28,6 +28,14 @@ def test_a_fault_file_is_read_at_every_request(tmp_path):
     inject_fault("bob", "learn", 3, env)
 
 
+def test_a_delay_fault_waits_then_lets_the_request_through():
+    import time
+
+    t0 = time.monotonic()
+    inject_fault("bob", "exchange", 10, {FAULT_ENV: "bob=delay0.2:exchange:10"})    # returns: handled
+    assert time.monotonic() - t0 >= 0.2
+
+
 def test_a_worker_of_another_run_of_the_same_state_dir_is_ended(tmp_path):
     """A resumed run (a new Flower run) ends the interrupted run's worker of the participant's state
     dir, which its SuperNode would otherwise keep alive with its model until worker-idle-timeout-s;
