@@ -6,7 +6,8 @@ shared Ray actors in simulation), so the model cannot live in the ClientApp. The
 runtime folder, starting it (detached) on first use; a request is ``{action, request}`` and is
 forwarded to the one entry point ``Participant.handle(action, request)`` (frames as bytes). The
 worker exits after answering ``finish`` (sent at the end of the run), after
-``worker-idle-timeout-s`` without requests, or when its state is unrecoverable; and within a
+``worker-idle-timeout-s`` without requests, when a worker of another run starts for its state dir
+(``end_other_run_worker``: a resumed run), or when its state is unrecoverable; and within a
 second of the process that anchors it to the run ending (``anchors``): in simulation the Ray actor
 that started it, which lives exactly as long as the simulation (``flwr stop`` or a killed ServerApp
 end it); in deployment the SuperNode-side process that started the ClientApp. It then takes its
@@ -107,13 +108,21 @@ def worker_id(run_key: str, participant: str) -> str:
 
 
 #: Fault injection for the end-to-end tests only (no run-config key; never set in a run):
-#: ``<participant>=<raise|exit|hang>:<action>:<round>``, comma-separated. A worker serving that
-#: participant then raises, exits (as a crash would) or hangs when that request arrives.
+#: ``<participant>=<raise|exit|hang|delay<seconds>>:<action>:<round>``, comma-separated, or
+#: ``@<file>`` holding that (read at every request, so a test can lift a fault while the worker's
+#: SuperNode keeps running). A worker serving that participant then raises, exits (as a crash
+#: would), hangs, or waits that many seconds and then handles it, when that request arrives.
 FAULT_ENV = "FTIS_FED_TEST_FAULT"
 
 
 def inject_fault(participant: str, action: str, round: int, env: Mapping[str, str] = os.environ) -> None:
-    for item in filter(None, env.get(FAULT_ENV, "").split(",")):
+    spec = env.get(FAULT_ENV, "")
+    if spec.startswith("@"):
+        try:
+            spec = Path(spec[1:]).read_text()
+        except OSError:
+            spec = ""
+    for item in filter(None, (part.strip() for part in spec.split(","))):
         who, _, what = item.partition("=")
         kind, at_action, at_round = what.split(":")
         if who == participant and at_action == action and int(at_round) == round:
@@ -121,7 +130,46 @@ def inject_fault(participant: str, action: str, round: int, env: Mapping[str, st
                 os._exit(3)
             if kind == "hang":
                 time.sleep(1e6)
+            if kind.startswith("delay"):
+                time.sleep(float(kind[len("delay"):]))
+                continue
             raise RuntimeError(f"{participant}: injected fault at {action} round {round} ({FAULT_ENV})")
+
+
+#: In a participant's state dir: the worker serving it ({run_key, pid, start}), written when one starts.
+OWNER_FILE = "worker.json"
+
+
+def record_owner(state_dir: str | Path, run_key: str, pid: int) -> None:
+    """Note in ``state_dir`` that worker ``pid`` serves it for run ``run_key``."""
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(state_dir) / f".{OWNER_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps({"run_key": run_key, "pid": pid, "start": process_start(pid)}))
+    os.replace(tmp, Path(state_dir) / OWNER_FILE)
+
+
+def end_other_run_worker(state_dir: str | Path, run_key: str, wait_s: float = 10.0) -> tuple[int, str] | None:
+    """End (SIGKILL, with its process group) the worker ``state_dir`` records for *another* run, if it
+    still runs; (its pid, its run key), or None. A new run of the participant in this state dir (a
+    ``resume`` after the SuperLink or ServerApp went down) means that run is over for it; in
+    deployment its worker would otherwise live on (its SuperNode, which anchors it, outlives the
+    run) with its model and device memory, until ``worker-idle-timeout-s``."""
+    try:
+        rec = json.loads((Path(state_dir) / OWNER_FILE).read_text())
+        pid, start, key = int(rec["pid"]), rec.get("start"), str(rec["run_key"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if key == run_key or pid <= 1 or pid == os.getpid() or not alive(pid, start):
+        return None
+    try:
+        os.killpg(pid, signal.SIGKILL)                      # a worker leads its process group
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while alive(pid, start) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pid, key
 
 
 class WorkerError(RuntimeError):
@@ -178,11 +226,19 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
         root = str(Path(__file__).resolve().parent.parent)          # the folder holding clients/, ftis_fed/
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         offset = log_path.stat().st_size if log_path.exists() else 0
+        state_dir = (payload.get("participant") or {}).get("state_dir")
+        ended = end_other_run_worker(state_dir, run_key) if state_dir else None
         with open(log_path, "ab") as log:
+            if ended is not None:
+                log.write(f"[worker {participant}] ended pid {ended[0]}, this state dir's worker of run {ended[1]}: "
+                          f"run {run_key} starts\n".encode())
+                log.flush()
             proc = subprocess.Popen([sys.executable, "-m", "clients.worker", "--spec", str(spec_path)],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True, cwd=root)
         (rt / f"{wid}.pid").write_text(str(proc.pid))
+        if state_dir:
+            record_owner(state_dir, run_key, proc.pid)
         deadline = time.monotonic() + start_timeout
         authkey = keyfile.read_bytes()
         while time.monotonic() < deadline:

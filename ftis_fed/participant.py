@@ -255,6 +255,7 @@ class Participant:
             self.adapt.observe(self.trainer.source_kl)
             metrics.update(self.adapt.metrics())
         metrics["train/seconds"] = time.perf_counter() - t0
+        metrics["train/steps"] = float(self.trainer.steps)   # optimizer steps so far, restored with the checkpoint
         metrics["worker/pid"] = float(os.getpid())
         metrics["worker/model_loads"] = float(self.model_loads)
         self.completed_round = round

@@ -1,9 +1,10 @@
 """What a participant needs to continue after a restart within the same run (a rejoin).
 
-A participant process that dies and starts again (a SuperNode restart: a new node id, the same key)
-is admitted again at the next round boundary (``ftis_fed.engine.membership``). To continue rather
-than start over it keeps, in its state dir, ``rejoin.json`` (written atomically after every generate
-and every update, small: no weights):
+A participant process that dies and starts again (a SuperNode restart with the same key: the same
+node id under SuperNode authentication, a new one without) is admitted again at the next round
+boundary (``ftis_fed.engine.membership``). To continue rather than start over it keeps, in its
+state dir, ``rejoin.json`` (written atomically after every generate and every update, small: no
+weights):
 
 - ``seq``: the last sequence number it signed, so a restarted participant never signs a used one
   (every peer's replay guard, and the server's, would refuse it);

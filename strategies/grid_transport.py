@@ -2,7 +2,8 @@
 
 ``send(action, {node_id: request}, timeout)``: one message per node (its type from the action
 table, ``ftis_fed.actions``), pushed at once, then pulled until every reply is
-in or the deadline passes. An error reply or a missing one is a ``Failure`` for that node; every
+in or the deadline passes. An error reply or a missing one is a ``Failure`` for that node
+(``node_unavailable`` when the SuperLink answers for a node whose heartbeat lapsed); every
 other reply is handed back unchecked (``Delivered``) for the engine's boundary to validate.
 """
 
@@ -13,6 +14,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from flwr.app import Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from ftis_fed.actions import message_type
@@ -60,7 +62,9 @@ class GridTransport:
     def _unpack(rep: Message) -> Any:
         try:
             if rep.has_error():
-                return Failure("error", f"error {rep.error.code}: {str(rep.error.reason)[-300:]}")
+                # the SuperLink's own error reply when the node's heartbeat lapsed (killed, cut off)
+                reason = "node_unavailable" if rep.error.code == ErrorCode.NODE_UNAVAILABLE else "error"
+                return Failure(reason, f"error {rep.error.code}: {str(rep.error.reason)[-300:]}")
             return Delivered(rep.metadata.src_node_id, content_to_reply(rep.content))
         except Exception as e:                                  # noqa: BLE001 - a reply never ends the run
             return Failure("internal_error", f"unpacking the reply: {type(e).__name__}: {e}")

@@ -81,3 +81,27 @@ def test_the_run_config_is_parsed_once_per_process_and_node(worker_calls, monkey
         ctx = Context(run_id=99, node_id=node, node_config=DEPLOY, state=RecordDict(), run_config={})
         assert content_to_reply(client_app.app(msg, ctx).content) == {"info": {"stopped": False}}
     assert len(parses) == 2                                               # node 7 once, node 8 once
+
+
+def test_the_clientapp_process_imports_no_torch():
+    """In deployment Flower starts a ClientApp process for every message; it only forwards to the
+    participant's worker, so importing it and resolving the node's participant must not import torch
+    (seconds per message on a busy machine)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, tomllib\n"
+            "import clients.client_app as ca\n"
+            "from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec\n"
+            "rc = dict(tomllib.loads(open('pyproject.toml').read())['tool']['flwr']['app']['config'])\n"
+            "nc = {'participant': 'alice', 'model': 'tiny-llama', 'keys-dir': 'k', 'state-dir': 's',\n"
+            "      'partition-id': 0, 'num-partitions': 2}\n"
+            "run_config, node_config = absolute_paths(rc, nc)\n"
+            "fed = federation_from_run_config(run_config)\n"
+            "ca.worker_payload(run_config, node_config, fed, participant_spec(run_config, node_config, fed), 'r')\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
-from ftis_fed.engine.transport import Delivered, Failure
+from ftis_fed.engine.transport import NODE_GONE, Delivered, Failure
 from ftis_fed.flower_io import content_to_request, reply_to_content
 import strategies.grid_transport as gt
 from strategies.grid_transport import GridTransport
@@ -106,6 +107,19 @@ def test_error_missing_and_late_replies_are_failures_of_their_node_only():
     assert out[3].detail == "no reply within 5 s"
     assert sorted(replies) == [1, 2]                     # progress: the replies that arrived
     assert grid.pulls == 5                               # the deadline, not the slow node, ended the wait
+
+
+def test_the_superlinks_reply_for_a_node_whose_heartbeat_lapsed_says_the_node_is_gone():
+    """Flower's SuperLink answers a message to a node that stopped heartbeating (a killed SuperNode)
+    with error NODE_UNAVAILABLE: that node went away (its participant did not fail), so the engine
+    says hello to it again when it is back."""
+    def lapsed(msg):
+        return 0, Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable"), reply_to=msg)
+
+    t, _ = transport({1: lapsed, 2: answer(METRICS)})
+    out = t.send("exchange", {n: {"round": 4, "frames": [], "texts": False} for n in (1, 2)}, timeout=3)
+    assert out[1] == Failure("node_unavailable", "error 5: Error: Node Unavailable") and out[1].reason in NODE_GONE
+    assert isinstance(out[2], Delivered)
 
 
 def test_a_reply_to_another_message_is_ignored_and_an_unreadable_one_is_a_failure(monkeypatch):

@@ -120,6 +120,47 @@ def test_a_restarted_participant_continues_without_training_twice_or_reusing_a_s
     assert "c@1" not in eng.nodes
 
 
+@pytest.mark.parametrize("lost", ["phase", "boundary"])
+def test_a_node_back_at_the_same_address_is_said_hello_again_before_it_is_asked(tmp_path, lost):
+    """With SuperNode authentication Flower binds the node id to the SuperNode's key: a SuperNode
+    killed and restarted comes back at the same address, as a new process. Lost during a phase
+    (the transport reports the node gone: ``NODE_GONE``) or found gone at a boundary, it is said
+    hello again (proof of possession; it learns the run id again) before it is asked anything,
+    counted as a rejoin, and continues from its state dir: no round trained twice, no seq reused,
+    no frame refused (without the hello its first frame would name the wrong run)."""
+    parts, keys = light_federation(tmp_path, 3, run_key="run-7", state=True)
+    a, b, c = (parts[n] for n in sorted(parts))
+    transport = InProcessTransport({})
+    restarted: list[Scripted] = []
+
+    def restart():                                                  # a new process at the old address
+        again = Scripted(LightParticipant(c.name, load_private_key(key_paths(c.name, tmp_path / "keys").private),
+                                          load_key_directory(tmp_path / "keys" / "public"), RUN, c.state_dir,
+                                          "run-7"))
+        restarted.append(again)
+        transport.connect("c", again)
+
+    # "phase": c's node is lost after its round-2 batch, before round 2's learn reaches it (unknown_node);
+    # "boundary": lost after round 1, so round 2's boundary finds it gone
+    when = ("generate", 2) if lost == "phase" else ("learn", 1)
+    transport.connect("a", Scripted(a, after={("learn", 2): restart}))
+    transport.connect("b", Scripted(b))
+    transport.connect("c", Scripted(c, after={when: lambda: transport.disconnect("c")}))
+    eng = Engine(_fed(tmp_path, 4), keys, tmp_path, transport, plots=False)
+    assert eng.run() == 4
+    again = restarted[0]
+    assert again.calls[0] == ("hello", -1)                          # admitted anew before anything else
+    assert [r for act, r in again.calls if act == "generate"] == [3, 4]
+    assert c.trained == [1] and again.inner.trained == [3, 4]      # round 2 lost for c, none trained twice
+    assert min(again.inner.signed) > max(c.signed)                  # no sequence number reused
+    rows = _fed_rows(tmp_path)
+    assert [rows[r]["fed/rejoined"] for r in (1, 2, 3, 4)] == [0, 0, 1, 0]
+    assert all(rows[r]["fed/rejected"] == 0 for r in (1, 2, 3, 4))  # its frames name this run's id
+    assert rows[2].get("fed/dropped/unknown_node", 0) == (1 if lost == "phase" else 0)
+    assert rows[3]["fed/replies"] == 3 and rows[4]["fed/replies"] == 3
+    assert eng.nodes["c"]["completed_round"] == 1                   # it said where it was at its hello
+
+
 def test_a_node_claiming_a_connected_participant_is_refused_and_asked_again(tmp_path):
     parts, keys = light_federation(tmp_path, 2)
     a, b = (parts[n] for n in sorted(parts))

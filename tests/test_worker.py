@@ -15,3 +15,44 @@ def test_only_the_named_participant_action_and_round_fail():
     for who, action, rnd in (("bob", "generate", 1), ("bob", "learn", 2), ("alice", "generate", 2)):
         inject_fault(who, action, rnd, env)                       # nothing happens
     inject_fault("bob", "generate", 2, {})                         # not set: never
+
+
+def test_a_fault_file_is_read_at_every_request(tmp_path):
+    faults = tmp_path / "faults"
+    env = {FAULT_ENV: f"@{faults}"}
+    inject_fault("bob", "learn", 3, env)                           # no file yet: nothing
+    faults.write_text("bob=raise:learn:3\n")
+    with pytest.raises(RuntimeError, match="bob: injected fault at learn round 3"):
+        inject_fault("bob", "learn", 3, env)
+    faults.write_text("")                                          # lifted
+    inject_fault("bob", "learn", 3, env)
+
+
+def test_a_delay_fault_waits_then_lets_the_request_through():
+    import time
+
+    t0 = time.monotonic()
+    inject_fault("bob", "exchange", 10, {FAULT_ENV: "bob=delay0.2:exchange:10"})    # returns: handled
+    assert time.monotonic() - t0 >= 0.2
+
+
+def test_a_worker_of_another_run_of_the_same_state_dir_is_ended(tmp_path):
+    """A resumed run (a new Flower run) ends the interrupted run's worker of the participant's state
+    dir, which its SuperNode would otherwise keep alive with its model until worker-idle-timeout-s;
+    the run's own worker, and a recorded process that has ended, are left alone."""
+    import subprocess
+    import sys
+
+    from clients.worker import alive, end_other_run_worker, record_owner
+
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        record_owner(tmp_path, "run-1", old.pid)
+        assert end_other_run_worker(tmp_path, "run-1") is None and alive(old.pid)    # its own run: kept
+        assert end_other_run_worker(tmp_path / "elsewhere", "run-2") is None          # nothing recorded there
+        assert end_other_run_worker(tmp_path, "run-2") == (old.pid, "run-1")
+        assert old.wait(timeout=10) == -9
+        assert end_other_run_worker(tmp_path, "run-2") is None                        # gone (or a reused pid)
+    finally:
+        if old.poll() is None:
+            old.kill()

@@ -32,7 +32,8 @@ from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.config import population
 from ftis_fed.config.knobs import Knob, knob, knobs
 from ftis_fed.config.trl_names import reference_section, trl_hint
-from ftis_fed.learn.objective import MODES, ObjectiveConfig
+from ftis_fed.learn.modes import MODES
+from ftis_fed.learn.objective_config import ObjectiveConfig
 from ftis_fed.metrics.sinks import parse_report_to
 from ftis_fed.policies.config import PolicyConfig
 from ftis_fed.trust.attacks import parse_kinds
@@ -798,7 +799,7 @@ def _cell(text: str) -> str:
 
 
 _SECTIONS = {"": "Schedule, generation, budgets, evaluation (`FederationConfig`, ftis_fed/config/federation.py)",
-             "objective": "Objective (`ObjectiveConfig`, ftis_fed/learn/objective.py)",
+             "objective": "Objective (`ObjectiveConfig`, ftis_fed/learn/objective_config.py)",
              "task": "Tasks (`TaskSpec`, ftis_fed/tasks/suite.py)",
              "reverify": "Re-verification of claimed rewards (`ReverifyConfig`, ftis_fed/trust/reverify.py)",
              "source_adapt": "Per-source adaptation, beyond the paper (`SourceAdaptConfig`, ftis_fed/learn/source_weights.py)"}

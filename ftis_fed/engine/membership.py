@@ -11,7 +11,12 @@ boundary, :meth:`Membership.begin_round`:
    seen in this run) or a **rejoiner** (a participant seen before: retired, or restarted with a new
    node id while its old node is gone) is admitted for this round; a node claiming a participant
    whose node is still connected is refused (``duplicate_participant``) and asked again at the next
-   boundary; a node refused for its key (unknown, mismatching, revoked, bad proof) is not asked again;
+   boundary; a node refused for its key (unknown, mismatching, revoked, bad proof) is not asked again.
+   An admitted node that **went away** (not connected at a boundary, or a phase failed because the
+   transport reported the node itself gone: ``transport.NODE_GONE``) and is connected again is
+   admitted anew the same way before it is asked anything: with SuperNode authentication Flower
+   binds the node id to the SuperNode's key, so a SuperNode killed and restarted comes back with
+   the *same* node id, as a new process that must prove its key again (a rejoiner);
 3. **samples** the round's participants (``fraction-train``, ``min-train-participants``;
    :mod:`ftis_fed.engine.sampling`).
 
@@ -30,6 +35,7 @@ from typing import Any, Hashable
 
 from ftis_fed.engine.progress import name_list
 from ftis_fed.engine.sampling import sample_participants
+from ftis_fed.engine.transport import NODE_GONE
 
 Address = Hashable
 
@@ -50,6 +56,7 @@ class Membership:
         self.asked: set[Address] = set()
         self.failed: set[Address] = set()                # asked this round and dropped in a phase
         self.gone: set[Address] = set()                  # admitted but not connected at this round's boundary
+        self.away: set[Address] = set()                  # admitted nodes that went away: hello again when back
         self.retired: dict[str, int] = {}                # participant -> round it was retired before
         self.retired_nodes: set[Address] = set()         # their nodes, not asked again while they stay connected
 
@@ -79,8 +86,10 @@ class Membership:
                 "fed/refused_at_boundary": float(events["refused"])}
 
     def record(self, dropped) -> None:
-        """Addresses dropped from a phase of this round (``Engine.ask``)."""
+        """Addresses dropped from a phase of this round (``Engine.ask``): {address: Failure}. A node
+        the transport reports gone (``NODE_GONE``) is said hello again when it is back."""
         self.failed |= set(dropped)
+        self.away |= {a for a, why in dropped.items() if getattr(why, "reason", "") in NODE_GONE}
 
     def end_round(self) -> None:
         """A round absent (not connected, or asked and no usable reply) adds one to a participant's
@@ -114,6 +123,11 @@ class Membership:
                 e.log(INFO, "round %d: retired %d (absent %d rounds in a row): %s", rnd, len(names),
                       fed.retire_after_rounds, name_list(sorted(names)))
         self.gone = {a for a in e.nodes if a not in connected}      # not asked this round; absent
+        self.away = (self.away | self.gone) & set(e.nodes)
+        back = [a for a in self.away if a in connected]  # went away, connected again: a new process
+        for addr in back:                                # admitted anew (hello), like any new node
+            e.nodes.pop(addr)
+            self.away.discard(addr)
         self.retired_nodes &= connected                  # a retired node that went away may come back later
         new = sorted((a for a in connected if a not in e.nodes and a not in self.retired_nodes
                       and e.refused.get(a) not in PERMANENT), key=_order)

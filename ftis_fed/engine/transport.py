@@ -24,6 +24,13 @@ from typing import Any, Hashable, Mapping, Protocol
 
 Address = Hashable
 
+#: Failure reasons that say the node itself went away (not that its participant failed): Flower
+#: reported it unavailable (its heartbeat lapsed: ``node_unavailable``), or the in-process transport
+#: no longer lists it (``unknown_node``). Such a node is said hello again when it is back
+#: (``ftis_fed.engine.membership``): with SuperNode authentication a restarted SuperNode comes back
+#: with the same node id (Flower binds the id to its key), as a new process.
+NODE_GONE = frozenset({"node_unavailable", "unknown_node"})
+
 
 @dataclass(frozen=True)
 class Failure:
