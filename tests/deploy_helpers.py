@@ -188,6 +188,12 @@ class Deployment:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(timeout=30)
 
+    def __enter__(self) -> "Deployment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         for p in self.procs:
             if p.poll() is None:

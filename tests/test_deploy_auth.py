@@ -28,11 +28,8 @@ RUN_CONFIG = {"num-rounds": 2, "min-participants": 2, "eval-every": 0, "group-si
 @pytest.mark.slow
 def test_tls_and_supernode_auth_deployment(tmp_path):
     """Registered SuperNodes complete two rounds; unregistered, keyless and non-TLS clients are refused."""
-    dep = Deployment(tmp_path)
-    try:
+    with Deployment(tmp_path) as dep:                # every process it started is killed at the end
         _run(dep)
-    finally:
-        dep.stop()
 
 
 def _run(dep: Deployment) -> None:

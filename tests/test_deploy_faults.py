@@ -82,11 +82,8 @@ def _saved_round(out: Path) -> int:
 def test_supernode_kill_and_superlink_restart_with_resume(tmp_path):
     """SIGKILL of a SuperNode and its worker mid-round, then of the SuperLink and the ServerApp; the
     run finishes its 20 rounds with nothing trained twice and no frame refused."""
-    dep = Deployment(tmp_path)
-    try:
+    with Deployment(tmp_path) as dep:                # every process it started is killed at the end
         _run(dep)
-    finally:
-        dep.stop()
 
 
 def _run(dep: Deployment) -> None:
