@@ -156,10 +156,10 @@ def _payload_inputs():
 def test_surprising_rows_are_peer_rows_with_an_improbable_token():
     logp, x = _payload_inputs()
     assert max_surprisal(logp, x.mask).tolist() == [0.5, 0.5, 15.0, 15.0]
-    assert surprising_rows(logp, x.mask, x.local, 12.0).tolist() == [False, False, True, True]
-    assert surprising_rows(logp, x.mask, x.local, 0.0).tolist() == [False] * 4
-    everything = surprising_rows(logp, x.mask, torch.zeros(4, dtype=torch.bool), 0.1)
-    assert everything.tolist() == [True] * 4 and not surprising_rows(logp, x.mask, x.local, 0.1)[0]   # never own
+    assert surprising_rows(max_surprisal(logp, x.mask), x.local, 12.0).tolist() == [False, False, True, True]
+    assert surprising_rows(max_surprisal(logp, x.mask), x.local, 0.0).tolist() == [False] * 4
+    everything = surprising_rows(max_surprisal(logp, x.mask), torch.zeros(4, dtype=torch.bool), 0.1)
+    assert everything.tolist() == [True] * 4 and not surprising_rows(max_surprisal(logp, x.mask), x.local, 0.1)[0]   # never own
 
 
 @pytest.mark.parametrize("mode", ["noIS", "F-TIS"])
@@ -246,7 +246,7 @@ def test_the_payload_passes_every_receiver_check_and_the_receivers_own_surprisal
     top = max_surprisal(rx.clamp(min=-1e4), mask)
     # the receiver (here the same SFT'd model) finds the payload far less likely than any answer token
     assert float(top[[0, 1, 3]].min()) > float(top[2]) + 5.0
-    flagged = surprising_rows(rx, mask, torch.zeros(4, dtype=torch.bool), float(top[2]) + 2.0)
+    flagged = surprising_rows(max_surprisal(rx, mask), torch.zeros(4, dtype=torch.bool), float(top[2]) + 2.0)
     assert flagged.tolist() == [True, True, False, True]
 
 

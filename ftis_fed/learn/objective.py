@@ -192,13 +192,13 @@ def max_surprisal(logp: Tensor, mask: Tensor) -> Tensor:
         torch.zeros(logp.shape[0], dtype=logp.dtype)
 
 
-def surprising_rows(logp: Tensor, mask: Tensor, local: Tensor, s_max: float) -> Tensor:
+def surprising_rows(top: Tensor, local: Tensor, s_max: float) -> Tensor:
     """(B,) True for a peer's row (not ``local``) with a token of surprisal above ``s_max`` nats under the
-    receiver's own policy (``peer-surprisal-max``); none when ``s_max`` <= 0. Depends on each row only,
-    and on nothing the sender claims."""
+    receiver's own policy (``peer-surprisal-max``; ``top``: each row's ``max_surprisal``); none when
+    ``s_max`` <= 0. Depends on each row only, and on nothing the sender claims."""
     if s_max <= 0:
         return torch.zeros_like(local, dtype=torch.bool)
-    return ~local.bool() & (max_surprisal(logp, mask) > s_max)
+    return ~local.bool() & (top > s_max)
 
 
 def filter_advantages(advantages: Tensor, dropped: Tensor) -> Tensor:
@@ -305,7 +305,8 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     adv = x.advantages.to(logp.dtype)
     kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)
     dropped = filter_mask(adv, kl_filter, cfg.filter_g) & rows if mode.filtered else torch.zeros_like(rows)
-    surprising = surprising_rows(logp, mask, x.local, cfg.peer_surprisal_max) & rows   # (B,) the receiver's own check
+    top = max_surprisal(logp, mask)                                                # (B,) the receiver's own surprisal
+    surprising = surprising_rows(top, x.local, cfg.peer_surprisal_max) & rows      # (B,) the receiver's own check
     if x.surprisal_exempt is not None:
         surprising = surprising & ~x.surprisal_exempt.bool()
     adv_f = filter_advantages(adv, dropped | surprising)
@@ -313,7 +314,7 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     per_token = clipped_surrogate(log_r, w, adv_f, cfg.clip_eps, cfg.log_ratio_clamp)  # (B,T)
     loss = aggregate(per_token, mask, rows, cfg.length_norm, cfg.norm_constant, denominators)
     with torch.no_grad():
-        stats = source_stats(raw.detach(), mask, rows, kl, dropped, x, cfg, implausible, surprising, logp)
+        stats = source_stats(raw.detach(), mask, rows, kl, dropped, x, cfg, implausible, surprising, top)
         stats["loss/value"] = float(loss.detach())
     return LossOutput(loss, stats)
 
@@ -368,13 +369,13 @@ def count_denominators(mask: Tensor, rows: Tensor) -> tuple[float, float]:
 
 def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, dropped: Tensor,
                  x: LossInputs, cfg: ObjectiveConfig, implausible: Tensor | None = None,
-                 surprising: Tensor | None = None, logp: Tensor | None = None) -> dict[str, float]:
+                 surprising: Tensor | None = None, top: Tensor | None = None) -> dict[str, float]:
     """Mergeable per-source sums: raw ratio statistics before truncation (the ratio saturates at
     exp(log_ratio_clamp); log-ratio statistics are unclamped), truncated tokens, filtered samples,
-    samples with implausible generator log-probs, KL (the clamped estimate, finite); with ``logp``
-    (the receiver's own log-probs) the largest token surprisal (``surprisal_max``) and, when
+    samples with implausible generator log-probs, KL (the clamped estimate, finite); with ``top``
+    (each row's ``max_surprisal`` under the receiver's own policy) the largest token surprisal
+    (``surprisal_max``) and, when
     ``peer-surprisal-max`` is on, the samples it dropped (``surprising``)."""
-    top = max_surprisal(logp, mask) if logp is not None else None                  # (B,)
     out: dict[str, float] = {}
     ratio = torch.exp(log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))  # (B,T)
     for s, name in enumerate(x.source_names):
