@@ -369,3 +369,26 @@ def test_adamw_uses_the_fused_kernel_with_the_same_update():
     for p, q in zip(ours, ref):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
     assert not fused_adamw_ok([torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)])
+
+
+def test_lora_init_does_not_depend_on_a_warm_model_cache(monkeypatch):
+    """A model built on first use (a micro model's warm-up, a derived model) draws from torch's global
+    generator; the adapter's random init must not see that draw, or the first run after a cache
+    clear gives a LoRA participant other weights than every later run (a research cell did)."""
+    import ftis_fed.policies.hf as hf
+
+    cfg = PolicyConfig(model="tiny-llama", adapter="lora", lora_r=4, seed=3)
+    warm = build_policy(cfg)
+    resolve = hf.resolve_model
+
+    def building(name):                         # what a cache miss does: a seeded build in between
+        torch.manual_seed(12345)
+        torch.randn(1000)
+        return resolve(name)
+
+    monkeypatch.setattr(hf, "resolve_model", building)
+    cold = build_policy(cfg)
+    lora = [n for n, _ in warm.model.named_parameters() if "lora_A" in n]
+    assert lora
+    a, b = dict(warm.model.named_parameters()), dict(cold.model.named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in lora)

@@ -176,12 +176,12 @@ class HFPolicy(Policy):
 
     def __init__(self, cfg: PolicyConfig):
         self.cfg = cfg
-        torch.manual_seed(cfg.seed)
-        path = resolve_model(cfg.model)
+        path = resolve_model(cfg.model)                 # may build and warm up the model (its own seeds)
         self.tokenizer = load_tokenizer(path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = self._load_model(path)
+        torch.manual_seed(cfg.seed)                     # after any build: the adapter's init is the same
+        self.model = self._load_model(path)             # whether the model cache was warm or not
         self.checkpointing = False
         if cfg.grad_checkpointing:                      # active in train() mode only: generation keeps its cache
             self._set_checkpointing(True)
