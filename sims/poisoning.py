@@ -52,7 +52,7 @@ from ftis_fed.commands.grid_stats import paired_interval
 
 PRESET = "poisoning"
 ATTACKER = "mallory"
-HONEST = ("base", "spec", "full", "lora")   # poisoning.toml, poisoning-stress.toml
+HONEST = ("base", "spec", "full", "lora", "small", "large")   # poisoning.toml, -stress, -smollm2
 ATTACKS: dict[str, dict] = {
     "control": {"p2-byzantine": ""},
     "pay25": {"p2-byzantine": "payload", "attack-payload-share": 0.25},
@@ -389,6 +389,62 @@ def probe(models: list[str], n: int = 40, out: Path | None = None) -> str:
     return text
 
 
+def probe_payload(models: list[str], payloads: list[str], n: int = 24, budget: int = 16,
+                  out: Path | None = None) -> str:
+    """How far each payload phrase is from each model's own greedy replies, for any vocabulary size
+    (one scoring pass per prompt, not one per vocabulary entry as ``probe``): over ``n`` train prompts
+    (add30 / sub30 alternating, task seed 5: no held-out item), the model's greedy reply of at most
+    ``budget`` tokens, then the mean surprisal (nats, T = 0.7) of the payload's first token and of the
+    whole phrase, inserted before the reply (``start``) and before its EOS (``end``, replies that ended
+    only), beside the surprisal of the EOS it displaces. Written to ``out`` (markdown) when given."""
+    import torch
+
+    from ftis_fed.policies import PolicyConfig, build_policy
+    from ftis_fed.tasks.suite import task_at
+    from ftis_fed.wire.batch import SamplingParams
+
+    sampling = SamplingParams(0.7, 1.0, 0, budget)
+    lines = ["| model | payload | replies ended | start: first token | start: phrase | end: EOS it displaces "
+             "| end: first token | end: phrase |", "|---|---|---|---|---|---|---|---|"]
+    for name in models:
+        pol = build_policy(PolicyConfig(model=name))
+        tok, eos = pol.tokenizer, pol.tokenizer.eos_token_id
+        prompts, replies = [], []
+        for i in range(n):
+            t = task_at("add30" if i % 2 else "sub30", "train", 5, i)
+            p = pol.format_prompt(t.text)
+            with torch.no_grad():
+                seq = pol.model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                         max_new_tokens=budget, do_sample=False, pad_token_id=tok.pad_token_id)
+            prompts.append(p)
+            replies.append([int(v) for v in seq[0, len(p):].tolist()])
+        ended = [i for i, r in enumerate(replies) if eos in r]
+        for phrase in payloads:
+            pay = tok(phrase, add_special_tokens=False)["input_ids"]
+            k = len(pay)
+            lp = pol.score_padded(prompts, [pay + r for r in replies], sampling, False)          # (n,T)
+            s_first, s_phrase = float(-lp[:, 0].mean()), float(-lp[:, :k].sum(1).mean())
+            cells = [f"{s_first:.1f}", f"{s_phrase:.1f}"]
+            if ended:
+                cut = [replies[i][:replies[i].index(eos)] for i in ended]
+                ps = [prompts[i] for i in ended]
+                lp_eos = pol.score_padded(ps, [c + [eos] for c in cut], sampling, False)
+                lp_pay = pol.score_padded(ps, [c + pay + [eos] for c in cut], sampling, False)
+                at = torch.tensor([len(c) for c in cut])
+                rows = torch.arange(len(cut))
+                e_eos = float(-lp_eos[rows, at].mean())
+                e_first = float(-lp_pay[rows, at].mean())
+                e_phrase = float(-sum(lp_pay[rows, at + j] for j in range(k)).mean())
+                cells += [f"{e_eos:.2f}", f"{e_first:.1f}", f"{e_phrase:.1f}"]
+            else:
+                cells += ["–", "–", "–"]
+            lines.append(f"| {name} | `{phrase!r}` ({k} tokens) | {len(ended)}/{n} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    if out is not None:
+        out.write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/poisoning")
@@ -402,11 +458,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary-only", action="store_true")
     ap.add_argument("--probe", default="", help="comma-separated models: print how improbable a digit-free payload "
                     "is to each (probe.md in --out), and exit")
+    ap.add_argument("--probe-payload", default="", help="comma-separated models: print how improbable each "
+                    "--payloads phrase is in each model's own greedy replies (probe-payload.md in --out), and exit")
+    ap.add_argument("--payloads", default=" HAIL", help="'|'-separated payload phrases for --probe-payload")
+    ap.add_argument("--budget", type=int, default=16, help="max new tokens of the --probe-payload replies")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     if a.probe:
         out.mkdir(parents=True, exist_ok=True)
         print(probe([m.strip() for m in a.probe.split(",") if m.strip()], out=out / "probe.md"), flush=True)
+        return 0
+    if a.probe_payload:
+        out.mkdir(parents=True, exist_ok=True)
+        print(probe_payload([m.strip() for m in a.probe_payload.split(",") if m.strip()], a.payloads.split("|"),
+                            budget=a.budget, out=out / "probe-payload.md"), flush=True)
         return 0
     if a.summary_only:
         return summarize(out)
