@@ -353,3 +353,23 @@ def test_an_exempt_row_is_kept_by_the_surprisal_check():
     out = ftis_loss(x, ObjectiveConfig(mode="F-TIS", peer_surprisal_max=12.0))
     (g,) = torch.autograd.grad(out.loss, logp)
     assert bool(g[2].abs().sum() > 0) and torch.equal(g[3], torch.zeros_like(g[3]))
+
+
+def test_probe_payload_measures_the_phrase_in_the_models_own_replies(tmp_path):
+    """``--probe-payload`` on a real model: one row per payload, a one-token payload's first-token and
+    whole-phrase surprisals equal, a longer phrase costs at least its first token, all finite and >= 0."""
+    from sims.poisoning import probe_payload
+
+    text = probe_payload(["tiny-llama"], [" HAIL", " the"], n=2, budget=4, out=tmp_path / "p.md")
+    assert (tmp_path / "p.md").read_text() == text
+    rows = [r for r in text.splitlines()[2:] if r.strip()]
+    assert len(rows) == 2 and "(1 tokens)" in rows[1]            # " the" is one SmolLM2-tokenizer token
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        start_first, start_phrase = float(cells[3]), float(cells[4])
+        assert 0 <= start_first <= start_phrase + 1e-6 and math.isfinite(start_phrase)
+        if "(1 tokens)" in cells[1]:
+            assert start_first == start_phrase
+        if cells[5] != "–":
+            end_first, end_phrase = float(cells[6]), float(cells[7])
+            assert 0 <= end_first <= end_phrase + 1e-6
