@@ -152,6 +152,26 @@ def test_warm_up_rows_come_from_the_train_split_only():
     assert sum("+" in t for t in texts) and sum("-" in t for t in texts)
 
 
+def test_pretrain_share_of_the_warm_up():
+    """``pretrain`` families get round(n * share) of the warm-up's problems (train split only); without
+    them the rows are exactly those of before (the models already built keep their weights)."""
+    tok = micro.build_tokenizer("bpe")
+    rows = micro.warmup_rows(tok, ("add30", "sub30"), 200, seed=0, pretrain=("add3", "next"), pretrain_share=0.1)
+    texts = [tok.decode(p, skip_special_tokens=True) for p, _ in rows]
+    from ftis_fed.tasks.suite import make_tasks, task_at
+
+    pre = {task_at(f, "train", 0, i).text for f in ("add3", "next") for i in range(10)}
+    assert len(rows) == 200 and sum(t in pre for t in texts) == 20
+    heldout = {p.text for f in ("add3", "next") for p in make_tasks(f, "eval", 40, seed=0)}
+    assert not set(texts) & heldout
+    assert micro.warmup_rows(tok, ("add30",), 30, seed=0, pretrain=(), pretrain_share=0.0) == \
+        micro.warmup_rows(tok, ("add30",), 30, seed=0)
+    with pytest.raises(ValueError, match="pretrain_share"):
+        replace(micro.MICRO_MODELS["micro-llama-s"], pretrain_share=0.1)
+    with pytest.raises(ValueError, match="pretrain_share"):
+        replace(micro.MICRO_MODELS["micro-llama-s"], pretrain=("add3",), pretrain_share=1.0)
+
+
 def test_warm_up_lowers_the_reply_loss():
     """A small real warm-up (60 steps) must learn something: the reply cross-entropy falls."""
     from transformers import AutoModelForCausalLM

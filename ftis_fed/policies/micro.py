@@ -77,7 +77,10 @@ class MicroSpec:
     kv_heads / intermediate: the transformer's shape (hidden % heads == 0, heads % kv_heads == 0);
     families: the task families whose train split the warm-up draws from (round-robin);
     steps x batch: warm-up problems; lr: peak AdamW learning rate (linear warm-up over the first
-    10 % of steps, then linear decay to 10 % of it); seed: initialisation, problem draw and order.
+    10 % of steps, then linear decay to 10 % of it); seed: initialisation, problem draw and order;
+    pretrain, pretrain_share: further families the warm-up gives that share of its problems
+    (round-robin among them): the "pretraining" knowledge of families a run never trains on, so
+    that its OOD evaluation does not start at 0 (() / 0.0: none, the models before this existed).
     """
 
     arch: str
@@ -92,6 +95,8 @@ class MicroSpec:
     lr: float
     batch: int = 32
     seed: int = 0
+    pretrain: tuple[str, ...] = ()
+    pretrain_share: float = 0.0
 
     def __post_init__(self) -> None:
         from ftis_fed.tasks.families import get_family
@@ -105,8 +110,11 @@ class MicroSpec:
                              "hidden % heads == 0, heads % kv_heads == 0 and an even head size (RoPE)")
         if min(self.layers, self.intermediate, self.steps + 1, self.batch) < 1 or self.lr < 0:
             raise ValueError(f"micro: layers, intermediate, batch must be >= 1, steps >= 0, lr >= 0 ({self})")
-        for f in self.families:
+        for f in (*self.families, *self.pretrain):
             get_family(f)
+        if not 0.0 <= self.pretrain_share < 1.0 or (self.pretrain_share > 0) != bool(self.pretrain):
+            raise ValueError(f"micro.pretrain_share={self.pretrain_share}: in [0, 1), and > 0 exactly when "
+                             f"pretrain names families (pretrain={self.pretrain})")
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -171,10 +179,12 @@ def deterministic_cpu():
         torch.set_num_threads(threads)
 
 
-def warmup_rows(tok, families: Sequence[str], n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+def warmup_rows(tok, families: Sequence[str], n: int, seed: int, pretrain: Sequence[str] = (),
+                pretrain_share: float = 0.0) -> list[tuple[list[int], list[int]]]:
     """``n`` (prompt ids, reply ids + EOS) of train-split problems, families round-robin, each prompt
-    in the chat template; instance i of family f is ``task_at(f, "train", seed, i // len(families))``,
-    then the list is shuffled with ``seed``."""
+    in the chat template; instance i of family f is ``task_at(f, "train", seed, i // len(families))``;
+    with ``pretrain``, round(n * pretrain_share) of the n come from those families instead (the same
+    way, round-robin among them); then the list is shuffled with ``seed``."""
     from ftis_fed.tasks.suite import task_at
 
     cache: dict[str, list[int]] = {}
@@ -186,10 +196,12 @@ def warmup_rows(tok, families: Sequence[str], n: int, seed: int) -> list[tuple[l
                 list(tok(text, add_special_tokens=False)["input_ids"])
         return cache[text]
 
+    n_pre = round(n * pretrain_share) if pretrain else 0
     rows = []
-    for i in range(n):
-        p = task_at(families[i % len(families)], "train", seed, i // len(families))
-        rows.append((ids(p.text, True), ids(p.reference, False) + [tok.eos_token_id]))
+    for fams, count in ((families, n - n_pre), (tuple(pretrain), n_pre)):
+        for i in range(count):
+            p = task_at(fams[i % len(fams)], "train", seed, i // len(fams))
+            rows.append((ids(p.text, True), ids(p.reference, False) + [tok.eos_token_id]))
     random.Random(seed).shuffle(rows)
     return rows
 
@@ -211,7 +223,7 @@ def _batch(rows: Sequence[tuple[list[int], list[int]]], pad_id: int):
 def warm_up(model, tok, spec: MicroSpec, log: bool = True) -> list[float]:
     """The supervised warm-up of ``spec`` on ``model`` in place: cross-entropy of the reply tokens
     (the bare answer and EOS) given the chat-formatted train-split question. Returns the loss per step."""
-    rows = warmup_rows(tok, spec.families, spec.steps * spec.batch, spec.seed)
+    rows = warmup_rows(tok, spec.families, spec.steps * spec.batch, spec.seed, spec.pretrain, spec.pretrain_share)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     warm = max(1, spec.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
