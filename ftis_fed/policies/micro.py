@@ -19,7 +19,12 @@ name                     arch    tokenizer  size          warm-up on   role
 ``micro-llama-l``        Llama   BPE        3.6 M, 5 L    add30+sub30  large base
 ``micro-qwen-m``         Qwen2   BPE        1.2 M, 4 L    add30+sub30  other architecture, same tokenizer
 ``micro-qwen-s-char``    Qwen2   char       0.33 M, 3 L   sub30        other tokenizer (sequence level)
+``micro-llama-s-o``      Llama   BPE        0.33 M, 3 L   add30+sub30  base, OOD not at 0 (``pretrain``)
+``micro-llama-s-sub-o``  Llama   BPE        0.33 M, 3 L   sub30        specialist, OOD not at 0
 =======================  ======  =========  ============  ===========  =================================
+
+The two ``-o`` models give 15 % of their warm-up to add3 and word_add (``MicroSpec.pretrain``): the
+"pretraining" knowledge of two OOD families, which a run never trains on, so OOD accuracy can move.
 
 The Llama and Qwen2 BPE models share one tokenizer (the BPE is trained on the same seeded corpus),
 so batches between them are token-level (F-TIS's per-token ratios); ``micro-qwen-s-char`` is the
@@ -266,6 +271,7 @@ _SMALL = dict(hidden=96, layers=3, heads=4, kv_heads=2, intermediate=256)
 _MEDIUM = dict(hidden=160, layers=4, heads=4, kv_heads=2, intermediate=448)
 _LARGE = dict(hidden=256, layers=5, heads=8, kv_heads=4, intermediate=688)
 _BOTH = ("add30", "sub30")
+_PRETRAIN = ("add3", "word_add")
 
 #: name -> spec of every model of the research tier (registered in ``OFFLINE_MODELS`` below).
 MICRO_MODELS: dict[str, MicroSpec] = {
@@ -275,6 +281,11 @@ MICRO_MODELS: dict[str, MicroSpec] = {
     "micro-llama-l": MicroSpec("llama", "bpe", **_LARGE, families=_BOTH, steps=250, lr=1e-3, batch=64),
     "micro-qwen-m": MicroSpec("qwen2", "bpe", **_MEDIUM, families=_BOTH, steps=400, lr=2e-3, batch=64),
     "micro-qwen-s-char": MicroSpec("qwen2", "char", **_SMALL, families=("sub30",), steps=600, lr=3e-3, batch=64),
+    # the research-ood pair: 15 % of the warm-up from two OOD families (pretraining knowledge a run never trains)
+    "micro-llama-s-o": MicroSpec("llama", "bpe", **_SMALL, families=_BOTH, steps=550, lr=3e-3, batch=64,
+                                 pretrain=_PRETRAIN, pretrain_share=0.15),
+    "micro-llama-s-sub-o": MicroSpec("llama", "bpe", **_SMALL, families=("sub30",), steps=400, lr=3e-3, batch=64,
+                                     pretrain=_PRETRAIN, pretrain_share=0.15),
 }
 
 for _name, _spec in MICRO_MODELS.items():
