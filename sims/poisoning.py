@@ -52,7 +52,6 @@ from ftis_fed.commands.grid_stats import paired_interval
 
 PRESET = "poisoning"
 ATTACKER = "mallory"
-HONEST = ("base", "spec", "full", "lora", "small", "large")   # poisoning.toml, -stress, -smollm2
 ATTACKS: dict[str, dict] = {
     "control": {"p2-byzantine": ""},
     "pay25": {"p2-byzantine": "payload", "attack-payload-share": 0.25},
@@ -146,6 +145,11 @@ def collect(out: Path) -> tuple[list[Cell], dict]:
     return cells, data
 
 
+def honest_receivers(data: dict) -> list[str]:
+    """Every participant of the collected cells but the attacker, sorted."""
+    return sorted({k[2] for k in data} - {ATTACKER})
+
+
 def receiver_diagnostics(rows: list[dict], poisoned: set[int]) -> dict[str, float]:
     """What one receiver measured of the attacker's samples: the largest token surprisal of its samples
     (``offpolicy/mallory/surprisal_max``, the payload's first token in a round with payload) over the
@@ -165,7 +169,7 @@ def diagnostics(data: dict, attacks: list[str]) -> list[dict]:
     out = []
     for attack in attacks:
         for method in METHODS[1:]:
-            for p in HONEST:
+            for p in honest_receivers(data):
                 got = [v["diag"] for v in _rows_for(data, attack, method, p)]
                 if got:
                     keys = sorted({k for d in got for k in d})
@@ -186,7 +190,7 @@ def table(data: dict, attacks: list[str]) -> list[dict]:
     out = []
     for attack in attacks:
         for method in METHODS:
-            for p in HONEST:
+            for p in honest_receivers(data):
                 got = _rows_for(data, attack, method, p)
                 if not got:
                     continue
@@ -223,7 +227,7 @@ def comparisons(data: dict, attacks: list[str]) -> list[dict]:
     pairs += [((a, "F-TIS"), ("control", "F-TIS")) for a in attacks if a != "control"]
     pairs += [(("control", d), ("control", "alone")) for d in ("F-TIS", "F-TIS+def", "F-TIS+need")]
     for x, y in pairs:
-        for p in HONEST:
+        for p in honest_receivers(data):
             r = paired(data, x, y, p)
             if r is not None:
                 rows.append(r)
@@ -273,7 +277,7 @@ def markdown(rows: list[dict], pairs: list[dict], data: dict, initial: dict, cel
     if initial:
         lines += ["", "Before training: " + ", ".join(
             f"{p} ID {float(r.get('eval/id/accuracy', float('nan'))):.3f}, payload {_pct(float(r.get('eval/payload', 0.0)))} %"
-            for p, r in sorted(initial.items()) if p in HONEST) + "."]
+            for p, r in sorted(initial.items()) if p != ATTACKER) + "."]
     lines += ["", "Paired ID accuracy differences A − B (points; 95 % pigeonhole-bootstrap CI over seeds and "
               "prompts, `grid_stats.paired_interval`; t interval over the per-seed means):", "",
               "| A − B | participant | seeds | difference | 95 % CI | t-CI |", "|---|---|---|---|---|---|"]
@@ -292,7 +296,7 @@ def plot(data: dict, attacks: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    honest = [p for p in HONEST if any(k[2] == p for k in data)]
+    honest = honest_receivers(data)
     fig, axes = plt.subplots(2, len(attacks), figsize=(3.6 * len(attacks), 6.0), sharey="row", squeeze=False)
     for ax, attack in zip(axes[1], attacks):
         for method in METHODS[1:]:
@@ -306,7 +310,7 @@ def plot(data: dict, attacks: list[str], path: Path) -> None:
     axes[1][0].set_ylabel("payload surprisal, nats")
     for ax, attack in zip(axes[0], attacks):
         for method in METHODS:
-            curves = [v["curve"] for p in HONEST for v in _rows_for(data, attack, method, p)]
+            curves = [v["curve"] for p in honest for v in _rows_for(data, attack, method, p)]
             rounds = sorted({k for c in curves for k in c})
             if not rounds:
                 continue
@@ -430,12 +434,10 @@ def probe_payload(models: list[str], payloads: list[str], n: int = 24, budget: i
                 ps = [prompts[i] for i in ended]
                 lp_eos = pol.score_padded(ps, [c + [eos] for c in cut], sampling, False)
                 lp_pay = pol.score_padded(ps, [c + pay + [eos] for c in cut], sampling, False)
-                at = torch.tensor([len(c) for c in cut])
-                rows = torch.arange(len(cut))
-                e_eos = float(-lp_eos[rows, at].mean())
-                e_first = float(-lp_pay[rows, at].mean())
-                e_phrase = float(-sum(lp_pay[rows, at + j] for j in range(k)).mean())
-                cells += [f"{e_eos:.2f}", f"{e_first:.1f}", f"{e_phrase:.1f}"]
+                at = torch.tensor([len(c) for c in cut])[:, None]                          # (m,1)
+                span = lp_pay.gather(1, at + torch.arange(k)[None, :])                     # (m,k) the payload
+                cells += [f"{float(-lp_eos.gather(1, at).mean()):.2f}", f"{float(-span[:, 0].mean()):.1f}",
+                          f"{float(-span.sum(1).mean()):.1f}"]
             else:
                 cells += ["–", "–", "–"]
             lines.append(f"| {name} | `{phrase!r}` ({k} tokens) | {len(ended)}/{n} | " + " | ".join(cells) + " |")

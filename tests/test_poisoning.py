@@ -155,11 +155,12 @@ def _payload_inputs():
 
 def test_surprising_rows_are_peer_rows_with_an_improbable_token():
     logp, x = _payload_inputs()
-    assert max_surprisal(logp, x.mask).tolist() == [0.5, 0.5, 15.0, 15.0]
-    assert surprising_rows(max_surprisal(logp, x.mask), x.local, 12.0).tolist() == [False, False, True, True]
-    assert surprising_rows(max_surprisal(logp, x.mask), x.local, 0.0).tolist() == [False] * 4
-    everything = surprising_rows(max_surprisal(logp, x.mask), torch.zeros(4, dtype=torch.bool), 0.1)
-    assert everything.tolist() == [True] * 4 and not surprising_rows(max_surprisal(logp, x.mask), x.local, 0.1)[0]   # never own
+    top = max_surprisal(logp, x.mask)
+    assert top.tolist() == [0.5, 0.5, 15.0, 15.0]
+    assert surprising_rows(top, x.local, 12.0).tolist() == [False, False, True, True]
+    assert surprising_rows(top, x.local, 0.0).tolist() == [False] * 4
+    everything = surprising_rows(top, torch.zeros(4, dtype=torch.bool), 0.1)
+    assert everything.tolist() == [True] * 4 and not surprising_rows(top, x.local, 0.1)[0]   # never own
 
 
 @pytest.mark.parametrize("mode", ["noIS", "F-TIS"])
