@@ -45,6 +45,8 @@ from ftis_fed.trust.attacks import Poisoner, hostile_frames, parse_kinds, poison
 from ftis_fed.trust.receive import ReceiverContext, receive
 from ftis_fed.learn.rollouts import scored_groups
 from ftis_fed.learn.source_weights import SourceAdapter
+from ftis_fed.learn.modes import MODES
+from ftis_fed.learn.phrases import PhraseMonitor, rewarded, unearned
 from ftis_fed.learn.surprisal import needed_rows
 from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key,
                                    run_name_of, sign_batch, sign_challenge)
@@ -117,6 +119,7 @@ class Participant:
         self.peer_models: dict[str, str] = {}               # peer -> model id of its accepted batches (card)
         self.heldout: dict[int, dict[str, float]] = {}      # round -> held-out accuracies (card)
         self.guarded = self._guarded() if fed.source_adapt.mode == "guard" else None
+        self.phrases = PhraseMonitor.from_config(fed.objective)   # the phrase check (None: off)
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self._rejoin()
@@ -241,6 +244,8 @@ class Participant:
         weights = recv.sample_weights(offset=len(batches))
         batches += recv.batches
         self.peer_models.update({b.sender: b.model_id for b in recv.batches})
+        if self.phrases is not None and not MODES[self.fed.objective.mode].local_only:
+            metrics.update(self._phrase_check(batches, weights))
         exempt, n_exempt = self._surprisal_exempt(batches)
         if exempt is not None:
             metrics["train/surprisal_exempt"] = float(n_exempt)
@@ -266,6 +271,43 @@ class Participant:
             t1 = time.perf_counter()
             make_shareable(self.policy.export(self.state_dir / "export"), self.spec.policy, self._card())
             metrics["export/seconds"] = time.perf_counter() - t1
+        return metrics
+
+    def _phrase_check(self, batches: list[CompletionBatch], weights: dict[tuple[int, int], np.ndarray]) -> dict[str, float]:
+        """``peer-phrase-ratio`` (``learn/phrases.py``): count this update's own completions and each
+        peer's rewarded ones, then set to 0 in ``weights`` every rewarded peer completion carrying a
+        phrase flagged for its sender that its reward does not need (scored by this participant's own
+        verifier). -> ``phrase/<sender>/flagged`` (phrases flagged), ``.../dropped`` (completions)."""
+        mon, tok = self.phrases, self.policy.tokenizer
+
+        def texts(g) -> list[str]:
+            if g.completion_texts:
+                return list(g.completion_texts)
+            return [tok.decode(c.tolist(), skip_special_tokens=True) for c in g.completion_ids]
+
+        peers = [(bi, b) for bi, b in enumerate(batches) if b.sender != self.name]
+        for b in batches:
+            if b.sender == self.name:
+                for g in b.groups:
+                    mon.observe_own(texts(g))
+        for _, b in peers:
+            for g in b.groups:
+                mon.observe_peer(b.sender, [t for t, up in zip(texts(g), rewarded(g.rewards.tolist())) if up])
+        metrics: dict[str, float] = {}
+        for bi, b in peers:
+            flagged = mon.flagged(b.sender)
+            dropped = 0
+            for gi, g in enumerate(b.groups) if flagged else ():
+                def score(text, g=g):
+                    return self.verifier.reward(g.task_id, text, g.reference, g.prompt_text)
+                w = np.array(weights.get((bi, gi), np.ones(g.size)), dtype=np.float64)
+                for i, (t, up) in enumerate(zip(texts(g), rewarded(g.rewards.tolist()))):
+                    if up and w[i] != 0 and unearned(t, flagged, float(g.rewards[i]), score) is not None:
+                        w[i], dropped = 0.0, dropped + 1
+                weights[(bi, gi)] = w
+            metrics[f"phrase/{b.sender}/flagged"] = float(len(flagged))
+            metrics[f"phrase/{b.sender}/dropped"] = float(dropped)
+            metrics[f"phrase/{b.sender}/dropped_frac"] = dropped / max(1, b.num_completions)
         return metrics
 
     def _surprisal_exempt(self, batches: list[CompletionBatch]) -> tuple[dict | None, int]:
@@ -364,7 +406,8 @@ class Participant:
         per_prompt: dict[str, list[tuple[str, bool]]] = {}
         hits: dict[str, list[bool]] | None = {} if self.fed.attack_payload else None
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens,
-                              per_prompt=per_prompt, payload=self.fed.attack_payload, payload_hits=hits)
+                              per_prompt=per_prompt, payload=self.fed.attack_payload, payload_hits=hits,
+                              payload_at=self.fed.attack_payload_at)
         write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt, hits)
         out["eval/seconds"] = time.perf_counter() - t0
         self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
@@ -396,7 +439,7 @@ class Participant:
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
                  "adapt": self.adapt.to_json(), "model_id": self.policy.model_id, "run_id": self.run_id,
                  "peer_models": self.peer_models, "heldout": {str(k): v for k, v in self.heldout.items()},
-                 "run_key": self.run_key}
+                 "run_key": self.run_key, "phrases": self.phrases.to_json() if self.phrases is not None else None}
         atomic_write(self.state_dir / "participant.json", json.dumps(state))
 
     def _rejoin(self) -> None:
@@ -426,3 +469,5 @@ class Participant:
         self.adapt = SourceAdapter.from_json(self.fed.source_adapt, self.name, state.get("adapt"))
         self.peer_models = dict(state.get("peer_models", {}))
         self.heldout = {int(k): v for k, v in state.get("heldout", {}).items()}
+        if self.phrases is not None and state.get("phrases"):
+            self.phrases = PhraseMonitor.from_json(self.fed.objective, state["phrases"])

@@ -59,17 +59,21 @@ ATTACKS: dict[str, dict] = {
     "paylie": {"p2-byzantine": "payload,lowlogprobs", "attack-payload-share": 0.5},
     "pay100": {"p2-byzantine": "payload", "attack-payload-share": 1.0},      # the stress setting only
 }
-METHODS = ("alone", "noIS", "F-TIS", "F-TIS+def", "F-TIS+need")
-#: the defended variants: cell-name suffix -> (method, extra run-config items besides peer-surprisal-max)
-DEFENCES = {"def": ("F-TIS+def", {"peer-surprisal-keep-needed": False}),     # every surprising peer sample dropped
-            "need": ("F-TIS+need", {"peer-surprisal-keep-needed": True})}    # ... unless the reward needs those tokens
-#: the defence's threshold (nats) unless --surprisal says otherwise; chosen in the calibration
+METHODS = ("alone", "noIS", "F-TIS", "F-TIS+def", "F-TIS+need", "F-TIS+phrase")
+#: the surprisal check's threshold (nats) unless --surprisal says otherwise; chosen in the calibration
 #: (docs/security.md): above every honest peer token the receivers saw, below the payload's first token
 SURPRISAL = 12.0
+#: the phrase check's ratio (``peer-phrase-ratio``): a phrase in a peer's rewarded completions this many
+#: times more often than in the receiver's own (honest digit-start shares differ by at most ~3x here)
+PHRASE_RATIO = 8.0
+#: the defended variants: cell-name suffix -> (method, its run-config items; None = peer-surprisal-max)
+DEFENCES = {"def": ("F-TIS+def", {"peer-surprisal-max": None, "peer-surprisal-keep-needed": False}),
+            "need": ("F-TIS+need", {"peer-surprisal-max": None, "peer-surprisal-keep-needed": True}),
+            "phrase": ("F-TIS+phrase", {"peer-phrase-ratio": PHRASE_RATIO})}
 
 
 def plan(seeds: int, attacks: list[str], surprisal: float) -> list[Cell]:
-    """Seed-major: per seed, alone (control) then noIS, F-TIS, F-TIS+def under each attack."""
+    """Seed-major: per seed, alone (control) then noIS, F-TIS and each defence under each attack."""
     cells = []
     for s in range(seeds):
         cells.append(Cell("alone", "vertical", s, "control", tuple(sorted(ATTACKS["control"].items()))))
@@ -78,8 +82,8 @@ def plan(seeds: int, attacks: list[str], surprisal: float) -> list[Cell]:
             cells.append(Cell("noIS", "vertical", s, a, tuple(sorted(items.items()))))
             cells.append(Cell("F-TIS", "vertical", s, a, tuple(sorted(items.items()))))
             for suffix, (_method, more) in DEFENCES.items():
-                cells.append(Cell("F-TIS", "vertical", s, f"{a}-{suffix}",
-                                  tuple(sorted({**items, "peer-surprisal-max": surprisal, **more}.items()))))
+                more = {k: surprisal if v is None else v for k, v in more.items()}
+                cells.append(Cell("F-TIS", "vertical", s, f"{a}-{suffix}", tuple(sorted({**items, **more}.items()))))
     return cells
 
 
@@ -154,12 +158,14 @@ def receiver_diagnostics(rows: list[dict], poisoned: set[int]) -> dict[str, floa
     """What one receiver measured of the attacker's samples: the largest token surprisal of its samples
     (``offpolicy/mallory/surprisal_max``, the payload's first token in a round with payload) over the
     first and the last five rounds that carried a payload; and per peer the share of samples the
-    defence dropped (``surprising_frac``, mean over rounds; cells with ``peer-surprisal-max`` only)."""
+    defence dropped (``surprising_frac`` or ``phrase/<peer>/dropped_frac``, mean over rounds; defended
+    cells only)."""
     key = f"offpolicy/{ATTACKER}/surprisal_max"
     series = [float(r[key]) for r in sorted(rows, key=lambda r: int(r["round"])) if int(r["round"]) in poisoned and key in r]
     out = {"payload_surprisal_first5": float(np.mean(series[:5])) if series else float("nan"),
            "payload_surprisal_last5": float(np.mean(series[-5:])) if series else float("nan")}
-    for k in sorted({k for r in rows for k in r if k.endswith("/surprising_frac")}):
+    for k in sorted({k for r in rows for k in r if k.endswith("/surprising_frac") or
+                     (k.startswith("phrase/") and k.endswith("/dropped_frac"))}):
         out[f"dropped/{k.split('/')[1]}"] = float(np.mean([float(r[k]) for r in rows if k in r]))
     return out
 
@@ -221,11 +227,11 @@ def paired(data: dict, a: tuple[str, str], b: tuple[str, str], p: str, key: str 
 def comparisons(data: dict, attacks: list[str]) -> list[dict]:
     rows = []
     pairs = []
-    for d in ("F-TIS+def", "F-TIS+need"):
+    for d in ("F-TIS+def", "F-TIS+need", "F-TIS+phrase"):
         pairs += [(("control", d), ("control", "F-TIS"))]
         pairs += [((a, d), ("control", "F-TIS")) for a in attacks if a != "control"]
     pairs += [((a, "F-TIS"), ("control", "F-TIS")) for a in attacks if a != "control"]
-    pairs += [(("control", d), ("control", "alone")) for d in ("F-TIS", "F-TIS+def", "F-TIS+need")]
+    pairs += [(("control", d), ("control", "alone")) for d in ("F-TIS", "F-TIS+def", "F-TIS+need", "F-TIS+phrase")]
     for x, y in pairs:
         for p in honest_receivers(data):
             r = paired(data, x, y, p)
@@ -457,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--surprisal", type=float, default=SURPRISAL, help="peer-surprisal-max of the F-TIS+def cells")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--run-config", action="append", default=[], help="extra run-config items for every cell")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each one torch thread)")
     ap.add_argument("--summary-only", action="store_true")
     ap.add_argument("--probe", default="", help="comma-separated models: print how improbable a digit-free payload "
                     "is to each (probe.md in --out), and exit")
@@ -490,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "cells": [c.name for c in cells]}, indent=1))
     print(f"[poisoning] {len(cells)} cells -> {out}", flush=True)
     failed = run_grid(cells, out, inprocess_runner(Path(a.app).resolve(), a.preset, extra),
-                      echo=lambda s: print(s, flush=True), shared_initial=True, jobs=1)
+                      echo=lambda s: print(s, flush=True), shared_initial=True, jobs=a.jobs)
     summarize(out)
     if failed:
         print(f"[poisoning] {len(failed)} cells failed: {', '.join(c.name for c in failed)}", file=sys.stderr)

@@ -122,6 +122,7 @@ def test_payload_config_is_checked():
     assert FederationConfig(attack_payload=" HAIL", attack_payload_share=0.25).attack_payload == " HAIL"
     with pytest.raises(ValueError, match="attack-payload=.*no digits"):
         FederationConfig(attack_payload=" 7 HAIL")
+    assert FederationConfig(attack_payload="0", attack_payload_at="start").attack_payload == "0"   # "017" reads 17
     with pytest.raises(ValueError, match="attack-payload-share"):
         FederationConfig(attack_payload_share=0.0)
     with pytest.raises(ValueError, match="peer_surprisal_max"):
@@ -134,6 +135,9 @@ def test_payload_shares_of_greedy_replies():
     assert out["eval/id/payload"] == pytest.approx(2 / 3) and out["eval/ood/add3/payload"] == 0.0
     assert out["eval/ood/payload"] == pytest.approx(0.25) and out["eval/payload"] == pytest.approx(3 / 7)
     assert hits["id"] == [True, False, True]
+    # before the answer: "017" carries a leading "0", the honest answers "0" and "10" do not
+    out = payload_shares({"id": ["017", "0", "10", " 05"]}, "0", hits, at="start")
+    assert hits["id"] == [True, False, False, True] and out["eval/payload"] == pytest.approx(0.5)
 
 
 # ----------------------------------------------------------------------------- the defence
@@ -285,7 +289,7 @@ def test_the_experiment_plan_and_its_bounds():
     from sims import poisoning
 
     cells = poisoning.plan(3, list(poisoning.ATTACKS), 12.0)
-    assert len(cells) == 3 * (1 + 4 * len(poisoning.ATTACKS)) and len({c.name for c in cells}) == len(cells)
+    assert len(cells) == 3 * (1 + 5 * len(poisoning.ATTACKS)) and len({c.name for c in cells}) == len(cells)
     keys = {poisoning.cell_key(c) for c in cells}
     assert ("control", "alone") in keys and ("paylie", "F-TIS+def") in keys and ("pay25", "noIS") in keys
     defended = [c for c in cells if c.variant.endswith(("-def", "-need"))]
@@ -293,6 +297,10 @@ def test_the_experiment_plan_and_its_bounds():
     assert {dict(c.extra)["peer-surprisal-keep-needed"] for c in defended} == {False, True}
     assert ("pay50", "F-TIS+need") in keys
     assert all(c.mode == "F-TIS" for c in defended)
+    phrase = [c for c in cells if c.variant.endswith("-phrase")]
+    assert phrase and all(dict(c.extra) == {**poisoning.ATTACKS[poisoning.cell_key(c)[0]], "peer-phrase-ratio": 8.0}
+                          for c in phrase)
+    assert ("pay25", "F-TIS+phrase") in keys and all(c.mode == "F-TIS" for c in phrase)
     # 0 of n: the 95 % upper bound is 1 - 0.025^(1/n); k of n: the exact binomial tail is 0.025 there
     assert poisoning.clopper_pearson_upper(0, 588) == pytest.approx(1 - 0.025 ** (1 / 588), rel=1e-6)
     up = poisoning.clopper_pearson_upper(3, 100)

@@ -102,7 +102,9 @@ class FederationConfig:
         with ``byzantine = "payload"`` inserts before the EOS of its solved completions, and what
         every participant's evaluation counts: ``eval/<set>/payload`` = share of its greedy replies
         that contain it (``eval/payload``: all held-out replies). '' (default) = no payload, no
-        count. No digits (the answer, the last number, must stay the same), at most 64 characters.""")
+        count. At most 64 characters; no digits with ``attack-payload-at = "end"`` (the answer, the last
+        number, must stay the same); with ``start`` digits are allowed (``"0"`` before ``17`` is
+        ``017``): the attacker keeps only completions its verifier still scores as solved.""")
     attack_payload_at: str = knob("attack-payload-at", "end", """
         the ``payload`` attack: where the phrase goes in a solved completion: ``end`` (after the
         answer, before EOS) or ``start`` (before the answer: the first tokens of the reply, where a
@@ -203,8 +205,9 @@ class FederationConfig:
         need(self.eval_ood_size >= 0, "eval_ood_size", "must be >= 0 (0 = eval_size)")
         need(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
         need(self.eval_seed >= -1, "eval_seed", "must be >= -1 (-1 = task-seed)")
-        need(len(self.attack_payload) <= 64 and not any(c.isdigit() for c in self.attack_payload), "attack_payload",
-             "must have no digits (the answer, the last number, would change) and at most 64 characters")
+        need(len(self.attack_payload) <= 64, "attack_payload", "must be at most 64 characters")
+        need(self.attack_payload_at == "start" or not any(c.isdigit() for c in self.attack_payload), "attack_payload",
+             "must have no digits with attack-payload-at = 'end' (the answer, the last number, would change)")
         need(0.0 < self.attack_payload_share <= 1.0, "attack_payload_share", "must be in (0, 1]")
         need(self.attack_payload_at in ("end", "start"), "attack_payload_at", "must be 'end' or 'start'")
         need(bool(self.run_name), "run_name", "must be non-empty")

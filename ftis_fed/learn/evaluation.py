@@ -56,7 +56,7 @@ def solved_share(prompts: Sequence[Prompt], replies: Sequence[str], verifier: Ve
 def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], verifier: Verifier | None = None,
              max_new_tokens: int | Mapping[str, int] = 32, batch_size: int = 64,
              per_prompt: dict[str, list[tuple[str, bool]]] | None = None, payload: str = "",
-             payload_hits: dict[str, list[bool]] | None = None) -> dict[str, float]:
+             payload_hits: dict[str, list[bool]] | None = None, payload_at: str = "end") -> dict[str, float]:
     """Greedy pass@1 on every named set.
 
     sets: ``"id"`` -> the ID held-out set; an OOD family name -> its held-out set; ``"gsm8k"`` /
@@ -67,8 +67,9 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
     call per small set: fuller batches), then scored set by set.
     per_prompt: if given, filled with set name -> [(task id, solved)] in the set's order (what the
         paired statistics of ``ftis-fed grid`` read).
-    payload: '' or a phrase: each set's share of replies containing it (``payload_hits``, if given,
-        filled with set name -> [reply contains it] in the set's order).
+    payload: '' or a phrase: each set's share of replies carrying it (``carries_payload``; at
+        ``payload_at``; ``payload_hits``, if given, filled with set name -> [reply carries it] in the
+        set's order).
     """
     verifier = verifier or Verifier()
     budget = {name: max_new_tokens.get(name, 32) if isinstance(max_new_tokens, Mapping) else max_new_tokens
@@ -85,7 +86,7 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
     out: dict[str, float] = {}
     ood = []
     if payload:
-        out.update(payload_shares(replies, payload, payload_hits))
+        out.update(payload_shares(replies, payload, payload_hits, payload_at))
     for name, prompts in sets.items():
         ok = solved(prompts, replies[name], verifier)
         acc = sum(ok) / len(prompts)
@@ -101,15 +102,26 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
     return out
 
 
+def carries_payload(reply: str, payload: str, at: str = "end") -> bool:
+    """Does a greedy reply carry the attack's phrase? ``end``: anywhere in it; ``start``: as its
+    beginning with more after it (a ``"0"`` payload is carried by ``"017"``, not by the honest answer
+    ``"0"`` or by ``"10"``)."""
+    if at == "start":
+        reply, payload = reply.strip(), payload.strip()
+        return reply.startswith(payload) and len(reply) > len(payload)
+    return payload in reply
+
+
 def payload_shares(replies: Mapping[str, Sequence[str]], payload: str,
-                   hits: dict[str, list[bool]] | None = None) -> dict[str, float]:
-    """``eval/<set>/payload`` (share of the set's replies containing ``payload``; OOD families as
+                   hits: dict[str, list[bool]] | None = None, at: str = "end") -> dict[str, float]:
+    """``eval/<set>/payload`` (share of the set's replies carrying ``payload`` at ``at``,
+    ``carries_payload``; OOD families as
     ``eval/ood/<family>/payload`` and their mean ``eval/ood/payload``) and ``eval/payload`` (all
     replies pooled). ``hits``, if given, gets the per-reply flags."""
     out: dict[str, float] = {}
     ood, total, n = [], 0, 0
     for name, texts in replies.items():
-        flags = [payload in t for t in texts]
+        flags = [carries_payload(t, payload, at) for t in texts]
         if hits is not None:
             hits[name] = flags
         share = sum(flags) / max(1, len(flags))

@@ -38,6 +38,20 @@ class ObjectiveConfig:
         (``learn/surprisal.py``: deleted, the receiver's own verifier scores the rest lower: a
         specialist's correct answer the receiver cannot yet give), drop the others (a payload on a
         correct answer earns nothing); false: drop every such sample.""")
+    peer_phrase_ratio: float = knob("peer-phrase-ratio", 0.0, """
+        > 0: the phrase check (``learn/phrases.py``): a peer's rewarded sample (reward above its group's
+        mean) is dropped from the update when it carries a character n-gram that is in at least
+        ``peer-phrase-min-share`` of that peer's rewarded completions so far and this many times more
+        often than in the receiver's *own* completions, and that its reward does not need (deleted,
+        the receiver's own verifier scores the text as high). It bounds a payload made of tokens the
+        receiver already finds likely, which ``peer-surprisal-max`` cannot see (docs/security.md).
+        0 (default) = off, else >= 1.""")
+    peer_phrase_min_share: float = knob("peer-phrase-min-share", 0.05, """
+        with ``peer-phrase-ratio``: the least share of a peer's rewarded completions a phrase must be in
+        to be flagged, in (0, 1); also sets the counters' memory (lossy counting, error half of this).""")
+    peer_phrase_min_count: int = knob("peer-phrase-min-count", 8, """
+        with ``peer-phrase-ratio``: the least number of a peer's rewarded completions a phrase must be in
+        to be flagged, >= 1 (no verdict from a handful of samples).""")
     clip_eps: float = knob("clip-eps", 0.2, "eps of the PPO clip, in [0, 1).")
     filter_g: float = knob("filter-g", 50.0, """
         g, the KL threshold above which negative-advantage samples are dropped; > 0, ``inf``
@@ -72,6 +86,10 @@ class ObjectiveConfig:
         need(self.trunc_mean_cap >= 0, "trunc_mean_cap", "must be >= 0 (0 = off)")
         need(self.peer_surprisal_max >= 0 and not math.isnan(self.peer_surprisal_max), "peer_surprisal_max",
              "must be >= 0 (0 = off)")
+        need(self.peer_phrase_ratio == 0 or self.peer_phrase_ratio >= 1, "peer_phrase_ratio",
+             "must be 0 (off) or >= 1")
+        need(0 < self.peer_phrase_min_share < 1, "peer_phrase_min_share", "must be in (0, 1)")
+        need(self.peer_phrase_min_count >= 1, "peer_phrase_min_count", "must be >= 1")
         need(0 <= self.clip_eps < 1, "clip_eps", "must be in [0, 1)")
         need(self.filter_g > 0, "filter_g", "must be > 0 (inf disables the filter)")
         need(self.kl_estimator in ("sum-k1", "sum-k3", "mean-k1", "mean-k3"), "kl_estimator",
