@@ -46,7 +46,7 @@ from ftis_fed.trust.receive import ReceiverContext, receive
 from ftis_fed.learn.rollouts import scored_groups
 from ftis_fed.learn.source_weights import SourceAdapter
 from ftis_fed.learn.modes import MODES
-from ftis_fed.learn.phrases import PhraseMonitor, rewarded, unearned
+from ftis_fed.learn.phrases import PhraseMonitor, check_batches
 from ftis_fed.learn.surprisal import needed_rows
 from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key,
                                    run_name_of, sign_batch, sign_challenge)
@@ -274,41 +274,10 @@ class Participant:
         return metrics
 
     def _phrase_check(self, batches: list[CompletionBatch], weights: dict[tuple[int, int], np.ndarray]) -> dict[str, float]:
-        """``peer-phrase-ratio`` (``learn/phrases.py``): count this update's own completions and each
-        peer's rewarded ones, then set to 0 in ``weights`` every rewarded peer completion carrying a
-        phrase flagged for its sender that its reward does not need (scored by this participant's own
-        verifier). -> ``phrase/<sender>/flagged`` (phrases flagged), ``.../dropped`` (completions)."""
-        mon, tok = self.phrases, self.policy.tokenizer
-
-        def texts(g) -> list[str]:
-            if g.completion_texts:
-                return list(g.completion_texts)
-            return [tok.decode(c.tolist(), skip_special_tokens=True) for c in g.completion_ids]
-
-        peers = [(bi, b) for bi, b in enumerate(batches) if b.sender != self.name]
-        for b in batches:
-            if b.sender == self.name:
-                for g in b.groups:
-                    mon.observe_own(texts(g))
-        for _, b in peers:
-            for g in b.groups:
-                mon.observe_peer(b.sender, [t for t, up in zip(texts(g), rewarded(g.rewards.tolist())) if up])
-        metrics: dict[str, float] = {}
-        for bi, b in peers:
-            flagged = mon.flagged(b.sender)
-            dropped = 0
-            for gi, g in enumerate(b.groups) if flagged else ():
-                def score(text, g=g):
-                    return self.verifier.reward(g.task_id, text, g.reference, g.prompt_text)
-                w = np.array(weights.get((bi, gi), np.ones(g.size)), dtype=np.float64)
-                for i, (t, up) in enumerate(zip(texts(g), rewarded(g.rewards.tolist()))):
-                    if up and w[i] != 0 and unearned(t, flagged, float(g.rewards[i]), score) is not None:
-                        w[i], dropped = 0.0, dropped + 1
-                weights[(bi, gi)] = w
-            metrics[f"phrase/{b.sender}/flagged"] = float(len(flagged))
-            metrics[f"phrase/{b.sender}/dropped"] = float(dropped)
-            metrics[f"phrase/{b.sender}/dropped_frac"] = dropped / max(1, b.num_completions)
-        return metrics
+        """``peer-phrase-ratio``: ``phrases.check_batches`` with this participant's decoding and verifier."""
+        tok = self.policy.tokenizer
+        return check_batches(self.phrases, batches, self.name, weights,
+                             lambda ids: tok.decode(list(ids), skip_special_tokens=True), self.verifier.reward)
 
     def _surprisal_exempt(self, batches: list[CompletionBatch]) -> tuple[dict | None, int]:
         """``peer-surprisal-max`` with ``peer-surprisal-keep-needed``: per peer group (same tokenizer),

@@ -22,7 +22,8 @@ tokens, ``peer-surprisal-keep-needed``) under every attack, and ``alone`` once p
 seed s, ``seed = task-seed = s``; ``eval-seed = 0`` (the same held-out prompts in every cell).
 
 Cells run one at a time in this process (``ftis-fed grid``'s ``run_grid`` and in-process runner, one
-torch thread); a finished cell (``cells/<cell>/done.json``) is not repeated. The summary
+torch thread), or ``--jobs N`` at once, each in its own ``ftis-fed sim --transport inprocess`` process
+(running the code of ``--app``); a finished cell (``cells/<cell>/done.json``) is not repeated. The summary
 (``summary.md``, ``summary.csv``, ``adoption.png``) is computed from the cells' files only:
 
 - adoption: share of an honest receiver's greedy replies on the held-out prompts (ID and OOD) that
@@ -47,7 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from ftis_fed.commands.experiment import (Cell, PNG_META, discover_cells, initial_eval, inprocess_runner,
-                                          participant_rows, prompt_records, prompt_vectors, read_rows, run_grid)
+                                          participant_rows, prompt_records, prompt_vectors, read_rows, run_grid,
+                                          sim_runner)
 from ftis_fed.commands.grid_stats import paired_interval
 
 PRESET = "poisoning"
@@ -114,10 +116,12 @@ def clopper_pearson_upper(k: int, n: int, alpha: float = 0.05) -> float:
     return hi
 
 
-def payload_hits(records: list[dict], participant: str) -> tuple[int, int]:
-    """(replies carrying the payload, replies) of ``participant``'s last evaluation after training."""
+def payload_hits(records: list[dict], participant: str, sets: set[str] | None = None) -> tuple[int, int]:
+    """(replies carrying the payload, replies) of ``participant``'s last evaluation after training, on
+    the held-out ``sets`` (None: all, ID and OOD)."""
     last = max((int(r["round"]) for r in records if r["participant"] == participant), default=-1)
-    flags = "".join(r.get("payload", "") for r in records if r["participant"] == participant and int(r["round"]) == last)
+    flags = "".join(r.get("payload", "") for r in records if r["participant"] == participant and int(r["round"]) == last
+                    and (sets is None or r.get("set") in sets))
     return flags.count("1"), len(flags)
 
 
@@ -138,7 +142,8 @@ def collect(out: Path) -> tuple[list[Cell], dict]:
         for p in sorted({r["participant"] for r in evals}):
             mine = sorted((r for r in evals if r["participant"] == p), key=lambda r: int(r["round"]))
             data[(*cell_key(c), p, c.seed)] = {
-                "final": mine[-1], "hits": payload_hits(records, p), "vectors": vectors.get(p, {}),
+                "final": mine[-1], "hits": payload_hits(records, p), "hits_id": payload_hits(records, p, {"id"}),
+                "vectors": vectors.get(p, {}),
                 "curve": {int(r["round"]): float(r.get("eval/payload", float("nan"))) for r in mine},
                 "diag": receiver_diagnostics([r for r in train if r["participant"] == p], poisoned),
                 "surprisal": {int(r["round"]): float(r[f"offpolicy/{ATTACKER}/surprisal_max"]) for r in train
@@ -201,9 +206,12 @@ def table(data: dict, attacks: list[str]) -> list[dict]:
                 if not got:
                     continue
                 k, n = sum(v["hits"][0] for v in got), sum(v["hits"][1] for v in got)
+                k_id, n_id = sum(v["hits_id"][0] for v in got), sum(v["hits_id"][1] for v in got)
                 acc = [float(v["final"]["eval/id/accuracy"]) for v in got]
                 out.append({"attack": attack, "method": method, "participant": p, "seeds": len(got),
                             "payload_hits": k, "replies": n, "adoption": k / n if n else float("nan"),
+                            "payload_hits_id": k_id, "replies_id": n_id,
+                            "adoption_id": k_id / n_id if n_id else float("nan"),
                             "adoption_upper95": clopper_pearson_upper(k, n),
                             "adoption_max_seed": max(float(v["final"].get("eval/payload", 0.0)) for v in got),
                             "id_accuracy_mean": float(np.mean(acc)),
@@ -271,18 +279,22 @@ def markdown(rows: list[dict], pairs: list[dict], data: dict, initial: dict, cel
              f"({len(cells)} cells; {sum(seconds) / 60:.1f} min of cell time, "
              f"{min(seconds, default=0):.0f}–{max(seconds, default=0):.0f} s a cell; 1-minute load at cell start "
              f"{min(loads, default=0):.1f}–{max(loads, default=0):.1f}).", "",
-             "Adoption: replies with the payload / held-out greedy replies of the honest receiver after the last "
-             "round, pooled over seeds (95 % upper bound, Clopper-Pearson; the largest single seed's share). "
+             "Adoption: replies with the payload / held-out greedy replies (ID and OOD) of the honest receiver after "
+             "the last round, pooled over seeds (95 % upper bound, Clopper-Pearson; the largest single seed's share); "
+             "adoption ID: the same on the ID prompts only. "
              "`alone` trains on its own samples only: the same cells serve every attack.", "",
-             "| attack | method | participant | seeds | adoption % | upper 95 % | max seed % | ID accuracy (mean ± sd) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| attack | method | participant | seeds | adoption % | upper 95 % | max seed % | adoption ID % "
+             "| ID accuracy (mean ± sd) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['attack']} | {r['method']} | {r['participant']} | {r['seeds']} | "
                      f"{_pct(r['adoption'])} ({r['payload_hits']}/{r['replies']}) | {_pct(r['adoption_upper95'])} | "
-                     f"{_pct(r['adoption_max_seed'])} | {r['id_accuracy_mean']:.3f} ± {r['id_accuracy_sd']:.3f} |")
+                     f"{_pct(r['adoption_max_seed'])} | {_pct(r['adoption_id'])} ({r['payload_hits_id']}/{r['replies_id']}) | "
+                     f"{r['id_accuracy_mean']:.3f} ± {r['id_accuracy_sd']:.3f} |")
     if initial:
         lines += ["", "Before training: " + ", ".join(
-            f"{p} ID {float(r.get('eval/id/accuracy', float('nan'))):.3f}, payload {_pct(float(r.get('eval/payload', 0.0)))} %"
+            f"{p} ID {float(r.get('eval/id/accuracy', float('nan'))):.3f}, payload {_pct(float(r.get('eval/payload', 0.0)))} % "
+            f"(ID {_pct(float(r.get('eval/id/payload', float('nan'))))} %)"
             for p, r in sorted(initial.items()) if p != ATTACKER) + "."]
     lines += ["", "Paired ID accuracy differences A − B (points; 95 % pigeonhole-bootstrap CI over seeds and "
               "prompts, `grid_stats.paired_interval`; t interval over the per-seed means):", "",
@@ -463,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--surprisal", type=float, default=SURPRISAL, help="peer-surprisal-max of the F-TIS+def cells")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--run-config", action="append", default=[], help="extra run-config items for every cell")
-    ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each one torch thread)")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each one torch thread; > 1: each cell "
+                    "in its own process, `ftis-fed sim --transport inprocess`)")
     ap.add_argument("--summary-only", action="store_true")
     ap.add_argument("--probe", default="", help="comma-separated models: print how improbable a digit-free payload "
                     "is to each (probe.md in --out), and exit")
@@ -496,8 +509,12 @@ def main(argv: list[str] | None = None) -> int:
                                                "surprisal": a.surprisal, "run_config": extra,
                                                "cells": [c.name for c in cells]}, indent=1))
     print(f"[poisoning] {len(cells)} cells -> {out}", flush=True)
-    failed = run_grid(cells, out, inprocess_runner(Path(a.app).resolve(), a.preset, extra),
-                      echo=lambda s: print(s, flush=True), shared_initial=True, jobs=a.jobs)
+    app = Path(a.app).resolve()
+    # one cell at a time: in this process; several: each in its own process (model building is not
+    # thread-safe: two cells loading models in one process corrupt each other's weights)
+    runner = (inprocess_runner(app, a.preset, extra) if a.jobs <= 1 else
+              sim_runner(app, a.preset, extra, ["--transport", "inprocess"]))
+    failed = run_grid(cells, out, runner, echo=lambda s: print(s, flush=True), shared_initial=True, jobs=a.jobs)
     summarize(out)
     if failed:
         print(f"[poisoning] {len(failed)} cells failed: {', '.join(c.name for c in failed)}", file=sys.stderr)

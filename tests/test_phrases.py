@@ -6,13 +6,13 @@ path (``Participant._phrase_check``) on research-tiny's models."""
 
 from __future__ import annotations
 
+import math
 import random
 
-import numpy as np
 import pytest
 
 from ftis_fed.learn.objective_config import ObjectiveConfig
-from ftis_fed.learn.phrases import (END, START, LossyCounter, PhraseMonitor, contains, ngrams, rewarded,
+from ftis_fed.learn.phrases import (END, SIZES, START, LossyCounter, PhraseMonitor, contains, ngrams, rewarded,
                                     strip_phrase, unearned)
 from ftis_fed.tasks.rewards import Verifier
 from ftis_fed.tasks.suite import task_at
@@ -56,6 +56,10 @@ def test_a_repeated_leading_zero_is_flagged_and_an_honest_specialist_is_not():
     assert START + "0" in mon.flagged("mallory")
     assert mon.flagged("spec") == set()
     assert mon.flagged("nobody") == set()
+    # the resume checkpoint keeps the counts (JSON, the edge markers included)
+    import json
+    back = PhraseMonitor.from_json(ObjectiveConfig(peer_phrase_ratio=8.0), json.loads(json.dumps(mon.to_json())))
+    assert back.flagged("mallory") == mon.flagged("mallory") and back.own.counts == mon.own.counts
 
 
 def test_a_phrase_is_dropped_only_when_the_reward_does_not_need_it():
@@ -100,11 +104,12 @@ def test_a_flood_of_distinct_phrases_costs_bounded_memory():
     flags nothing (no phrase repeats)."""
     rng = random.Random(1)
     mon = PhraseMonitor(ratio=8.0)
-    for _ in range(100):
+    for _ in range(30):
         mon.observe_own(["".join(rng.choice("0123456789") for _ in range(3)) for _ in range(16)])
         mon.observe_peer("flood", ["".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(2048)) for _ in range(16)])
     assert mon.flagged("flood") == set()
-    assert len(mon.peers["flood"].counts) < 5 * 2049 * 2 * 2 / mon.min_share     # a few buckets of 16 documents
+    bucket = math.ceil(2 / mon.min_share)                        # documents per lossy-counting bucket
+    assert len(mon.peers["flood"].counts) <= bucket * len(SIZES) * 2050      # 480 documents seen, one bucket kept
 
 
 def test_in_a_federation_the_payload_of_likely_tokens_is_dropped_and_nothing_honest(tmp_path):
