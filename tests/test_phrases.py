@@ -60,6 +60,28 @@ def test_a_repeated_leading_zero_is_flagged_and_an_honest_specialist_is_not():
     import json
     back = PhraseMonitor.from_json(ObjectiveConfig(peer_phrase_ratio=8.0), json.loads(json.dumps(mon.to_json())))
     assert back.flagged("mallory") == mon.flagged("mallory") and back.own.counts == mon.own.counts
+    assert back.sticky == mon.sticky and back.own.eps == mon.own_eps and back.peers["spec"].eps == mon.peer_eps
+
+
+def test_a_phrase_in_an_eighth_is_flagged_and_stays_flagged_when_the_receiver_starts_saying_it():
+    """The 1/4 attack: mallory's leading "0" in an eighth of its rewarded completions, first seen late
+    in the run, is flagged (the receiver's own share is estimated from below, not at the counter's
+    error); when the receiver then starts saying it too (adoption), the flag stays. A receiver that
+    said it that often from the start would not flag it."""
+    own, mal = _answers("add30", 1, 1600), _answers("add30", 2, 400)
+    mon = PhraseMonitor(ratio=8.0)
+    for k in range(0, 800, 16):
+        mon.observe_own([ref for _, ref in own[k:k + 16]])
+    mon.observe_peer("mallory", [("0" if i % 8 == 0 else "") + ref for i, (_, ref) in enumerate(mal[:200])])
+    assert START + "0" in mon.flagged("mallory")
+    for k in range(800, 1600, 16):                                 # the receiver adopts: 1 in 5 of its own
+        mon.observe_own([("0" if i % 5 == 0 else "") + ref for i, (_, ref) in enumerate(own[k:k + 16])])
+    mon.observe_peer("mallory", [("0" if i % 8 == 0 else "") + ref for i, (_, ref) in enumerate(mal[200:])])
+    assert START + "0" in mon.flagged("mallory")
+    fresh = PhraseMonitor(ratio=8.0)
+    fresh.observe_own([("0" if i % 5 == 0 else "") + ref for i, (_, ref) in enumerate(own)])
+    fresh.observe_peer("mallory", [("0" if i % 8 == 0 else "") + ref for i, (_, ref) in enumerate(mal)])
+    assert START + "0" not in fresh.flagged("mallory")
 
 
 def test_a_phrase_is_dropped_only_when_the_reward_does_not_need_it():

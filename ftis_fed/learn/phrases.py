@@ -9,16 +9,18 @@ completions (reward above its group's mean: the ones the update pushes up) each 
 occurs, and the same over its *own* sampled completions, across the run so far. An n-gram is
 **flagged** for a sender when it is in at least ``min_share`` of the sender's rewarded completions
 (and at least ``min_count`` of them) and ``ratio`` times more often than in the receiver's own
-(Laplace-smoothed). A rewarded peer completion that contains a flagged n-gram is dropped from the
+(Laplace-smoothed); once flagged, it stays flagged for that sender. A rewarded peer completion that contains a flagged n-gram is dropped from the
 update (weight 0) when one of those n-grams is **unearned**: the receiver deletes it, re-scores the
 text with its own verifier, and the reward stays. An honest specialist's answers may start with a
 digit the receiver rarely starts with; deleting it breaks the answer, deleting a payload does not.
 
 Nothing the sender claims is used: the receiver's own samples are the reference, its own verifier
 decides what a phrase is worth. Memory is bounded per sender whatever it sends: n-grams are counted
-with lossy counting (Manku & Motwani, 2002; error at most ``min_share / 2`` of the completions
-counted), so a counter holds O(2 / min_share · log n) entries, and only the first ``max_chars``
-characters of a completion are read.
+with lossy counting (Manku & Motwani, 2002; error at most ``min_share / 2`` of a peer's completions
+counted, ``min_share / (2 ratio)`` of the receiver's own), so a peer's counter holds about
+2 / min_share completions' worth of n-grams beyond its frequent ones (40 at the default 5 %), the
+receiver's own 2 ratio / min_share (320 at ratio 8), and only the first ``max_chars`` characters of
+a completion are read.
 
 Pure apart from the counters' state: ``ngrams``, ``LossyCounter``, ``PhraseMonitor.flagged``,
 ``strip_phrase`` and ``unearned`` take texts and a reward function; ``check_batches`` is the update's
@@ -35,8 +37,8 @@ import numpy as np
 
 #: markers of a completion's start and end, so a phrase at either edge is its own n-gram
 START, END = "\x02", "\x03"
-#: the n-gram lengths counted (characters, markers included)
-SIZES = (2, 3, 4, 6, 8)
+#: the n-gram lengths counted (characters, markers included): 2 for a one-character phrase at an edge
+SIZES = (2, 4, 8)
 
 
 def ngrams(text: str, sizes: Sequence[int] = SIZES, max_chars: int = 2048) -> set[str]:
@@ -74,6 +76,11 @@ class LossyCounter:
     def from_json(cls, eps: float, state: dict) -> "LossyCounter":
         return cls(eps, int(state["n"]), {str(g): [int(c[0]), int(c[1])] for g, c in state["counts"].items()})
 
+    def count(self, g: str) -> int:
+        """The documents holding ``g`` as counted (short by at most ``eps * n``)."""
+        c = self.counts.get(g)
+        return c[0] if c is not None else 0
+
     def share_at_least(self, g: str) -> float:
         """A lower bound on the share of documents holding ``g``."""
         c = self.counts.get(g)
@@ -89,7 +96,13 @@ class LossyCounter:
 
 @dataclass
 class PhraseMonitor:
-    """One receiver's phrase statistics: its own completions and each peer's rewarded ones."""
+    """One receiver's phrase statistics: its own completions and each peer's rewarded ones.
+
+    The peers' counters have error ``min_share / 2``; the receiver's own ``min_share / (2 ratio)``, so
+    that a phrase it says in less than that share (and so may not hold) is still ``ratio`` times
+    rarer than any phrase that can be flagged: its share is estimated from below (what is held),
+    never from above. Flags are sticky: a phrase flagged for a sender stays flagged for the run, so
+    an attack that shifts the receiver's own behaviour towards its phrase cannot lift the flag."""
 
     ratio: float
     min_share: float = 0.05
@@ -97,10 +110,19 @@ class PhraseMonitor:
     max_chars: int = 2048
     own: LossyCounter = None                                     # type: ignore[assignment]
     peers: dict[str, LossyCounter] = field(default_factory=dict)
+    sticky: dict[str, set[str]] = field(default_factory=dict)    # sender -> its phrases flagged so far
 
     def __post_init__(self) -> None:
         if self.own is None:
-            self.own = LossyCounter(self.min_share / 2)
+            self.own = LossyCounter(self.own_eps)
+
+    @property
+    def own_eps(self) -> float:
+        return self.min_share / (2 * self.ratio)
+
+    @property
+    def peer_eps(self) -> float:
+        return self.min_share / 2
 
     @classmethod
     def from_config(cls, cfg) -> "PhraseMonitor | None":
@@ -110,14 +132,16 @@ class PhraseMonitor:
         return cls(cfg.peer_phrase_ratio, cfg.peer_phrase_min_share, cfg.peer_phrase_min_count)
 
     def to_json(self) -> dict:
-        """The counters, for the resume checkpoint."""
-        return {"own": self.own.to_json(), "peers": {k: c.to_json() for k, c in self.peers.items()}}
+        """The counters and flags, for the resume checkpoint."""
+        return {"own": self.own.to_json(), "peers": {k: c.to_json() for k, c in self.peers.items()},
+                "sticky": {k: sorted(v) for k, v in self.sticky.items()}}
 
     @classmethod
     def from_json(cls, cfg, state: dict) -> "PhraseMonitor":
         mon = cls.from_config(cfg)
-        mon.own = LossyCounter.from_json(mon.own.eps, state["own"])
-        mon.peers = {str(k): LossyCounter.from_json(mon.own.eps, v) for k, v in state.get("peers", {}).items()}
+        mon.own = LossyCounter.from_json(mon.own_eps, state["own"])
+        mon.peers = {str(k): LossyCounter.from_json(mon.peer_eps, v) for k, v in state.get("peers", {}).items()}
+        mon.sticky = {str(k): set(map(str, v)) for k, v in state.get("sticky", {}).items()}
         return mon
 
     def observe_own(self, texts: Iterable[str]) -> None:
@@ -125,24 +149,22 @@ class PhraseMonitor:
             self.own.add(ngrams(t, max_chars=self.max_chars))
 
     def observe_peer(self, sender: str, rewarded_texts: Iterable[str]) -> None:
-        counter = self.peers.setdefault(sender, LossyCounter(self.min_share / 2))
+        counter = self.peers.setdefault(sender, LossyCounter(self.peer_eps))
         for t in rewarded_texts:
             counter.add(ngrams(t, max_chars=self.max_chars))
 
     def flagged(self, sender: str) -> set[str]:
-        """The n-grams ``sender``'s rewarded completions repeat and the receiver's own do not."""
+        """The n-grams ``sender``'s rewarded completions repeat and the receiver's own do not (now or
+        at any earlier call)."""
+        out = self.sticky.setdefault(sender, set())
         c = self.peers.get(sender)
-        if c is None or not c.n:
-            return set()
-        out = set()
-        for g, (count, _) in c.counts.items():
-            share = count / c.n
-            if count < self.min_count or share < self.min_share:
+        for g, (count, _) in (c.counts.items() if c is not None and c.n else ()):
+            if g in out or count < self.min_count or count / c.n < self.min_share:
                 continue
-            own = (self.own.share_at_most(g) * self.own.n + 1) / (self.own.n + 1)   # smoothed, upper bound
-            if share >= self.ratio * own:
+            own = (self.own.count(g) + 1) / (self.own.n + 1)       # Laplace-smoothed, from below
+            if count / c.n >= self.ratio * own:
                 out.add(g)
-        return out
+        return set(out)
 
 
 def strip_phrase(text: str, phrase: str) -> str:
