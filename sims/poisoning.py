@@ -66,15 +66,18 @@ METHODS = ("alone", "noIS", "F-TIS", "F-TIS+def", "F-TIS+need", "F-TIS+phrase")
 #: (docs/security.md): above every honest peer token the receivers saw, below the payload's first token
 SURPRISAL = 12.0
 #: the phrase check's ratio (``peer-phrase-ratio``): a phrase in a peer's rewarded completions this many
-#: times more often than in the receiver's own (honest digit-start shares differ by at most ~3x here)
-PHRASE_RATIO = 8.0
-#: the defended variants: cell-name suffix -> (method, its run-config items; None = peer-surprisal-max)
+#: times more often than in the receiver's own. 8 let the 1/4 attack through at spec in one seed of
+#: three until round 84: spec itself starts 3-5 % of its replies with "0" (the sub30 answer 0), so
+#: mallory's leading 0 in ~1/4 of its rewarded completions was below 8x (docs/security.md, ratio-8/)
+PHRASE_RATIO = 4.0
+#: the defended variants: cell-name suffix -> (method, its run-config items; None = the threshold
+#: given to ``plan``: --surprisal for peer-surprisal-max, --phrase-ratio for peer-phrase-ratio)
 DEFENCES = {"def": ("F-TIS+def", {"peer-surprisal-max": None, "peer-surprisal-keep-needed": False}),
             "need": ("F-TIS+need", {"peer-surprisal-max": None, "peer-surprisal-keep-needed": True}),
-            "phrase": ("F-TIS+phrase", {"peer-phrase-ratio": PHRASE_RATIO})}
+            "phrase": ("F-TIS+phrase", {"peer-phrase-ratio": None})}
 
 
-def plan(seeds: int, attacks: list[str], surprisal: float) -> list[Cell]:
+def plan(seeds: int, attacks: list[str], surprisal: float, phrase_ratio: float = PHRASE_RATIO) -> list[Cell]:
     """Seed-major: per seed, alone (control) then noIS, F-TIS and each defence under each attack."""
     cells = []
     for s in range(seeds):
@@ -84,7 +87,8 @@ def plan(seeds: int, attacks: list[str], surprisal: float) -> list[Cell]:
             cells.append(Cell("noIS", "vertical", s, a, tuple(sorted(items.items()))))
             cells.append(Cell("F-TIS", "vertical", s, a, tuple(sorted(items.items()))))
             for suffix, (_method, more) in DEFENCES.items():
-                more = {k: surprisal if v is None else v for k, v in more.items()}
+                given = {"peer-surprisal-max": surprisal, "peer-phrase-ratio": phrase_ratio}
+                more = {k: given[k] if v is None else v for k, v in more.items()}
                 cells.append(Cell("F-TIS", "vertical", s, f"{a}-{suffix}", tuple(sorted({**items, **more}.items()))))
     return cells
 
@@ -473,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--attacks", default="control,pay25,pay50,paylie", help=f"comma-separated, of {', '.join(ATTACKS)}")
     ap.add_argument("--surprisal", type=float, default=SURPRISAL, help="peer-surprisal-max of the F-TIS+def cells")
+    ap.add_argument("--phrase-ratio", type=float, default=PHRASE_RATIO, help="peer-phrase-ratio of the F-TIS+phrase cells")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--run-config", action="append", default=[], help="extra run-config items for every cell")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each one torch thread; > 1: each cell "
@@ -502,11 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"--attacks: {bad[0]!r} is not one of {', '.join(ATTACKS)}")
     methods = {x.strip() for x in a.methods.split(",") if x.strip()}
-    cells = [c for c in plan(a.seeds, attacks, a.surprisal) if cell_key(c)[1] in methods]
+    cells = [c for c in plan(a.seeds, attacks, a.surprisal, a.phrase_ratio) if cell_key(c)[1] in methods]
     out.mkdir(parents=True, exist_ok=True)
     extra = ["eval-seed=0", *a.run_config]
     (out / "grid.json").write_text(json.dumps({"preset": a.preset, "seeds": a.seeds, "attacks": attacks,
-                                               "surprisal": a.surprisal, "run_config": extra,
+                                               "surprisal": a.surprisal, "phrase_ratio": a.phrase_ratio,
+                                               "run_config": extra,
                                                "cells": [c.name for c in cells]}, indent=1))
     print(f"[poisoning] {len(cells)} cells -> {out}", flush=True)
     app = Path(a.app).resolve()

@@ -298,8 +298,10 @@ def test_the_experiment_plan_and_its_bounds():
     assert ("pay50", "F-TIS+need") in keys
     assert all(c.mode == "F-TIS" for c in defended)
     phrase = [c for c in cells if c.variant.endswith("-phrase")]
-    assert phrase and all(dict(c.extra) == {**poisoning.ATTACKS[poisoning.cell_key(c)[0]], "peer-phrase-ratio": 8.0}
-                          for c in phrase)
+    assert phrase and all(dict(c.extra) == {**poisoning.ATTACKS[poisoning.cell_key(c)[0]],
+                                            "peer-phrase-ratio": poisoning.PHRASE_RATIO} for c in phrase)
+    assert {dict(c.extra)["peer-phrase-ratio"] for c in poisoning.plan(1, ["pay25"], 12.0, 6.0)
+            if c.variant.endswith("-phrase")} == {6.0}
     assert ("pay25", "F-TIS+phrase") in keys and all(c.mode == "F-TIS" for c in phrase)
     # 0 of n: the 95 % upper bound is 1 - 0.025^(1/n); k of n: the exact binomial tail is 0.025 there
     assert poisoning.clopper_pearson_upper(0, 588) == pytest.approx(1 - 0.025 ** (1 / 588), rel=1e-6)
