@@ -67,8 +67,9 @@ METHODS = ("alone", "noIS", "F-TIS", "F-TIS+def", "F-TIS+need", "F-TIS+phrase")
 SURPRISAL = 12.0
 #: the phrase check's ratio (``peer-phrase-ratio``): a phrase in a peer's rewarded completions this many
 #: times more often than in the receiver's own. 8 let the 1/4 attack through at spec in one seed of
-#: three until round 84: spec itself starts 3-5 % of its replies with "0" (the sub30 answer 0), so
-#: mallory's leading 0 in ~1/4 of its rewarded completions was below 8x (docs/security.md, ratio-8/)
+#: three until round 84, likely because spec itself starts a few per cent of its replies with "0" (the
+#: sub30 answer 0), so mallory's leading 0 in ~1/4 of its rewarded completions stayed below 8x its
+#: share (docs/results/poisoning-plausible/ratio-8)
 PHRASE_RATIO = 4.0
 #: the defended variants: cell-name suffix -> (method, its run-config items; None = the threshold
 #: given to ``plan``: --surprisal for peer-surprisal-max, --phrase-ratio for peer-phrase-ratio)
