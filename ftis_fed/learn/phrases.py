@@ -9,9 +9,10 @@ completions (reward above its group's mean: the ones the update pushes up) each 
 occurs, and the same over its *own* sampled completions, across the run so far. An n-gram is
 **flagged** for a sender when it is in at least ``min_share`` of the sender's rewarded completions
 (and at least ``min_count`` of them) and ``ratio`` times more often than in the receiver's own
-(Laplace-smoothed); once flagged, it stays flagged for that sender. A rewarded peer completion that contains a flagged n-gram is dropped from the
-update (weight 0) when one of those n-grams is **unearned**: the receiver deletes it, re-scores the
-text with its own verifier, and the reward stays. An honest specialist's answers may start with a
+(Laplace-smoothed); once flagged, it stays flagged for that sender. A rewarded peer completion that
+contains a flagged n-gram is dropped from the update (weight 0) when one of those n-grams is
+**unearned**: the receiver deletes it, re-scores the text with its own verifier, and the reward
+stays. An honest specialist's answers may start with a
 digit the receiver rarely starts with; deleting it breaks the answer, deleting a payload does not.
 
 Nothing the sender claims is used: the receiver's own samples are the reference, its own verifier
