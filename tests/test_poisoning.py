@@ -323,15 +323,17 @@ def test_the_payload_can_go_before_the_answer():
         FederationConfig(attack_payload_at="middle")
 
 
-def test_the_committed_summary_is_recomputed_from_the_cells_files(tmp_path):
-    """``python -m sims.poisoning --summary-only`` rewrites docs/results/poisoning's summary, tables and
-    plot byte for byte from the committed cells (nothing typed in)."""
+@pytest.mark.parametrize("folder", ["poisoning", "poisoning-plausible"])
+def test_the_committed_summary_is_recomputed_from_the_cells_files(tmp_path, folder):
+    """``python -m sims.poisoning --summary-only`` rewrites docs/results/poisoning's (and
+    poisoning-plausible's) summary, tables and plot byte for byte from the committed cells (nothing
+    typed in)."""
     import shutil
 
     from sims import poisoning
 
-    src = ROOT / "docs" / "results" / "poisoning"
-    out = tmp_path / "poisoning"
+    src = ROOT / "docs" / "results" / folder
+    out = tmp_path / folder
     shutil.copytree(src / "cells", out / "cells")
     assert poisoning.main(["--out", str(out), "--summary-only"]) == 0
     for name in ("summary.md", "summary.csv", "diagnostics.csv", "adoption.png"):
