@@ -12,8 +12,8 @@ occurs, and the same over its *own* sampled completions, across the run so far. 
 (Laplace-smoothed); once flagged, it stays flagged for that sender. A rewarded peer completion that
 contains a flagged n-gram is dropped from the update (weight 0) when one of those n-grams is
 **unearned**: the receiver deletes it, re-scores the text with its own verifier, and the reward
-stays. An honest specialist's answers may start with a
-digit the receiver rarely starts with; deleting it breaks the answer, deleting a payload does not.
+stays. An honest specialist's answers may start with a digit the receiver rarely starts with;
+deleting it breaks the answer, deleting a payload does not.
 
 Nothing the sender claims is used: the receiver's own samples are the reference, its own verifier
 decides what a phrase is worth. Memory is bounded per sender whatever it sends: n-grams are counted
