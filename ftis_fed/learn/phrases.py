@@ -20,7 +20,7 @@ decides what a phrase is worth. Memory is bounded per sender whatever it sends: 
 with lossy counting (Manku & Motwani, 2002; error at most ``min_share / 2`` of a peer's completions
 counted, ``min_share / (2 ratio)`` of the receiver's own), so a peer's counter holds about
 2 / min_share completions' worth of n-grams beyond its frequent ones (40 at the default 5 %), the
-receiver's own 2 ratio / min_share (320 at ratio 8), and only the first ``max_chars`` characters of
+receiver's own 2 ratio / min_share (320 at ratio 8), and only the first ``MAX_CHARS`` characters of
 a completion are read.
 
 Pure apart from the counters' state: ``ngrams``, ``LossyCounter``, ``PhraseMonitor.flagged``,
@@ -40,9 +40,11 @@ import numpy as np
 START, END = "\x02", "\x03"
 #: the n-gram lengths counted (characters, markers included): 2 for a one-character phrase at an edge
 SIZES = (2, 4, 8)
+#: characters of a completion read (the rest is not counted or searched)
+MAX_CHARS = 2048
 
 
-def ngrams(text: str, sizes: Sequence[int] = SIZES, max_chars: int = 2048) -> set[str]:
+def ngrams(text: str, sizes: Sequence[int] = SIZES, max_chars: int = MAX_CHARS) -> set[str]:
     """The distinct character n-grams of ``START + text + END`` (the first ``max_chars`` characters of
     ``text``), of every length in ``sizes``."""
     s = START + text[:max_chars] + END
@@ -82,18 +84,6 @@ class LossyCounter:
         c = self.counts.get(g)
         return c[0] if c is not None else 0
 
-    def share_at_least(self, g: str) -> float:
-        """A lower bound on the share of documents holding ``g``."""
-        c = self.counts.get(g)
-        return c[0] / self.n if c is not None and self.n else 0.0
-
-    def share_at_most(self, g: str) -> float:
-        """An upper bound on the share of documents holding ``g`` (eps when not held)."""
-        if not self.n:
-            return 0.0
-        c = self.counts.get(g)
-        return (c[0] + c[1]) / self.n if c is not None else min(1.0, self.eps)
-
 
 @dataclass
 class PhraseMonitor:
@@ -108,7 +98,6 @@ class PhraseMonitor:
     ratio: float
     min_share: float = 0.05
     min_count: int = 8
-    max_chars: int = 2048
     own: LossyCounter = None                                     # type: ignore[assignment]
     peers: dict[str, LossyCounter] = field(default_factory=dict)
     sticky: dict[str, set[str]] = field(default_factory=dict)    # sender -> its phrases flagged so far
@@ -147,12 +136,12 @@ class PhraseMonitor:
 
     def observe_own(self, texts: Iterable[str]) -> None:
         for t in texts:
-            self.own.add(ngrams(t, max_chars=self.max_chars))
+            self.own.add(ngrams(t))
 
     def observe_peer(self, sender: str, rewarded_texts: Iterable[str]) -> None:
         counter = self.peers.setdefault(sender, LossyCounter(self.peer_eps))
         for t in rewarded_texts:
-            counter.add(ngrams(t, max_chars=self.max_chars))
+            counter.add(ngrams(t))
 
     def flagged(self, sender: str) -> set[str]:
         """The n-grams ``sender``'s rewarded completions repeat and the receiver's own do not (now or
@@ -176,12 +165,12 @@ def strip_phrase(text: str, phrase: str) -> str:
     return s.replace(START, "").replace(END, "")
 
 
-def contains(text: str, phrases: set[str], max_chars: int = 2048) -> list[str]:
-    """The flagged phrases ``text`` holds (as counted: its first ``max_chars`` characters, with
+def contains(text: str, phrases: set[str]) -> list[str]:
+    """The flagged phrases ``text`` holds (as counted: its first ``MAX_CHARS`` characters, with
     markers), longest first."""
     if not phrases:
         return []
-    held = phrases & ngrams(text, sizes=sorted({len(p) for p in phrases}), max_chars=max_chars)
+    held = phrases & ngrams(text, sizes=sorted({len(p) for p in phrases}))
     return sorted(held, key=lambda p: (-len(p), p))
 
 
@@ -225,15 +214,16 @@ def check_batches(mon: PhraseMonitor, batches: Sequence, receiver: str, weights:
         if b.sender == receiver:
             for g in b.groups:
                 mon.observe_own(texts(g))
-    for _, b in peers:
-        for g in b.groups:
-            mon.observe_peer(b.sender, [t for t, up in zip(texts(g), rewarded(g.rewards.tolist())) if up])
+    read = {(bi, gi): (texts(g), rewarded(g.rewards.tolist())) for bi, b in peers for gi, g in enumerate(b.groups)}
+    for bi, b in peers:
+        for gi in range(len(b.groups)):
+            mon.observe_peer(b.sender, [t for t, up in zip(*read[(bi, gi)]) if up])
     metrics: dict[str, float] = {}
     for bi, b in peers:
         flagged, dropped = mon.flagged(b.sender), 0
         for gi, g in enumerate(b.groups) if flagged else ():
             w = np.array(weights.get((bi, gi), np.ones(g.size)), dtype=np.float64)
-            for i, (t, up) in enumerate(zip(texts(g), rewarded(g.rewards.tolist()))):
+            for i, (t, up) in enumerate(zip(*read[(bi, gi)])):
                 if up and w[i] != 0 and unearned(t, flagged, float(g.rewards[i]), lambda s, g=g: reward(
                         g.task_id, s, g.reference, g.prompt_text)) is not None:
                     w[i], dropped = 0.0, dropped + 1
