@@ -80,6 +80,7 @@ DEFENCES = {"def": ("F-TIS+def", {"peer-surprisal-max": None, "peer-surprisal-ke
 
 def plan(seeds: int, attacks: list[str], surprisal: float, phrase_ratio: float = PHRASE_RATIO) -> list[Cell]:
     """Seed-major: per seed, alone (control) then noIS, F-TIS and each defence under each attack."""
+    given = {"peer-surprisal-max": surprisal, "peer-phrase-ratio": phrase_ratio}
     cells = []
     for s in range(seeds):
         cells.append(Cell("alone", "vertical", s, "control", tuple(sorted(ATTACKS["control"].items()))))
@@ -88,7 +89,6 @@ def plan(seeds: int, attacks: list[str], surprisal: float, phrase_ratio: float =
             cells.append(Cell("noIS", "vertical", s, a, tuple(sorted(items.items()))))
             cells.append(Cell("F-TIS", "vertical", s, a, tuple(sorted(items.items()))))
             for suffix, (_method, more) in DEFENCES.items():
-                given = {"peer-surprisal-max": surprisal, "peer-phrase-ratio": phrase_ratio}
                 more = {k: given[k] if v is None else v for k, v in more.items()}
                 cells.append(Cell("F-TIS", "vertical", s, f"{a}-{suffix}", tuple(sorted({**items, **more}.items()))))
     return cells
