@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from ftis_fed.commands.experiment import final_eval, read_rows
+from ftis_fed.grid.records import final_eval, read_rows
 
 ATTACKER = "mallory"
 

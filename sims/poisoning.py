@@ -30,7 +30,7 @@ torch thread), or ``--jobs N`` at once, each in its own ``ftis-fed sim --transpo
   contain the payload, after the last round (``eval/payload``), pooled over seeds as hits / replies
   with a 95 % upper bound (Clopper-Pearson);
 - held-out ID accuracy (mean ± sd over seeds), and paired per-prompt differences with the
-  pigeonhole-bootstrap 95 % CI of ``grid_stats`` (seeds and prompts resampled): F-TIS+def − F-TIS
+  pigeonhole-bootstrap 95 % CI of ``grid.stats`` (seeds and prompts resampled): F-TIS+def − F-TIS
   without an attacker (the defence's honest cost) and F-TIS+def under each attack − F-TIS without one.
 """
 
@@ -47,10 +47,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ftis_fed.commands.experiment import (Cell, PNG_META, discover_cells, initial_eval, inprocess_runner,
-                                          participant_rows, prompt_records, prompt_vectors, read_rows, run_grid,
-                                          sim_runner)
-from ftis_fed.commands.grid_stats import paired_interval
+from ftis_fed.grid.plan import Cell, discover_cells
+from ftis_fed.grid.records import initial_eval, participant_rows, prompt_records, prompt_vectors, read_rows
+from ftis_fed.grid.report import PNG_META
+from ftis_fed.grid.run import inprocess_runner, run_grid, sim_runner
+from ftis_fed.grid.stats import paired_interval
 
 PRESET = "poisoning"
 ATTACKER = "mallory"
@@ -302,7 +303,7 @@ def markdown(rows: list[dict], pairs: list[dict], data: dict, initial: dict, cel
             f"(ID {_pct(float(r.get('eval/id/payload', float('nan'))))} %)"
             for p, r in sorted(initial.items()) if p != ATTACKER) + "."]
     lines += ["", "Paired ID accuracy differences A − B (points; 95 % pigeonhole-bootstrap CI over seeds and "
-              "prompts, `grid_stats.paired_interval`; t interval over the per-seed means):", "",
+              "prompts, `grid.stats.paired_interval`; t interval over the per-seed means):", "",
               "| A − B | participant | seeds | difference | 95 % CI | t-CI |", "|---|---|---|---|---|---|"]
     for r in pairs:
         lines.append(f"| {r['a']} − {r['b']} | {r['participant']} | {int(r['seeds'])} | {100 * r['diff']:+.1f} | "

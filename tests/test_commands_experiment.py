@@ -9,8 +9,10 @@ import statistics
 
 import pytest
 
-from ftis_fed.commands import experiment as grid
-from ftis_fed.commands.experiment import Cell, plan, run_grid, write_summary
+from ftis_fed.grid import plan as gplan, records, report, run as grun
+from ftis_fed.grid.plan import Cell, plan
+from ftis_fed.grid.report import write_summary
+from ftis_fed.grid.run import run_grid
 
 
 def _accuracy(cell: Cell, participant: str) -> tuple[float, float]:
@@ -142,7 +144,7 @@ def test_summary_is_computed_from_the_metrics_files(tmp_path):
 
 
 def test_min_eval_size():
-    n = grid.min_eval_size(0.05)
+    n = gplan.min_eval_size(0.05)
     assert n == 800
     se = math.sqrt(2 * 0.25 / n)
     assert 0.05 / se == pytest.approx(2.0, rel=0.01)
@@ -157,10 +159,10 @@ def test_a_variant_cell_carries_its_extra_run_config_and_is_compared_with_its_re
     assert "source-adapt" not in cells[0].run_config(tmp_path / "run")
     with pytest.raises(ValueError, match="no variant 'nope'"):
         plan(["F-TIS+nope"], 1)
-    name, items = grid.parse_variant("soft:source-adapt=kl,source-adapt-tau=2.5")
+    name, items = gplan.parse_variant("soft:source-adapt=kl,source-adapt-tau=2.5")
     assert name == "soft" and items == {"source-adapt": "kl", "source-adapt-tau": 2.5}
     with pytest.raises(ValueError, match="NAME:key=value"):
-        grid.parse_variant("soft")
+        gplan.parse_variant("soft")
     custom = plan(["TIS+soft"], 1, variants={"soft": items})
     assert custom[0].run_config(tmp_path)["source-adapt-tau"] == 2.5 and custom[0].method == "TIS+soft"
     # the variant's rows land under their own method, paired against F-TIS on the same seeds
@@ -208,12 +210,12 @@ def test_the_initial_evaluation_runs_in_one_cell_and_serves_the_whole_grid(tmp_p
     fail.clear()
     assert run_grid(cells, tmp_path, runner, echo=lambda s: None, shared_initial=True) == []
     assert seen == [("alone__vertical__s0", False)]          # resumed: the finished carrier still serves
-    init = grid.initial_eval(tmp_path)
+    init = records.initial_eval(tmp_path)
     assert set(init) == {"a", "b"} and init["a"]["eval/id/accuracy"] == 0.1
     out = write_summary(cells, tmp_path, "t")
     # round 0 is never a cell's result; every method's curve starts from the shared evaluation
     assert all(r["round"] == 2 for r in out["results"])
-    curves = grid._curves(cells, tmp_path)
+    curves = report._curves(cells, tmp_path)
     for meth in ("alone", "F-TIS"):
         assert curves[(meth, "a", "eval/id/accuracy")][0][:2] == (0, pytest.approx(0.1))
     md = (tmp_path / "summary.md").read_text()
@@ -224,7 +226,7 @@ def test_the_initial_evaluation_runs_in_one_cell_and_serves_the_whole_grid(tmp_p
 def test_a_cell_whose_only_evaluation_is_the_initial_one_has_no_result(tmp_path):
     rows = [{"round": 0, "participant": "a", "phase": "eval", "eval/id/accuracy": 0.5},
             {"round": 1, "participant": "a", "phase": "train", "reward/mean": 0.2}]
-    assert grid.final_eval(rows) == {}
+    assert records.final_eval(rows) == {}
     cells = plan(["alone"], 1)
 
     def crashed_after_round_0(cell, cell_dir, log_path):
@@ -246,9 +248,9 @@ def test_sim_runner_passes_the_cell_and_runs_this_tree(tmp_path, monkeypatch):
             returncode = 0
         return R()
 
-    monkeypatch.setattr(grid.subprocess, "run", fake_run)
+    monkeypatch.setattr(grun.subprocess, "run", fake_run)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    run = grid.sim_runner(tmp_path, "grid-small", ["eval-size=8"], ["--keep-superlink", "--address", "h:1"])
+    run = grun.sim_runner(tmp_path, "grid-small", ["eval-size=8"], ["--keep-superlink", "--address", "h:1"])
     cell = Cell("F-TIS", "vertical", 2, eval_initial=False)
     (tmp_path / "c").mkdir()
     assert run(cell, tmp_path / "c", tmp_path / "c" / "run.log") == 0
@@ -278,7 +280,7 @@ def test_a_run_whose_participants_were_dropped_is_not_a_finished_cell(tmp_path):
     assert run_grid(cells, tmp_path, dropped, echo=msgs.append) == cells
     assert not (tmp_path / "cells" / "F-TIS__vertical__s0" / "done.json").exists()
     assert any("fed/dropped/no_reply=1.0" in m and "b did not train in round(s) [1, 2]" in m for m in msgs)
-    rows = grid.read_rows(tmp_path / "cells" / "F-TIS__vertical__s0" / "run" / "metrics.jsonl")
-    assert grid.cell_defects(rows)
+    rows = records.read_rows(tmp_path / "cells" / "F-TIS__vertical__s0" / "run" / "metrics.jsonl")
+    assert records.cell_defects(rows)
     # a clean run has none
     assert run_grid(cells, tmp_path, fake_runner([]), echo=lambda s: None) == []

@@ -139,7 +139,7 @@ def test_in_a_federation_the_payload_of_likely_tokens_is_dropped_and_nothing_hon
     """Three participants in process (research-tiny's models), mallory putting "0" before every solved
     answer: the honest receivers' phrase check flags it and drops mallory's payload completions, and
     drops nothing of their honest peer's."""
-    from ftis_fed.commands.experiment import read_rows
+    from ftis_fed.grid.records import read_rows
     from ftis_fed.commands.sim import simulate_inprocess
 
     from tests.test_poisoning import ROOT

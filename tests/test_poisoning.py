@@ -259,7 +259,7 @@ def test_an_attacker_in_a_federation_is_accepted_and_its_payload_counted(tmp_pat
     """Three participants in process (research-tiny's models), one with byzantine = payload: its
     frames pass the server and every receiver, its solved completions carry the payload, and every
     participant's evaluation reports eval/payload and the per-reply flags."""
-    from ftis_fed.commands.experiment import read_rows
+    from ftis_fed.grid.records import read_rows
     from ftis_fed.commands.sim import simulate_inprocess
 
     items = [f'output-dir="{tmp_path}"', "num-rounds=2", "eval-every=2", 'attack-payload=" HAIL"',

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ftis_fed.commands import experiment as grid
-from ftis_fed.commands import grid_stats as gs
-from ftis_fed.commands.experiment import Cell, plan, run_grid
+from ftis_fed.grid import plan as gplan, records, report, run as grun
+from ftis_fed.grid import stats as gs
+from ftis_fed.grid.plan import Cell, plan
+from ftis_fed.grid.run import run_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "research-grid"
@@ -101,7 +102,7 @@ def test_paired_table_is_the_per_prompt_difference_over_seeds(tmp_path):
     assert run_grid(cells, tmp_path, _records_runner(lambda c, p: table[(c.mode, p, c.seed)]),
                     echo=lambda s: None) == []
     assert not list(tmp_path.glob("cells/*/run/participants"))                  # compacted: metrics only
-    out = grid.write_summary(grid.discover_cells(tmp_path), tmp_path, "t")
+    out = report.write_summary(gplan.discover_cells(tmp_path), tmp_path, "t")
     rows = {(r["a"], r["b"], r["participant"], r["set"]): r for r in out["prompt_paired"]}
     d = np.stack([table[("F-TIS", "a", s)] - table[("alone", "a", s)] for s in range(3)])
     r = rows[("F-TIS", "alone", "a", "id")]
@@ -173,7 +174,7 @@ def test_in_process_runs_are_deterministic_and_participants_keep_their_own_rng(t
         out = tmp_path / str(k)
         assert simulate_inprocess(ROOT, [f'output-dir="{out}"', "num-rounds=2", 'loss-mode="noIS"'],
                                   "research-tiny") == 0
-        got.append(comparable_rows(grid.read_rows(out / "metrics.jsonl")))
+        got.append(comparable_rows(records.read_rows(out / "metrics.jsonl")))
     assert got[0] == got[1]
 
 
@@ -202,14 +203,14 @@ def test_flwr_run_gives_the_in_process_metrics(tmp_path, mode):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     extra = ["eval-seed=0", "num-rounds=2"]
-    runs = {"flwr": grid.sim_runner(ROOT, "research-tiny", extra, ["--address", f"127.0.0.1:{port}"]),
-            "inprocess": grid.inprocess_runner(ROOT, "research-tiny", extra)}
+    runs = {"flwr": grun.sim_runner(ROOT, "research-tiny", extra, ["--address", f"127.0.0.1:{port}"]),
+            "inprocess": grun.inprocess_runner(ROOT, "research-tiny", extra)}
     got = {}
     for name, runner in runs.items():
         d = tmp_path / name
         d.mkdir()
         assert runner(cell, d, d / "run.log") == 0, (d / "run.log").read_text()[-3000:]
-        got[name] = comparable_rows(grid.read_rows(d / "run" / "metrics.jsonl"))
+        got[name] = comparable_rows(records.read_rows(d / "run" / "metrics.jsonl"))
     assert got["flwr"].keys() == got["inprocess"].keys()
     for key in got["flwr"]:
         a, b = got["flwr"][key], got["inprocess"][key]

@@ -1,0 +1,3 @@
+"""``ftis-fed grid``'s engine room: plan (which cells), run (resumable, compacted), records (a cell's
+files), stats (paired intervals), tables, claims (the verdicts, as data) and report (markdown, CSV,
+figures). ``ftis_fed.commands.experiment`` is its command line."""

@@ -1,0 +1,130 @@
+"""Reading a finished cell: its metrics rows, final and initial evaluations, defects, and the
+per-prompt evaluation records (what the paired statistics are computed from)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON lines of ``path``, or of ``path.gz`` (a compacted cell) when ``path`` is not there."""
+    gz = path.with_name(path.name + ".gz")
+    if path.exists():
+        text = path.read_text()
+    elif gz.exists():
+        text = gzip.decompress(gz.read_bytes()).decode()
+    else:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def participant_rows(rows: Iterable[dict], phase: str) -> list[dict]:
+    """The rows of ``phase`` (``eval`` / ``train``) written by participants (not ``_federation``)."""
+    return [r for r in rows if r.get("phase") == phase and not str(r.get("participant", "")).startswith("_")]
+
+
+def final_eval(rows: Iterable[dict]) -> dict[str, dict]:
+    """participant -> its evaluation row of the last evaluated round after training (round >= 1; the
+    evaluation before round 1 is never a cell's result)."""
+    last: dict[str, dict] = {}
+    for r in participant_rows(rows, "eval"):
+        p = r["participant"]
+        if int(r.get("round", 0)) >= 1 and (p not in last or int(r["round"]) >= int(last[p]["round"])):
+            last[p] = r
+    return last
+
+
+def cell_defects(rows: Sequence[dict]) -> list[str]:
+    """Why a run that exited 0 is still not a result of its method (empty: none): a round in which a
+    participant was dropped, failed, or had frames rejected (``_federation`` rows), or a participant
+    that was evaluated but did not train, on samples, in every round. A run whose participants were
+    all dropped still evaluates its untrained models — it must not count as a finished cell."""
+    fed = [r for r in rows if r.get("phase") == "train" and r.get("participant") == "_federation"]
+    out = []
+    for r in fed:
+        bad = {k: v for k, v in r.items()
+               if (k.startswith("fed/dropped/") or k in ("fed/generate_failures", "fed/train_failures", "fed/rejected"))
+               and num(v) > 0}
+        if "fed/complete" in r and num(r["fed/complete"]) == 0:
+            bad["fed/complete"] = r["fed/complete"]
+        if bad:
+            out.append(f"round {r.get('round')}: " + ", ".join(f"{k}={v}" for k, v in sorted(bad.items())))
+    rounds = sorted({int(r["round"]) for r in fed})
+    trained = {(r["participant"], int(r["round"])) for r in participant_rows(rows, "train")
+               if num(r.get("train/samples")) > 0}
+    for p in sorted({r["participant"] for r in participant_rows(rows, "eval")}):
+        missing = [k for k in rounds if (p, k) not in trained]
+        if missing or not rounds:
+            out.append(f"{p} did not train in round(s) {missing or 'any'}")
+    return out
+
+
+def initial_eval(out: Path) -> dict[str, dict]:
+    """participant -> its evaluation row before round 1, from the first finished cell in ``out``
+    (any grouping or method: the models before training are the same) that has one; {} if none."""
+    for done in sorted((out / "cells").glob("*/done.json")):
+        rows = [r for r in participant_rows(read_rows(done.parent / "run" / "metrics.jsonl"), "eval")
+                if int(r.get("round", -1)) == 0]
+        if rows:
+            return {r["participant"]: r for r in rows}
+    return {}
+
+
+def num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+
+def prompt_records(cell_dir: Path) -> list[dict]:
+    """The per-prompt evaluation records of a cell (``participant.EVAL_PROMPTS``, compacted into
+    ``run/eval_prompts.jsonl.gz``, or still in the participants' folders)."""
+    run = cell_dir / "run"
+    paths = [run / "eval_prompts.jsonl.gz"] if (run / "eval_prompts.jsonl.gz").exists() else \
+        sorted(run.glob("participants/*/eval_prompts.jsonl.gz"), key=lambda p: p.parent.name)
+    out = []
+    for path in paths:
+        out += [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
+    return out
+
+
+def prompt_vectors(records: Sequence[dict], rnd: int | None = None) -> dict[str, dict[str, tuple[tuple, np.ndarray]]]:
+    """participant -> set key -> (task ids, solved (N,) float) of one evaluation: round ``rnd``, or each
+    participant's last evaluation after training (``None``). Set keys: ``id`` and ``ood`` (every OOD
+    family, in name order: its mean is ``eval/ood/accuracy`` when the families' sets are equally
+    large), ``id:<family>`` per ID family (from the task ids) and ``ood:<family>``."""
+    last: dict[str, int] = {}
+    for r in records:
+        k = int(r["round"])
+        if (rnd is None and k >= 1) or k == rnd:
+            last[r["participant"]] = max(last.get(r["participant"], -1), k)
+    by: dict[str, dict[str, tuple[list, list]]] = defaultdict(dict)
+    for r in records:
+        p = r["participant"]
+        if p not in last or int(r["round"]) != last[p]:
+            continue
+        ids, ok = list(r["ids"]), [c == "1" for c in r["solved"]]
+        name = r["set"]
+        sets = by[p]
+        if name == "id":
+            sets["id"] = (ids, ok)
+            for fam in dict.fromkeys(t.split("/")[0] for t in ids):
+                sel = [i for i, t in enumerate(ids) if t.split("/")[0] == fam]
+                sets[f"id:{fam}"] = ([ids[i] for i in sel], [ok[i] for i in sel])
+        else:
+            sets[f"ood:{name}"] = (ids, ok)
+    out: dict[str, dict[str, tuple[tuple, np.ndarray]]] = {}
+    for p, sets in by.items():
+        oods = sorted(k for k in sets if k.startswith("ood:"))
+        if oods:
+            sets["ood"] = ([t for k in oods for t in sets[k][0]], [o for k in oods for o in sets[k][1]])
+        out[p] = {k: (tuple(ids), np.asarray(ok, dtype=np.float64)) for k, (ids, ok) in sorted(sets.items())}
+    return out
+

@@ -1,0 +1,246 @@
+"""The grid's report: ``summary.md`` (verdicts, accuracies, paired differences, diagnostics),
+``summary.csv`` / ``cells.csv``, and the figures, written from the finished cells' files alone."""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ftis_fed.grid.claims import BEYOND, REFERENCE, verdicts
+from ftis_fed.grid.plan import Cell, method_order
+from ftis_fed.grid.records import initial_eval, num, read_rows
+from ftis_fed.grid.tables import (DIAGNOSTICS, METRICS, _mean_sd, cell_results, family_table, paired_prompt_table,
+                                  stronger_participant, summarize, train_diagnostics)
+
+def _write_csv(path: Path, rows: Sequence[dict]) -> None:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _pm(mean: float, sd: float) -> str:
+    return "–" if not math.isfinite(mean) else f"{mean:.3f} ± {sd:.3f}"
+
+
+def _ci(r: dict) -> str:
+    return f"{100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}]"
+
+
+def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
+                     title: str, initial: dict[str, dict] | None = None,
+                     diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
+                     families: Sequence[dict] = (), verdict_rows: Sequence[dict] = ()) -> str:
+    from ftis_fed.grid.stats import paired_eval_size
+
+    initial = initial or {}
+    ns = sorted({int(r["eval/id/n"]) for r in results if math.isfinite(r["eval/id/n"])})
+    secs = {r["cell"]: r.get("cell_seconds", float("nan")) for r in results}
+    secs_ok = [v for v in secs.values() if math.isfinite(v)]
+    seeds = sorted({r["seed"] for r in results})
+    lines = [f"# {title}", "", f"{len({r['cell'] for r in results})} finished cells, seeds {seeds}"
+             + (f" ({statistics.fmean(secs_ok) / 60:.1f} min wall per cell on average, "
+                f"{sum(secs_ok) / 3600:.2f} h of cell time in all)" if secs_ok else "")
+             + "; final held-out greedy pass@1"
+             + ("; *before training*: the shared evaluation before round 1 (the same models in every cell)."
+                if initial else "."), ""]
+    if prompt_paired:
+        lines += ["Intervals: paired per-prompt differences A − B (points) over the seeds both methods finished "
+                  "(same held-out prompts in every cell, other training prompts and sampling per seed), 95 % "
+                  "pigeonhole bootstrap (seeds and prompts resampled independently, 4000 replicates, "
+                  "`ftis_fed/grid/stats.py`); *t*: the paired t interval over the per-seed means.", ""]
+    if verdict_rows:
+        lines += ["## Verdicts", "", "| claim | statement | comparison | verdict | difference [95 % CI], points | rule |",
+                  "|---|---|---|---|---|---|"]
+        for v in verdict_rows:
+            lines.append(f"| {v['claim']} | {v['statement']} | {v['comparison']} | **{v['verdict']}** | "
+                         f"{v['interval']} | {v['rule']} |")
+        lines.append("")
+    if ns:
+        qs = [r["discord"] for r in prompt_paired if r["set"] == "id" and math.isfinite(r["discord"])]
+        q = max(qs) if qs else 0.3
+        S = max(len(seeds), 1)
+        lines += [f"ID evaluation set: {', '.join(map(str, ns))} prompts. The prompt part of a paired difference's "
+                  f"95 % half-width is 1.96 sqrt(q / (n S)); at the largest measured discordance q = {q:.2f} and "
+                  f"S = {S} seeds a 3-point half-width needs n ≥ {paired_eval_size(0.03, max(q, 1e-3), S)} "
+                  "(`grid.stats.paired_eval_size`); the seed part does not shrink with n.", ""]
+    participants = sorted({r["participant"] for r in summary})
+    methods = list(dict.fromkeys(r["method"] for r in sorted(summary, key=lambda r: method_order(r["method"]))))
+    for m in METRICS:
+        lines += [f"## {m} (mean ± sd over seeds)", "", "| method | " + " | ".join(participants) + " |",
+                  "|---|" + "---|" * len(participants)]
+        cell = {(r["method"], r["participant"]): r for r in summary}
+        if initial:
+            lines.append("| *before training* | " + " | ".join(
+                f"{num(initial[p].get(m)):.3f}" if p in initial else "–" for p in participants) + " |")
+        for meth in methods:
+            vals = [_pm(cell[(meth, p)][m + ":mean"], cell[(meth, p)][m + ":sd"]) if (meth, p) in cell else "–"
+                    for p in participants]
+            lines.append(f"| {meth} | " + " | ".join(vals) + " |")
+        lines.append("")
+    if families:
+        keys = sorted({r["set"] for r in families}, key=lambda k: (not k.startswith("id:"), k))
+        fam = {(r["method"], r["participant"], r["set"]): r for r in families}
+        lines += ["## Accuracy per task family (mean ± sd over seeds)", "",
+                  "| method | participant | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+        for meth in methods:
+            for p in participants:
+                if any((meth, p, k) in fam for k in keys):
+                    lines.append(f"| {meth} | {p} | " + " | ".join(
+                        _pm(fam[(meth, p, k)]["mean"], fam[(meth, p, k)]["sd"]) if (meth, p, k) in fam else "–"
+                        for k in keys) + " |")
+        lines.append("")
+    if prompt_paired:
+        keys = [k for k in ("id", "ood") if any(r["set"] == k for r in prompt_paired)]
+        fams = sorted({r["set"] for r in prompt_paired if r["set"].startswith("id:")})
+        lines += ["## Paired differences A − B (points, 95 % pigeonhole-bootstrap CI; t interval; seeds won by A/B)", "",
+                  "| A − B | participant | seeds | " + " | ".join(k.upper() for k in keys) + " | ID t-CI | "
+                  + " | ".join(fams) + " |", "|---|---|---|" + "---|" * (len(keys) + 1 + len(fams))]
+        by = {(r["a"], r["b"], r["participant"], r["set"]): r for r in prompt_paired}
+        for a, b, p in dict.fromkeys((r["a"], r["b"], r["participant"]) for r in prompt_paired):
+            row = [f"{a} − {b}", p, str(by.get((a, b, p, "id"), {}).get("seeds", "–"))]
+            for k in keys:
+                r = by.get((a, b, p, k))
+                row.append(f"{_ci(r)} {r['a_wins']}/{r['b_wins']}" if r else "–")
+            r = by.get((a, b, p, "id"))
+            row.append(f"[{100 * r['t_lo']:+.1f}, {100 * r['t_hi']:+.1f}]" if r and math.isfinite(r["t_lo"]) else "–")
+            row += [_ci(by[(a, b, p, k)]) if (a, b, p, k) in by else "–" for k in fams]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    if diagnostics:
+        lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
+                  "this receiver)", "",
+                  "| method | participant | " + " | ".join(DIAGNOSTICS) + " |",
+                  "|---|---|" + "---|" * len(DIAGNOSTICS)]
+        for r in diagnostics:
+            lines.append(f"| {r['method']} | {r['participant']} | "
+                         + " | ".join(_pm(r[k + ':mean'], r[k + ':sd']) for k in DIAGNOSTICS) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+#: PNG metadata: none (no software version in the files: the figures depend only on the metrics).
+PNG_META = {"Software": None}
+
+
+def _finish(plt, fig, axes, legend_size: int, title: str, path: Path, dpi: int) -> Path:
+    """Legend on the first panel, title, layout; saved without metadata (reproducible bytes); closed."""
+    axes[0][0].legend(fontsize=legend_size, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi, metadata=PNG_META)
+    plt.close(fig)
+    return path
+
+
+def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    participants = sorted({r["participant"] for r in summary})
+    methods = list(dict.fromkeys(r["method"] for r in sorted(summary, key=lambda r: method_order(r["method"]))))
+    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
+    if participants:
+        fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 3.8), squeeze=False)
+        cell = {(r["method"], r["participant"]): r for r in summary}
+        width = 0.8 / max(1, len(methods))
+        for ax, m in zip(axes[0], METRICS):
+            for j, meth in enumerate(methods):
+                xs = [i + j * width for i in range(len(participants))]
+                ys = [cell.get((meth, p), {}).get(m + ":mean", float("nan")) for p in participants]
+                es = [cell.get((meth, p), {}).get(m + ":sd", 0.0) for p in participants]
+                ax.bar(xs, ys, width, yerr=es, capsize=2, label=meth, color=colors[meth])
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(participants))], participants, fontsize=8)
+            ax.set_ylabel(m.replace("eval/", "").replace("/accuracy", " pass@1"))
+            ax.grid(alpha=0.3, axis="y")
+        written.append(_finish(plt, fig, axes, 7, "Final held-out accuracy (mean ± sd over seeds)",
+                               out / "final_accuracy.png", 110))
+    curves = _curves(cells, out)
+    if curves:
+        keys = ("eval/id/accuracy", "eval/ood/accuracy", "reward/mean")
+        fig, axes = plt.subplots(len(keys), len(participants) or 1, figsize=(5 * max(1, len(participants)), 9),
+                                 squeeze=False)
+        for i, key in enumerate(keys):
+            for j, p in enumerate(participants):
+                ax = axes[i][j]
+                for meth in methods:
+                    pts = curves.get((meth, p, key))
+                    if pts:
+                        xs = [x for x, _, _, _ in pts]
+                        mu = np.array([y for _, y, _, _ in pts])
+                        sd = np.array([e for _, _, e, _ in pts])
+                        ax.plot(xs, mu, marker="o" if len(xs) < 12 else None, ms=3, label=meth, color=colors.get(meth))
+                        if any(n > 1 for _, _, _, n in pts):
+                            ax.fill_between(xs, mu - sd, mu + sd, alpha=0.15, color=colors.get(meth), lw=0)
+                ax.set_title(p, fontsize=9)
+                ax.set_xlabel("round")
+                ax.set_ylabel(key)
+                ax.grid(alpha=0.3)
+        written.append(_finish(plt, fig, axes, 6, "Learning curves: mean over seeds, band ± 1 sd over seeds",
+                               out / "curves.png", 100))
+    return written
+
+
+def _curves(cells: Sequence[Cell], out: Path) -> dict[tuple[str, str, str], list[tuple[int, float, float, int]]]:
+    """(method, participant, key) -> [(round, mean over seeds, sd over seeds, seeds)]; a cell without
+    its own evaluation before round 1 gets the grid's shared one (``initial_eval``) as its round-0 point."""
+    acc: dict[tuple[str, str, str, int], list[float]] = defaultdict(list)
+    initial = list(initial_eval(out).values())
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        rows = read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")
+        if not any(r.get("phase") == "eval" and int(r.get("round", -1)) == 0 for r in rows):
+            rows = initial + rows
+        for r in rows:
+            if str(r.get("participant", "")).startswith("_"):
+                continue
+            for key in ("eval/id/accuracy", "eval/ood/accuracy", "reward/mean"):
+                v = num(r.get(key))
+                if math.isfinite(v):
+                    acc[(c.method, r["participant"], key, int(r["round"]))].append(v)
+    curves: dict[tuple[str, str, str], list[tuple[int, float, float, int]]] = defaultdict(list)
+    for (meth, p, key, rnd), vs in sorted(acc.items()):
+        mean, sd = _mean_sd(vs)
+        curves[(meth, p, key)].append((rnd, mean, sd, len(vs)))
+    return curves
+
+
+def write_summary(cells: Sequence[Cell], out: Path, title: str) -> dict:
+    """cells.csv, summary.csv, summary.md and the figures, all from the cells' metrics files."""
+    results = cell_results(cells, out)
+    summary, paired = summarize(results)
+    initial = initial_eval(out)
+    diagnostics = train_diagnostics(cells, out)
+    prompt_paired = paired_prompt_table(cells, out)
+    families = family_table(cells, out)
+    methods = {c.method for c in cells}
+    beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
+    participants = sorted({r["participant"] for r in summary})
+    verdict_rows = verdicts(prompt_paired, participants, stronger_participant(initial), beyond) if prompt_paired else []
+    _write_csv(out / "cells.csv", results)
+    _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd"} for r in summary] +
+               [{**r, "kind": "paired_diff"} for r in paired] +
+               [{"method": "before-training", "participant": p, "seeds": 1, "kind": "initial",
+                 **{m + ":mean": num(r.get(m)) for m in METRICS}} for p, r in sorted(initial.items())] +
+               [{**r, "kind": "train_diagnostics"} for r in diagnostics] +
+               [{**r, "kind": "paired_prompts"} for r in prompt_paired] +
+               [{**r, "kind": "family"} for r in families] +
+               [{**r, "kind": "verdict"} for r in verdict_rows])
+    (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
+                                                     prompt_paired, families, verdict_rows))
+    plot(summary, cells, out)
+    return {"results": results, "summary": summary, "paired": paired, "initial": initial,
+            "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
+            "verdicts": verdict_rows}
+

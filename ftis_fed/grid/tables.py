@@ -1,0 +1,193 @@
+"""The grid's tables, computed from the finished cells' files: final accuracies per cell, mean ± sd
+over seeds, paired differences per seed, training diagnostics, and the paired per-prompt
+differences with their intervals (``grid.stats``) that the verdicts (``grid.claims``) read."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ftis_fed.grid.claims import BASELINE, REFERENCE
+from ftis_fed.grid.plan import Cell, method_order
+from ftis_fed.grid.records import final_eval, num, participant_rows, prompt_records, prompt_vectors, read_rows
+
+METRICS = ("eval/id/accuracy", "eval/ood/accuracy")
+#: Training diagnostics the summary averages over rounds and seeds (what each method did to the peers'
+#: samples: how much of the own reward signal there was, how far the peers' samples were, what the
+#: filter dropped).
+DIAGNOSTICS = ("reward/mean", "reward/groups_with_signal", "offpolicy/kl_mean", "offpolicy/ratio_mean",
+               "offpolicy/truncated_frac", "offpolicy/filtered_frac", "train/seconds")
+
+
+def cell_results(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """One row per finished cell × participant: the final held-out accuracies, read from the cell's
+    metrics.jsonl (nothing is typed in)."""
+    table = []
+    for c in cells:
+        done = out / "cells" / c.name / "done.json"
+        if not done.exists():
+            continue
+        seconds = num(json.loads(done.read_text()).get("seconds"))
+        for p, r in sorted(final_eval(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")).items()):
+            row = {"cell": c.name, "method": c.method, "mode": c.mode, "groups": c.groups, "seed": c.seed,
+                   "participant": p, "round": int(r["round"]), "cell_seconds": seconds}
+            for m in METRICS:
+                row[m] = num(r.get(m))
+            row["eval/id/n"] = num(r.get("eval/id/n"))
+            table.append(row)
+    return table
+
+
+
+def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarize(results: Sequence[dict], reference: str = REFERENCE) -> tuple[list[dict], list[dict]]:
+    """(per method × participant: mean ± sd over seeds of each metric;
+        per method × participant: paired difference reference − method over the seeds both have)."""
+    by = defaultdict(dict)                               # (method, participant) -> seed -> row
+    for r in results:
+        by[(r["method"], r["participant"])][r["seed"]] = r
+    summary = []
+    for (method, p), seeds in sorted(by.items()):
+        row = {"method": method, "participant": p, "seeds": len(seeds)}
+        for m in METRICS:
+            row[m + ":mean"], row[m + ":sd"] = _mean_sd([s[m] for s in seeds.values()])
+        summary.append(row)
+    paired = []
+    for (method, p), seeds in sorted(by.items()):
+        ref_method = reference + ("/h" if method.endswith("/h") else "")
+        ref = by.get((ref_method, p))
+        if ref is None or method == ref_method:
+            continue
+        common = sorted(set(seeds) & set(ref))
+        if not common:
+            continue
+        row = {"method": method, "reference": ref_method, "participant": p, "seeds": len(common)}
+        for m in METRICS:
+            diffs = [ref[s][m] - seeds[s][m] for s in common]
+            row[m + ":diff_mean"], row[m + ":diff_sd"] = _mean_sd(diffs)
+            row[m + ":ref_wins"] = sum(d > 0 for d in diffs if math.isfinite(d))
+            row[m + ":ref_losses"] = sum(d < 0 for d in diffs if math.isfinite(d))
+        paired.append(row)
+    return summary, paired
+
+
+def train_diagnostics(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """Per method × participant: each ``DIAGNOSTICS`` key averaged over the training rounds of a cell,
+    then mean ± sd over the finished cells (seeds); read from the metrics files."""
+    per: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        rows = participant_rows(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"), "train")
+        for p in sorted({r["participant"] for r in rows}):
+            for k in DIAGNOSTICS:
+                vs = [num(r.get(k)) for r in rows if r["participant"] == p]
+                vs = [v for v in vs if math.isfinite(v)]
+                if vs:
+                    per[(c.method, p)][k].append(statistics.fmean(vs))
+    table = []
+    for (method, p), ks in sorted(per.items(), key=lambda kv: (method_order(kv[0][0]), kv[0][1])):
+        row = {"method": method, "participant": p}
+        for k in DIAGNOSTICS:
+            row[k + ":mean"], row[k + ":sd"] = _mean_sd(ks.get(k, []))
+        table.append(row)
+    return table
+
+
+
+def _final_vectors(cells: Sequence[Cell], out: Path) -> dict[tuple[str, str, int], dict]:
+    """(method, participant, seed) -> set key -> (ids, solved) of every finished cell."""
+    got = {}
+    for c in cells:
+        if (out / "cells" / c.name / "done.json").exists():
+            for p, sets in prompt_vectors(prompt_records(out / "cells" / c.name)).items():
+                got[(c.method, p, c.seed)] = sets
+    return got
+
+
+def comparisons(methods: Sequence[str]) -> list[tuple[str, str]]:
+    """(A, B) pairs read as A − B: the reference F-TIS against every other method of its grouping,
+    every other method against training alone, and the horizontal F-TIS against the vertical one."""
+    have, pairs = set(methods), []
+    for suffix in ("", "/h"):
+        ref, base = REFERENCE + suffix, BASELINE + suffix
+        for m in methods:
+            if m.endswith("/h") == bool(suffix) and m != ref and ref in have:
+                pairs.append((ref, m))
+        for m in methods:
+            if m.endswith("/h") == bool(suffix) and m not in (ref, base) and base in have:
+                pairs.append((m, base))
+    if REFERENCE in have and REFERENCE + "/h" in have:
+        pairs.append((REFERENCE + "/h", REFERENCE))
+    return list(dict.fromkeys(pairs))
+
+
+def paired_prompt_table(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """One row per comparison (``comparisons``) × participant × set key: the paired per-prompt
+    difference A − B over the seeds both finished, with the pigeonhole-bootstrap and paired-t 95 %
+    intervals (``grid.stats.paired_interval``). Prompts are aligned by task id."""
+    from ftis_fed.grid.stats import paired_interval
+
+    vec = _final_vectors(cells, out)
+    methods = sorted({m for m, _, _ in vec}, key=method_order)
+    participants = sorted({p for _, p, _ in vec})
+    rows = []
+    for a, b in comparisons(methods):
+        for p in participants:
+            seeds = sorted({s for m, q, s in vec if m == a and q == p} & {s for m, q, s in vec if m == b and q == p})
+            if not seeds:
+                continue
+            keys = sorted(set.intersection(*[set(vec[(a, p, s)]) & set(vec[(b, p, s)]) for s in seeds]),
+                          key=lambda k: (k not in ("id", "ood"), k))
+            for key in keys:
+                ids = vec[(a, p, seeds[0])][key][0]
+                if any(vec[(m, p, s)][key][0] != ids for m in (a, b) for s in seeds):
+                    continue                                   # not the same prompts: not paired
+                A = np.stack([vec[(a, p, s)][key][1] for s in seeds])                        # (S,N)
+                B = np.stack([vec[(b, p, s)][key][1] for s in seeds])                        # (S,N)
+                st = paired_interval(A - B, f"{a}|{b}|{p}|{key}")
+                rows.append({"a": a, "b": b, "participant": p, "set": key, "a_acc": float(A.mean()),
+                             "b_acc": float(B.mean()), **st,
+                             "a_wins": int(((A - B).mean(axis=1) > 0).sum()),
+                             "b_wins": int(((A - B).mean(axis=1) < 0).sum())})
+    return rows
+
+
+def family_table(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """Final accuracy per method × participant × ID / OOD family: mean ± sd over seeds (from the
+    per-prompt records)."""
+    vec = _final_vectors(cells, out)
+    acc: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for (m, p, _), sets in sorted(vec.items()):
+        for key, (_, ok) in sets.items():
+            if ":" in key:
+                acc[(m, p, key)].append(float(ok.mean()))
+    rows = []
+    for (m, p, key), vs in sorted(acc.items(), key=lambda kv: (method_order(kv[0][0]), kv[0][1], kv[0][2])):
+        mean, sd = _mean_sd(vs)
+        rows.append({"method": m, "participant": p, "set": key, "seeds": len(vs), "mean": mean, "sd": sd})
+    return rows
+
+
+def stronger_participant(initial: dict[str, dict]) -> str | None:
+    """The participant with the highest ID accuracy before training; None when none was measured or
+    the best two tie (no stronger partner)."""
+    scored = sorted(((-num(r.get("eval/id/accuracy")), p) for p, r in initial.items()
+                     if math.isfinite(num(r.get("eval/id/accuracy")))))
+    if not scored or (len(scored) > 1 and scored[0][0] == scored[1][0]):
+        return None
+    return scored[0][1]
+
+
