@@ -35,7 +35,7 @@ from ftis_fed.actions import reply_fields, request_args, variants_of
 from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
-from ftis_fed.learn.evaluation import evaluate as evaluate_policy, greedy_replies, solved_share
+from ftis_fed.learn.evaluation import evaluate as evaluate_policy, greedy_replies, sampled_eval, solved_share
 from ftis_fed.learn.guard import GuardedUpdate, validation_prompts
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
@@ -69,11 +69,32 @@ def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
 EVAL_PROMPTS = "eval_prompts.jsonl.gz"
 
 
+#: The training prompts of every round, in the participant's state folder (gzip members, one JSON line
+#: per round: ``{"round", "participant", "ids": [task ids]}``): which prompts a seed trained on.
+TRAIN_PROMPTS = "train_prompts.jsonl.gz"
+
+
+def write_train_prompts(path: Path, participant: str, round: int, task_ids: list[str]) -> None:
+    """Append this round's training prompts (one gzip member: the file is a concatenation of them)."""
+    import gzip
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"round": round, "participant": participant, "ids": task_ids}) + "\n"
+    with open(path, "ab") as f:
+        f.write(gzip.compress(line.encode(), mtime=0))
+
+
+#: Seed of the sampled evaluation (``eval-samples``), plus the round: the same draws in every cell.
+EVAL_SAMPLE_SEED = 7_000_003
+
+
 def write_eval_prompts(path: Path, participant: str, round: int, per_prompt: dict[str, list[tuple[str, bool]]],
-                       payload_hits: dict[str, list[bool]] | None = None) -> None:
+                       payload_hits: dict[str, list[bool]] | None = None,
+                       sampled: dict[str, list[int]] | None = None, k: int = 0) -> None:
     """Append one line per set: ``{"round", "participant", "set", "ids": [task ids], "solved": "0110..."}``
     (a gzip member per evaluation; concatenated members read as one stream); with ``payload_hits``
-    (``attack-payload`` set) also ``"payload": "0010..."``, the replies that carry it."""
+    (``attack-payload`` set) also ``"payload": "0010..."``, the replies that carry it; with ``sampled``
+    (``eval-samples`` = k > 0) also ``"k"`` and ``"sampled": [solved completions of each prompt]``."""
     import gzip
 
     def line(name: str, rows: list[tuple[str, bool]]) -> str:
@@ -81,6 +102,8 @@ def write_eval_prompts(path: Path, participant: str, round: int, per_prompt: dic
                "solved": "".join("1" if ok else "0" for _, ok in rows)}
         if payload_hits is not None and name in payload_hits:
             rec["payload"] = "".join("1" if hit else "0" for hit in payload_hits[name])
+        if sampled is not None and name in sampled:
+            rec["k"], rec["sampled"] = k, sampled[name]
         return json.dumps(rec)
 
     lines = [line(name, rows) for name, rows in per_prompt.items()]
@@ -195,6 +218,7 @@ class Participant:
         t0 = time.perf_counter()
         fed = self.fed
         prompts = fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions, round)
+        write_train_prompts(self.state_dir / TRAIN_PROMPTS, self.name, round, [p.task_id for p in prompts])
         seed = fed.seed * 1_000_003 + round * 1009 + self.spec.partition_id
         rolls = self.policy.generate(prompts, self.share, fed.sampling, seed=seed)
         groups = scored_groups(rolls, self.verifier)
@@ -377,7 +401,13 @@ class Participant:
         out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens,
                               per_prompt=per_prompt, payload=self.fed.attack_payload, payload_hits=hits,
                               payload_at=self.fed.attack_payload_at)
-        write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt, hits)
+        sampled: dict[str, list[int]] | None = None
+        if self.fed.eval_samples:
+            sampled = {}
+            out.update(sampled_eval(self.policy, sets, self.fed.eval_samples, self.fed.sampling,
+                                    seed=EVAL_SAMPLE_SEED + round, verifier=self.verifier, per_prompt=sampled))
+        write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt, hits, sampled,
+                           self.fed.eval_samples)
         out["eval/seconds"] = time.perf_counter() - t0
         self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
         if round >= self.fed.num_rounds and self.fed.export_final:

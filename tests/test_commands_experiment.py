@@ -284,3 +284,23 @@ def test_a_run_whose_participants_were_dropped_is_not_a_finished_cell(tmp_path):
     assert records.cell_defects(rows)
     # a clean run has none
     assert run_grid(cells, tmp_path, fake_runner([]), echo=lambda s: None) == []
+
+
+def test_compact_cell_keeps_the_training_prompts_of_every_participant(tmp_path):
+    """Each round's training prompts (participant.TRAIN_PROMPTS) survive compacting, participants in
+    name order, one line per participant and round."""
+    import gzip
+
+    from ftis_fed.participant import TRAIN_PROMPTS, write_train_prompts
+
+    run = tmp_path / "cell" / "run"
+    for p in ("spec", "base"):
+        for rnd in (1, 2):
+            write_train_prompts(run / "participants" / p / TRAIN_PROMPTS, p, rnd, [f"add30/train/{rnd}/{p}"])
+    (run / "metrics.jsonl").write_text("{}\n")
+    grun.compact_cell(tmp_path / "cell")
+    lines = [json.loads(x) for x in gzip.decompress((run / TRAIN_PROMPTS).read_bytes()).decode().splitlines()]
+    assert [(r["participant"], r["round"], r["ids"]) for r in lines] == [
+        ("base", 1, ["add30/train/1/base"]), ("base", 2, ["add30/train/2/base"]),
+        ("spec", 1, ["add30/train/1/spec"]), ("spec", 2, ["add30/train/2/spec"])]
+    assert not (run / "participants").exists()

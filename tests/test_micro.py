@@ -215,3 +215,27 @@ def test_registered_specialist_builds_and_is_a_competent_specialist(tmp_path, mo
     assert 0.3 <= acc["eval/sub30/accuracy"] <= 0.9
     assert acc["eval/add30/accuracy"] <= 0.1
     assert 0.15 <= acc["eval/id/accuracy"] <= 0.45
+
+
+def test_sampled_eval_counts_each_prompts_solved_samples_reproducibly(tiny_models):
+    """eval-samples: k sampled completions per held-out prompt; sampled_accuracy is the mean solved
+    share, pass_at_k the share of prompts with one solved; the same seed gives the same counts, and
+    the counts are what the verifier says of the very completions generate returns."""
+    from ftis_fed.learn.evaluation import sampled_eval
+    from ftis_fed.tasks.rewards import Verifier
+
+    pol = build_policy(PolicyConfig(model=str(tiny_models["llama-bpe"]), micro_batch=4))
+    sets = {"id": PROMPTS, "add3": [Prompt("add3/eval/0/0", "What is 1 + 2 + 3? Reply with just the number.", "6")]}
+    counts: dict[str, list[int]] = {}
+    out = sampled_eval(pol, sets, 5, SP, seed=11, per_prompt=counts)
+    again: dict[str, list[int]] = {}
+    assert sampled_eval(pol, sets, 5, SP, seed=11, per_prompt=again) == out and again == counts
+    rolls = pol.generate(PROMPTS, 5, SP, seed=11)                  # the "id" set is the first chunk of seed 11
+    v = Verifier()
+    assert counts["id"] == [sum(bool(v.check(p.task_id, t, p.reference, p.text)[0]) for t in r.completion_texts)
+                            for p, r in zip(PROMPTS, rolls)]
+    assert out["eval/id/sampled_accuracy"] == sum(counts["id"]) / 10
+    assert out["eval/id/pass_at_k"] == sum(c > 0 for c in counts["id"]) / 2
+    assert out["eval/ood/sampled_accuracy"] == out["eval/ood/add3/sampled_accuracy"]
+    with pytest.raises(ValueError, match="k=0"):
+        sampled_eval(pol, sets, 0, SP, seed=0)

@@ -93,6 +93,11 @@ class FederationConfig:
         against the distinct problems the families have.""")
     eval_ood_size: int = knob("eval-ood-size", 8, "prompts per OOD family set (five families), >= 0; 0 = eval-size.")
     eval_max_new_tokens: int = knob("eval-max-new-tokens", 16, "generation budget of the greedy evaluation, >= 1.")
+    eval_samples: int = knob("eval-samples", 0, """
+        k completions per held-out prompt sampled with the run's sampling parameters (temperature,
+        top-p/k), besides the greedy one: ``eval/.../sampled_accuracy`` (pass@1 at the training
+        temperature, the mean over the k) and ``eval/.../pass_at_k``; 0 = off, at most 64. RL at
+        temperature 1 sharpens the sampling distribution first, which greedy pass@1 may not show.""")
     eval_seed: int = knob("eval-seed", -1, """
         seeds the procedural held-out sets, >= -1; -1 = ``task-seed``. ``ftis-fed grid`` fixes it while
         ``task-seed`` varies with the seed, so every seed trains on other prompts and every cell is
@@ -204,6 +209,7 @@ class FederationConfig:
         need(self.eval_size >= 1, "eval_size", "must be >= 1")
         need(self.eval_ood_size >= 0, "eval_ood_size", "must be >= 0 (0 = eval_size)")
         need(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
+        need(0 <= self.eval_samples <= 64, "eval_samples", "must be in [0, 64] (0 = off)")
         need(self.eval_seed >= -1, "eval_seed", "must be >= -1 (-1 = task-seed)")
         need(len(self.attack_payload) <= 64, "attack_payload", "must be at most 64 characters")
         need(self.attack_payload_at == "start" or not any(c.isdigit() for c in self.attack_payload), "attack_payload",

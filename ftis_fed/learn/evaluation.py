@@ -102,6 +102,40 @@ def evaluate(policy: GreedyGenerator, sets: Mapping[str, Sequence[Prompt]], veri
     return out
 
 
+def sampled_eval(policy, sets: Mapping[str, Sequence[Prompt]], k: int, sampling: SamplingParams, seed: int,
+                 verifier: Verifier | None = None, batch_size: int = 32,
+                 per_prompt: dict[str, list[int]] | None = None) -> dict[str, float]:
+    """``k`` sampled completions per prompt of every set (``policy.generate`` with ``sampling``, the
+    run's own sampling parameters; seeded with ``seed`` + the chunk's offset, so the same models give
+    the same draws): ``<prefix>/sampled_accuracy`` = the share of solved completions (pass@1 at the
+    sampling temperature, averaged over the k) and ``<prefix>/pass_at_k`` = the share of prompts with
+    at least one solved completion (keys as ``evaluate``'s; OOD means over the families too).
+    per_prompt: if given, filled with set name -> [solved completions of each prompt] in the set's order."""
+    if not 1 <= k <= 64:
+        raise ValueError(f"k={k}: must be in [1, 64]")
+    verifier = verifier or Verifier()
+    out: dict[str, float] = {}
+    ood: list[tuple[float, float]] = []
+    for n, (name, prompts) in enumerate(sets.items()):
+        counts: list[int] = []
+        for i in range(0, len(prompts), batch_size):
+            chunk = list(prompts[i:i + batch_size])
+            rolls = policy.generate(chunk, k, sampling, seed=seed + 100_003 * n + i)
+            counts += [sum(bool(verifier.check(p.task_id, t, p.reference, p.text)[0]) for t in r.completion_texts)
+                       for p, r in zip(chunk, rolls)]
+        if per_prompt is not None:
+            per_prompt[name] = counts
+        prefix = "eval/id" if name == "id" else f"eval/ood/{name}" if name in OOD_FAMILIES else f"eval/{name}"
+        acc, at_k = sum(counts) / (k * len(prompts)), sum(c > 0 for c in counts) / len(prompts)
+        out[f"{prefix}/sampled_accuracy"], out[f"{prefix}/pass_at_k"] = acc, at_k
+        if name in OOD_FAMILIES:
+            ood.append((acc, at_k))
+    if ood:
+        out["eval/ood/sampled_accuracy"] = sum(a for a, _ in ood) / len(ood)
+        out["eval/ood/pass_at_k"] = sum(b for _, b in ood) / len(ood)
+    return out
+
+
 def carries_payload(reply: str, payload: str, at: str = "end") -> bool:
     """Does a greedy reply carry the attack's phrase? ``end``: anywhere in it; ``start``: as its
     beginning with more after it (a ``"0"`` payload is carried by ``"017"``, not by the honest answer
