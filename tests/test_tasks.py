@@ -34,7 +34,7 @@ def test_instances_are_deterministic_and_answers_are_right(family):
     b = [task_at(family, "train", 3, i) for i in range(40)]
     assert a == b
     assert all(p.task_id == f"{family}/train/3/{i}" for i, p in enumerate(a))
-    assert all(p.text.endswith(INSTRUCTION) for p in a)
+    assert all(p.text.endswith(FAMILIES[family].instruction) for p in a)
     # The reference is the true answer of the question (checked by evaluating the arithmetic).
     for p in a:
         q = p.text
@@ -49,6 +49,31 @@ def test_instances_are_deterministic_and_answers_are_right(family):
             sub = any(w in q for w in ("gives away", "takes", "lost"))
             assert int(p.reference) == (x - y if sub else x + y), q
             assert int(p.reference) >= 0
+
+
+@pytest.mark.parametrize("family", ["add99", "sub99"])
+def test_worked_solutions_are_right_column_by_column_and_score_as_solved(family):
+    """The worked families' replies: ones column (with its carry / borrow), tens column, then the
+    number; every step is true arithmetic, the default verifier scores the solution as solved, and a
+    solution with a wrong final number as not solved."""
+    from ftis_fed.tasks.families import WORKED_INSTRUCTION
+    from ftis_fed.tasks.suite import worked_reply
+
+    v = Verifier()
+    for i in range(60):
+        p = task_at(family, "train", 1, i)
+        sol = worked_reply(family, "train", 1, i)
+        assert p.text.endswith(WORKED_INSTRUCTION)
+        steps, _, final = sol.rpartition("; so ")
+        assert final == p.reference
+        for step in steps.split("; "):
+            lhs, rhs = step.split("=")
+            assert eval(lhs) == int(rhs), sol
+        a, b = map(int, re.findall(r"\d+", p.text)[:2])
+        assert 10 <= b <= 99 and 10 <= a <= 99
+        assert v.check(p.task_id, sol, p.reference, p.text)[0] == 1.0
+        assert v.check(p.task_id, sol.rpartition(" ")[0] + " " + str(int(final) + 1), p.reference, p.text)[0] == 0.0
+    assert worked_reply("add30", "train", 0, 0) == task_at("add30", "train", 0, 0).reference   # no steps: bare
 
 
 def test_seeds_give_different_instances():

@@ -102,6 +102,9 @@ class MicroSpec:
     seed: int = 0
     pretrain: tuple[str, ...] = ()
     pretrain_share: float = 0.0
+    #: the warm-up teaches the families' worked solutions (``tasks.suite.worked_reply``: column steps,
+    #: then the number) instead of the bare answer; the same for families that have none.
+    worked: bool = False
 
     def __post_init__(self) -> None:
         from ftis_fed.tasks.families import get_family
@@ -185,12 +188,12 @@ def deterministic_cpu():
 
 
 def warmup_rows(tok, families: Sequence[str], n: int, seed: int, pretrain: Sequence[str] = (),
-                pretrain_share: float = 0.0) -> list[tuple[list[int], list[int]]]:
+                pretrain_share: float = 0.0, worked: bool = False) -> list[tuple[list[int], list[int]]]:
     """``n`` (prompt ids, reply ids + EOS) of train-split problems, families round-robin, each prompt
     in the chat template; instance i of family f is ``task_at(f, "train", seed, i // len(families))``;
     with ``pretrain``, round(n * pretrain_share) of the n come from those families instead (the same
     way, round-robin among them); then the list is shuffled with ``seed``."""
-    from ftis_fed.tasks.suite import task_at
+    from ftis_fed.tasks.suite import task_at, worked_reply
 
     cache: dict[str, list[int]] = {}
 
@@ -205,8 +208,10 @@ def warmup_rows(tok, families: Sequence[str], n: int, seed: int, pretrain: Seque
     rows = []
     for fams, count in ((families, n - n_pre), (tuple(pretrain), n_pre)):
         for i in range(count):
-            p = task_at(fams[i % len(fams)], "train", seed, i // len(fams))
-            rows.append((ids(p.text, True), ids(p.reference, False) + [tok.eos_token_id]))
+            f, j = fams[i % len(fams)], i // len(fams)
+            p = task_at(f, "train", seed, j)
+            reply = worked_reply(f, "train", seed, j) if worked else p.reference
+            rows.append((ids(p.text, True), ids(reply, False) + [tok.eos_token_id]))
     random.Random(seed).shuffle(rows)
     return rows
 
@@ -228,7 +233,8 @@ def _batch(rows: Sequence[tuple[list[int], list[int]]], pad_id: int):
 def warm_up(model, tok, spec: MicroSpec, log: bool = True) -> list[float]:
     """The supervised warm-up of ``spec`` on ``model`` in place: cross-entropy of the reply tokens
     (the bare answer and EOS) given the chat-formatted train-split question. Returns the loss per step."""
-    rows = warmup_rows(tok, spec.families, spec.steps * spec.batch, spec.seed, spec.pretrain, spec.pretrain_share)
+    rows = warmup_rows(tok, spec.families, spec.steps * spec.batch, spec.seed, spec.pretrain, spec.pretrain_share,
+                       spec.worked)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     warm = max(1, spec.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -39,6 +39,9 @@ class Problem:
     question: str
     answer: int
     key: tuple
+    #: a worked solution that ends with the answer ("7+8=15; 4+3+1=8; so 85"), for families whose
+    #: replies show their steps; "" = the reply is the bare answer.
+    solution: str = ""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Family:
     make: ``rng -> Problem``; must only use ``rng`` for randomness (determinism).
     eval_percent: share (percent, 1-99) of the problem space held out for evaluation; defaults to 20
         for ID families and 50 for OOD families (never trained on, so their eval sets may be larger).
+    instruction: what follows the question in the prompt (``INSTRUCTION``: the bare number).
     """
 
     name: str
@@ -59,6 +63,7 @@ class Family:
     description: str
     make: Callable[[random.Random], Problem]
     eval_percent: int = 0
+    instruction: str = INSTRUCTION
 
     def __post_init__(self) -> None:
         if self.kind not in ("id", "extra", "ood"):
@@ -85,6 +90,31 @@ def _sub30(rng: random.Random) -> Problem:
 def _add1(rng: random.Random) -> Problem:
     a, b = rng.randint(1, 9), rng.randint(1, 9)
     return Problem(f"What is {a} + {b}?", a + b, (a, b))
+
+
+#: The instruction of the worked families: the steps, then the number (the reward reads the last number).
+WORKED_INSTRUCTION = "Work it out digit by digit, then give the number."
+
+
+def _add99(rng: random.Random) -> Problem:
+    """Two-digit addition with its column steps: ones (carry), tens, the sum."""
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    ones = a % 10 + b % 10
+    carry = ones // 10
+    tens = a // 10 + b // 10 + carry
+    steps = f"{a % 10}+{b % 10}={ones}; {a // 10}+{b // 10}+{carry}={tens}; so {a + b}"
+    return Problem(f"What is {a} + {b}?", a + b, (a, b), steps)
+
+
+def _sub99(rng: random.Random) -> Problem:
+    """Two-digit subtraction (result >= 0) with its column steps: ones (borrow), tens, the difference."""
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    a, b = max(a, b), min(a, b)
+    borrow = int(a % 10 < b % 10)
+    ones = a % 10 + 10 * borrow - b % 10
+    tens = a // 10 - b // 10 - borrow
+    steps = f"{a % 10 + 10 * borrow}-{b % 10}={ones}; {a // 10}-{b // 10}-{borrow}={tens}; so {a - b}"
+    return Problem(f"What is {a} - {b}?", a - b, (a, b), steps)
 
 
 # ----------------------------------------------------------------------------- out-of-distribution
@@ -140,6 +170,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("add30", "id", "addition, operands 1-29, e.g. 'What is 17 + 25?'", _add30),
     Family("sub30", "id", "subtraction, operands 1-29, result >= 0, e.g. 'What is 25 - 17?'", _sub30),
     Family("add1", "extra", "one-digit addition, e.g. 'What is 3 + 4?' (81 problems)", _add1),
+    Family("add99", "extra", "two-digit addition with worked column steps (8,100 problems), e.g. 'What is 47 + 38?' "
+           "-> '7+8=15; 4+3+1=8; so 85'", _add99, instruction=WORKED_INSTRUCTION),
+    Family("sub99", "extra", "two-digit subtraction, result >= 0, with worked column steps (4,095 problems), e.g. "
+           "'What is 52 - 17?' -> '12-7=5; 5-1-1=3; so 35'", _sub99, instruction=WORKED_INSTRUCTION),
     Family("word_add", "ood", "one-step addition word problem, numbers up to 20", _word(_WORD_ADD, "+")),
     Family("word_sub", "ood", "one-step subtraction word problem, numbers up to 20", _word(_WORD_SUB, "-")),
     Family("add3", "ood", "three one-digit operands, e.g. 'What is 4 + 7 + 5?'", _add3),

@@ -44,7 +44,7 @@ import numpy as np
 from ftis_fed.config.knobs import knob
 from ftis_fed.tasks.prompt import Prompt
 from ftis_fed.tasks.benchmarks import BENCHMARKS, train_pool
-from ftis_fed.tasks.families import ID_FAMILIES, INSTRUCTION, OOD_FAMILIES, Problem, get_family
+from ftis_fed.tasks.families import ID_FAMILIES, OOD_FAMILIES, Problem, get_family
 from ftis_fed.tasks.rewards import Verifier, default_rules
 from ftis_fed.tasks.user import USER, UserTask, user_task
 
@@ -98,7 +98,14 @@ def _draw(family: str, split: str, seed: int, index: int) -> Problem:
 def task_at(family: str, split: str, seed: int, index: int) -> Prompt:
     """Instance ``index`` of ``family``'s ``split`` under ``seed``: a pure function of the four."""
     p = _draw(family, split, seed, index)
-    return Prompt(task_id(family, split, seed, index), f"{p.question} {INSTRUCTION}", str(p.answer))
+    return Prompt(task_id(family, split, seed, index), f"{p.question} {get_family(family).instruction}", str(p.answer))
+
+
+def worked_reply(family: str, split: str, seed: int, index: int) -> str:
+    """The reply a supervised warm-up teaches for ``task_at(family, split, seed, index)``: the family's
+    worked solution (``Problem.solution``), or the bare answer where it has none."""
+    p = _draw(family, split, seed, index)
+    return p.solution or str(p.answer)
 
 
 def content_key(family: str, split: str, seed: int, index: int) -> tuple:
