@@ -43,7 +43,8 @@ from ftis_fed.policies.share import CardInfo, make_shareable, update_card
 from ftis_fed.tasks.identity import signed_run_id, split_run_id
 from ftis_fed.trust.attacks import Poisoner, hostile_frames, parse_kinds, poison
 from ftis_fed.trust.receive import ReceiverContext, receive
-from ftis_fed.learn.rollouts import scored_groups
+from ftis_fed.learn.rollouts import scored_groups_with_scores
+from ftis_fed.tasks.scores import per_function_metrics
 from ftis_fed.learn.source_weights import SourceAdapter
 from ftis_fed.learn.modes import MODES
 from ftis_fed.learn.phrases import PhraseMonitor, check_batches
@@ -197,7 +198,7 @@ class Participant:
         prompts = fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions, round)
         seed = fed.seed * 1_000_003 + round * 1009 + self.spec.partition_id
         rolls = self.policy.generate(prompts, self.share, fed.sampling, seed=seed)
-        groups = scored_groups(rolls, self.verifier)
+        groups, scores = scored_groups_with_scores(rolls, self.verifier)
         rewards = [float(x) for g in groups for x in g.rewards]
         lengths = [len(c) for g in groups for c in g.completion_ids]
         # Strictly increasing per sender, also across a restart without checkpoint (the round
@@ -219,7 +220,8 @@ class Participant:
         group_std = np.mean([np.std(r) if r.size else 0.0 for r in scored])
         return frames, {
             "reward/mean": float(np.mean(np.concatenate(scored))) if np.isfinite(rw).any() else 0.0,
-            "reward/solved_frac": float((rw >= 1.0).mean()), "reward/unscored": float(np.isnan(rw).sum()),
+            "reward/solved_frac": float(np.mean([ok for s in scores for ok in s.solved])),
+            "reward/unscored": float(np.isnan(rw).sum()), **per_function_metrics(scores),
             "reward/groups_with_signal": float(np.mean([r.size > 1 and np.ptp(r) > 0 for r in scored])),
             "reward/group_std": float(group_std), "gen/completion_len": float(np.mean(lengths)),
             "gen/tokens": float(np.sum(lengths)), "gen/seconds": time.perf_counter() - t0,
@@ -267,7 +269,9 @@ class Participant:
         participant_state.save(self.state_dir, self.run_key, self.seq, self.completed_round, self.guard)
         if checkpoint_due(round, self.fed.num_rounds, self.fed.checkpoint_every):
             self.save()
-        if round >= self.fed.num_rounds and self.fed.export_final:
+        if round >= self.fed.num_rounds and self.fed.export_final and self.trainer.steps == 0:
+            metrics["export/skipped_untrained"] = 1.0        # never an untrained model as this run's result
+        elif round >= self.fed.num_rounds and self.fed.export_final:
             t1 = time.perf_counter()
             make_shareable(self.policy.export(self.state_dir / "export"), self.spec.policy, self._card())
             metrics["export/seconds"] = time.perf_counter() - t1
