@@ -850,7 +850,7 @@ def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
     lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
               "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]
     lines += [f"- `{k.key}`: {k.help}" for k in node_only]
-    lines += ["", *reference_section()]
+    lines += ["", *reference_section({k: v.default for k, v in RUN_KNOBS.items()})]
     return "\n".join(lines)
 
 
