@@ -39,7 +39,7 @@ from ftis_fed.learn.evaluation import evaluate as evaluate_policy, greedy_replie
 from ftis_fed.learn.guard import GuardedUpdate, validation_prompts
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
-from ftis_fed.policies.share import CardInfo, make_shareable, update_card
+from ftis_fed.policies.share import CardInfo, make_shareable, push_export, update_card
 from ftis_fed.tasks.identity import signed_run_id, split_run_id
 from ftis_fed.trust.attacks import Poisoner, hostile_frames, parse_kinds, poison
 from ftis_fed.trust.receive import ReceiverContext, receive
@@ -275,6 +275,8 @@ class Participant:
             t1 = time.perf_counter()
             make_shareable(self.policy.export(self.state_dir / "export"), self.spec.policy, self._card())
             metrics["export/seconds"] = time.perf_counter() - t1
+            if self.fed.eval_every <= 0:                    # no final evaluation to wait for: upload now
+                metrics.update(self._push())
         return metrics
 
     def _phrase_check(self, batches: list[CompletionBatch], weights: dict[tuple[int, int], np.ndarray]) -> dict[str, float]:
@@ -386,6 +388,7 @@ class Participant:
         self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
         if round >= self.fed.num_rounds and self.fed.export_final:
             update_card(self.state_dir / "export", self.heldout)        # the card gets the final figures
+            out.update(self._push())                                    # then, opt-in, to the hub
         return out
 
     def _card(self) -> CardInfo:
@@ -395,10 +398,39 @@ class Participant:
                   "filter-g": obj.filter_g, "kl-estimator": obj.kl_estimator, "clip-eps": obj.clip_eps,
                   "length-norm": obj.length_norm, "advantage-groups": obj.advantage_groups,
                   "group-size": fed.group_size, "max-new-tokens": fed.max_new_tokens,
-                  "temperature": fed.temperature, "lr": self.spec.policy.lr}
-        task = {"task-source": fed.task.source, "task digest": self.task_digest or "(procedural: the run config)"}
-        return CardInfo(self.name, self.run_id, self.completed_round, method, task, dict(self.peer_models),
-                        dict(self.heldout))
+                  "temperature": fed.temperature, "learning rate": self.spec.policy.effective_lr}
+        return CardInfo(self.name, self.run_id, self.completed_round, method, self._card_task(), dict(self.peer_models),
+                        dict(self.heldout), fed.export_license, self._card_datasets())
+
+    def _card_task(self) -> dict[str, str]:
+        """The card's task: source, data set, reward functions with weights and the solved rule, digest."""
+        t = self.fed.task
+        out = {"task-source": t.source}
+        if t.source == "user":
+            funcs = t.user.reward_funcs
+            out["data set"] = t.data if not Path(t.data).expanduser().exists() else Path(t.data).name
+            out["reward functions (weight)"] = ", ".join(f"{n} ({f.weight:g})" for n, f in zip(funcs.names, funcs.funcs))
+            out["solved"] = f"{t.user.solved_name} >= {t.solved_threshold:g}"
+        elif t.source != "procedural":
+            out["data set"] = Path(t.benchmark_path).name or t.benchmark_path
+        else:
+            out["data set"] = f"procedural arithmetic: {', '.join(t.families) or 'all ID families'}"
+        out["task digest"] = self.task_digest or "(procedural: the run config)"
+        return out
+
+    def _card_datasets(self) -> tuple[str, ...]:
+        """Hub ids of the data sets trained on (the card header's ``datasets``): a user task's hub id."""
+        t = self.fed.task
+        return (t.data,) if t.source == "user" and not Path(t.data).expanduser().exists() else ()
+
+    def _push(self) -> dict[str, float]:
+        """``push-to-hub``: upload the export (``policies.share.push_export``); an upload error is
+        this participant's error reply, naming the repo."""
+        if not self.fed.push_to_hub or not (self.state_dir / "export").exists():
+            return {}
+        url = push_export(self.state_dir / "export", self.fed.push_to_hub, self.name)
+        print(f"[ftis-fed] {self.name}: pushed its export to {url}", flush=True)
+        return {"export/pushed": 1.0}
 
     def finish(self) -> dict:
         """End of run: acknowledge (the worker process exits after answering)."""

@@ -134,6 +134,14 @@ class FederationConfig:
         bitsandbytes config in the card), otherwise a whole model (a LoRA merged into its base),
         with its tokenizer, generation_config.json and a filled model card (README.md);
         transformers (+ peft) and vLLM load it.""")
+    export_license: str = knob("export-license", "", """
+        the ``license`` of the exported model's card (a Hugging Face license id, e.g. ``apache-2.0``);
+        '' = the base model's license where ftis-fed knows it (SmolLM2: apache-2.0), else none.""")
+    push_to_hub: str = knob("push-to-hub", "", """
+        opt-in: after the run each participant uploads its export with ``huggingface_hub``'s
+        ``upload_folder`` to this hub repo id, ``{participant}`` replaced by its name (without it:
+        ``<id>-<participant>``); needs a token (``HF_TOKEN`` / ``hf auth login``) where the workers
+        run. Refused at start when the hub is offline (``HF_HUB_OFFLINE``); '' (default) = never.""")
     keys_dir: str = knob("keys-dir", "", """
         folder with ``public/<participant>.pub`` (and, on each node, its own
         ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
@@ -235,6 +243,9 @@ class FederationConfig:
         ValueError naming the key. (The constructor only checks values: it does no I/O.)"""
         if self.task.source != "procedural":                    # the train file must load now, not mid-run
             self.task.train_pool()
+        if self.push_to_hub:                                    # an upload that cannot happen: say so now
+            from ftis_fed.policies.share import check_push
+            check_push(self.push_to_hub)
         if self.task.source == "math500" or self.task.math500_data:
             try:
                 require_math_verify()
