@@ -45,6 +45,7 @@ from ftis_fed.trust.attacks import Poisoner, hostile_frames, parse_kinds, poison
 from ftis_fed.trust.receive import ReceiverContext, receive
 from ftis_fed.learn.rollouts import scored_groups_with_scores
 from ftis_fed.tasks.scores import per_function_metrics
+from ftis_fed.metrics.completions import append_log, completion_records
 from ftis_fed.learn.source_weights import SourceAdapter
 from ftis_fed.learn.modes import MODES
 from ftis_fed.learn.phrases import PhraseMonitor, check_batches
@@ -199,6 +200,11 @@ class Participant:
         seed = fed.seed * 1_000_003 + round * 1009 + self.spec.partition_id
         rolls = self.policy.generate(prompts, self.share, fed.sampling, seed=seed)
         groups, scores = scored_groups_with_scores(rolls, self.verifier)
+        if fed.log_completions:                                 # TRL's log_completions: local files only
+            k = fed.log_completions
+            append_log(self.state_dir, completion_records(round, self.name, [(r.prompt.task_id, r.prompt.text)
+                                                                             for r in rolls[:k]],
+                                                          [r.completion_texts for r in rolls[:k]], scores[:k]))
         rewards = [float(x) for g in groups for x in g.rewards]
         lengths = [len(c) for g in groups for c in g.completion_ids]
         # Strictly increasing per sender, also across a restart without checkpoint (the round

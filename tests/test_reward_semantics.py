@@ -189,7 +189,8 @@ def test_generate_reports_trl_s_per_function_metrics_and_the_accuracy_s_solved(t
     """A TRL-style data set, accuracy + format (weights 1.0, 0.2): a participant's generate
     metrics are its own batch's, recomputed here completion by completion."""
     data, module = _task(tmp_path)
-    fed, parts = _federation(tmp_path, _rc(data, module, **ACC_FORMAT), names=("alice",), rounds=2)
+    fed, parts = _federation(tmp_path, _rc(data, module, **ACC_FORMAT, **{"log-completions": 1}), names=("alice",),
+                             rounds=2)
     # the generate metrics of one participant against its own batch, recomputed here
     frames, m = parts["alice"].generate(1, False)
     batch = parts["alice"].own[1]
@@ -208,6 +209,15 @@ def test_generate_reports_trl_s_per_function_metrics_and_the_accuracy_s_solved(t
     assert m["rewards/accuracy/std"] == pytest.approx(statistics.stdev(acc))
     assert m["rewards/format_reward/mean"] == pytest.approx(statistics.mean(fmt))
     assert m["reward/solved_frac"] == pytest.approx(statistics.mean(solved)) == pytest.approx(statistics.mean(acc))
+    # log-completions = 1: the round's first prompt, its 4 completions, as scored (TRL's log_completions)
+    log = [json.loads(x) for x in (tmp_path / "participants" / "alice" / "completions.jsonl").read_text().splitlines()]
+    g = batch.groups[0]
+    assert [r["task_id"] for r in log] == [g.task_id] * 4 and all(r["round"] == 1 for r in log)
+    assert [r["reward"] for r in log] == pytest.approx(list(g.rewards))
+    assert [r["rewards"]["accuracy"] for r in log] == acc[:4] and [r["solved"] for r in log] == list(solved[:4])
+    table = (tmp_path / "participants" / "alice" / "completions.md").read_text()
+    assert table.startswith("## round 1, alice\n\n| prompt | completion | reward | accuracy | format_reward | solved |")
+    assert table.count("\n| ") == 5                                        # header + 4 completions
 
 
 @pytest.mark.slow

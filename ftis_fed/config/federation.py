@@ -158,6 +158,11 @@ class FederationConfig:
         ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
         TRL; ``none`` = only metrics.jsonl/.csv. Optional extras: ``pip install
         'ftis-fed[tensorboard]'`` / ``'ftis-fed[wandb]'``; a missing package stops the run at start.""")
+    log_completions: int = knob("log-completions", 0, """
+        TRL's ``log_completions``: each participant writes its first k prompts of every round with
+        all their completions, rewards (per function too) and ``solved`` to
+        ``<state-dir>/completions.jsonl`` and a table a person reads, ``<state-dir>/completions.md``
+        (texts cut at 500 characters there), >= 0; 0 (default) = off.""")
     population: str = knob("population", "", """
         the participants as one table of participants or groups (``ftis_fed/config/population.py``):
         a .toml/.json/.yaml file relative to the app folder (carried in the app bundle) or absolute,
@@ -197,6 +202,8 @@ class FederationConfig:
                 raise ValueError(f"{_key_of(f)}={getattr(self, f)!r}: {limit}")
 
         need(self.num_rounds >= 1, "num_rounds", "must be >= 1")
+        need(isinstance(self.log_completions, int) and not isinstance(self.log_completions, bool)
+             and self.log_completions >= 0, "log_completions", "must be an integer >= 0 (0 = off)")
         from ftis_fed.engine.schedules import SCHEDULES          # registered round schedules (one file each)
 
         need(self.scheme in SCHEDULES, "scheme", f"must be a registered schedule: {', '.join(sorted(SCHEDULES))}")
