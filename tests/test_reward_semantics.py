@@ -285,3 +285,20 @@ def test_flwr_run_with_a_raising_reward_function_exits_non_zero_without_export(t
     assert f"{REWARD_ERROR} reward function 'explodes' ({module}:explodes) raised KeyError at rw.py:" in out, out[-4000:]
     assert "'no such key in this reward function'" in out
     assert not list((tmp_path / "out").glob("participants/*/export"))
+
+
+def test_ftis_fed_eval_scores_a_model_on_the_user_s_own_task(tmp_path, capsys):
+    """``ftis-fed eval --model M --run-config ...``: the held-out rows of your task, your reward
+    functions and solved rule, one JSON line; the same figure the run's evaluation gives."""
+    from ftis_fed.commands.cli import main
+
+    data, module = _task(tmp_path)
+    rc = _rc(data, module, **{"task-reward-weights": "1.0,0.2", "eval-size": 6})
+    items = [f"{k}={json.dumps(v)}" for k, v in rc.items()]
+    main(["eval", "--model", "tiny-arith", "--max-new-tokens", "4", *(a for i in items for a in ("--run-config", i))])
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["model"] == "tiny-arith" and got["eval/id/n"] == 6.0 and got["task-source"] == "user"
+    fed = federation_from_run_config(rc)
+    from ftis_fed.learn.evaluation import _policy_for
+    want = evaluate(_policy_for("tiny-arith", "hf"), fed.eval_sets(), fed.task.verifier(), 4)
+    assert got["eval/id/accuracy"] == want["eval/id/accuracy"]
