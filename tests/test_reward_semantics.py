@@ -302,3 +302,21 @@ def test_ftis_fed_eval_scores_a_model_on_the_user_s_own_task(tmp_path, capsys):
     from ftis_fed.learn.evaluation import _policy_for
     want = evaluate(_policy_for("tiny-arith", "hf"), fed.eval_sets(), fed.task.verifier(), 4)
     assert got["eval/id/accuracy"] == want["eval/id/accuracy"]
+
+
+def test_ftis_fed_sim_in_process_exits_1_with_the_whole_line(tmp_path, capsys):
+    """``ftis-fed sim --transport inprocess`` (the research tier's path): the same stop, exit 1 and
+    the reward function's line on stderr, no traceback."""
+    from ftis_fed.commands.sim import simulate_inprocess
+
+    data, module = _task(tmp_path)
+    rc = {"p0-participant": "alice", "p0-model": "tiny-arith", "p0-adapter": "full", "p1-participant": "bob",
+          "p1-model": "tiny-arith", "p1-adapter": "full", "p2-model": "", "num-rounds": 2, "group-size": 4,
+          "prompts-per-round": 2, "max-new-tokens": 4, "output-dir": str(tmp_path / "out"),
+          **_rc(data, module, funcs="accuracy,one_short")}
+    items = " ".join(f"{k}={json.dumps(v)}" for k, v in rc.items())
+    assert simulate_inprocess(Path(__file__).resolve().parent.parent, [items]) == 1
+    err = capsys.readouterr().err
+    assert f"ftis-fed sim: the run failed: generate: the reward function failed" in err
+    assert f"{REWARD_ERROR} reward function 'one_short' ({module}:one_short) returned 3 rewards, but 4" in err
+    assert "Traceback" not in err

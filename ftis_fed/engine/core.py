@@ -626,7 +626,8 @@ class Engine:
         if len(replies) > CONSOLE_ROWS:
             for key in ("eval/id/accuracy", "eval/ood/accuracy"):
                 vals = {r["participant"]: float(r[key]) for r in rows if isinstance(r.get(key), (int, float))}
-                self.log(INFO, "  eval r%d %s over %d participants: %s", rnd, key, len(vals), spread(vals))
+                if vals:                                 # no OOD families: no OOD line
+                    self.log(INFO, "  eval r%d %s over %d participants: %s", rnd, key, len(vals), spread(vals))
         self.writer.write(rows)
 
     def finish(self) -> None:
