@@ -226,7 +226,6 @@ def test_a_trl_style_task_with_accuracy_and_format_rewards_end_to_end(tmp_path):
     two rounds through the engine: every row has the per-function metrics, rewards.png is drawn,
     and the held-out accuracy counts the accuracy function alone (recomputed from greedy replies)."""
     data, module = _task(tmp_path)
-    task = None
     fed2, parts = _federation(tmp_path / "run", _rc(data, module, **ACC_FORMAT), rounds=2)
     task = fed2.task.user
     eng = Engine(fed2, load_key_directory(tmp_path / "run" / "keys"), tmp_path / "run", InProcessTransport(parts),
