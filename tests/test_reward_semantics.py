@@ -167,7 +167,7 @@ def test_reward_errors_name_the_function_in_one_whole_line(tmp_path):
 
 # ----------------------------------------------------------------------------- runs
 
-def _federation(tmp: Path, rc: dict, names=("alice", "bob"), rounds: int = 2):
+def _federation(tmp: Path, rc: dict, names=("alice", "bob"), rounds: int = 2, lr: float = 1e-3):
     parts, fed = {}, None
     for name in names:
         generate_keypair(name, tmp / "keys")
@@ -176,7 +176,7 @@ def _federation(tmp: Path, rc: dict, names=("alice", "bob"), rounds: int = 2):
                                         "max-new-tokens": 4, "run-name": "rs", "output-dir": str(tmp),
                                         "min-participants": len(names), "eval-max-new-tokens": 4})
         fed = fed or f
-        spec = ParticipantSpec(name, PolicyConfig(model="tiny-arith", adapter="full", lr=1e-3), i, len(names),
+        spec = ParticipantSpec(name, PolicyConfig(model="tiny-arith", adapter="full", lr=lr), i, len(names),
                                str(tmp / "keys"), str(tmp / "participants" / name))
         parts[name] = Participant(spec, f)
     return fed, parts
@@ -190,7 +190,7 @@ def test_generate_reports_trl_s_per_function_metrics_and_the_accuracy_s_solved(t
     metrics are its own batch's, recomputed here completion by completion."""
     data, module = _task(tmp_path)
     fed, parts = _federation(tmp_path, _rc(data, module, **ACC_FORMAT, **{"log-completions": 1}), names=("alice",),
-                             rounds=2)
+                             rounds=2, lr=0.0)
     # the generate metrics of one participant against its own batch, recomputed here
     frames, m = parts["alice"].generate(1, False)
     batch = parts["alice"].own[1]
@@ -218,6 +218,12 @@ def test_generate_reports_trl_s_per_function_metrics_and_the_accuracy_s_solved(t
     table = (tmp_path / "participants" / "alice" / "completions.md").read_text()
     assert table.startswith("## round 1, alice\n\n| prompt | completion | reward | accuracy | format_reward | solved |")
     assert table.count("\n| ") == 5                                        # header + 4 completions
+    # the card: the learning rate actually used (lr = 0 is "auto": 1e-5 for full fine-tuning), the
+    # reward functions with their weights, the solved rule (it showed `lr: 0.0` and no functions)
+    card = parts["alice"]._card()
+    assert card.method["learning rate"] == 1e-5
+    assert card.task["reward functions (weight)"] == "accuracy (1), format_reward (0.2)"
+    assert card.task["solved"] == "accuracy >= 1" and card.task["data set"] == "train.jsonl"
 
 
 @pytest.mark.slow
