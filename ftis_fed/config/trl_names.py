@@ -134,7 +134,9 @@ def reference_section(defaults: Mapping[str, Any] | None = None) -> list[str]:
              "disagree), in snake_case beside Flower's kebab-case keys, and several TRL names are not one key "
              "here. Instead `ftis-fed sim --run-config num-generations=8` (or `num_generations=8`) stops with "
              "`not a run-config key; TRL's num_generations is group-size`. (Plain `flwr run` rejects an "
-             "undeclared key itself, before ftis-fed sees it.)", "",
+             "undeclared key itself, before ftis-fed sees it.) Defaults differ: TRL's column is TRL 1.16's own "
+             "(`GRPOConfig` with its `TrainingArguments`, `ModelConfig`; `tests/test_trl_names.py` reads each back "
+             "from the installed classes), ours is the key's default; `—` = no counterpart.", "",
              "| TRL | TRL 1.16 default | ftis-fed | ftis-fed default | notes |", "|---|---|---|---|---|"]
     for t in TRL_NAMES:
         keys = [k.strip() for k in t.ours.split(",")] if t.ours else []
