@@ -39,11 +39,13 @@ from ftis_fed.learn.evaluation import evaluate as evaluate_policy, greedy_replie
 from ftis_fed.learn.guard import GuardedUpdate, validation_prompts
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
-from ftis_fed.policies.share import CardInfo, make_shareable, update_card
+from ftis_fed.policies.share import CardInfo, make_shareable, push_export, update_card
 from ftis_fed.tasks.identity import signed_run_id, split_run_id
 from ftis_fed.trust.attacks import Poisoner, hostile_frames, parse_kinds, poison
 from ftis_fed.trust.receive import ReceiverContext, receive
-from ftis_fed.learn.rollouts import scored_groups
+from ftis_fed.learn.rollouts import scored_groups_with_scores
+from ftis_fed.tasks.scores import per_function_metrics
+from ftis_fed.metrics.completions import append_log, completion_records
 from ftis_fed.learn.source_weights import SourceAdapter
 from ftis_fed.learn.modes import MODES
 from ftis_fed.learn.phrases import PhraseMonitor, check_batches
@@ -221,7 +223,12 @@ class Participant:
         write_train_prompts(self.state_dir / TRAIN_PROMPTS, self.name, round, [p.task_id for p in prompts])
         seed = fed.seed * 1_000_003 + round * 1009 + self.spec.partition_id
         rolls = self.policy.generate(prompts, self.share, fed.sampling, seed=seed)
-        groups = scored_groups(rolls, self.verifier)
+        groups, scores = scored_groups_with_scores(rolls, self.verifier)
+        if fed.log_completions:                                 # TRL's log_completions: local files only
+            k = fed.log_completions
+            append_log(self.state_dir, completion_records(round, self.name, [(r.prompt.task_id, r.prompt.text)
+                                                                             for r in rolls[:k]],
+                                                          [r.completion_texts for r in rolls[:k]], scores[:k]))
         rewards = [float(x) for g in groups for x in g.rewards]
         lengths = [len(c) for g in groups for c in g.completion_ids]
         # Strictly increasing per sender, also across a restart without checkpoint (the round
@@ -243,7 +250,8 @@ class Participant:
         group_std = np.mean([np.std(r) if r.size else 0.0 for r in scored])
         return frames, {
             "reward/mean": float(np.mean(np.concatenate(scored))) if np.isfinite(rw).any() else 0.0,
-            "reward/solved_frac": float((rw >= 1.0).mean()), "reward/unscored": float(np.isnan(rw).sum()),
+            "reward/solved_frac": float(np.mean([ok for s in scores for ok in s.solved])),
+            "reward/unscored": float(np.isnan(rw).sum()), **per_function_metrics(scores),
             "reward/groups_with_signal": float(np.mean([r.size > 1 and np.ptp(r) > 0 for r in scored])),
             "reward/group_std": float(group_std), "gen/completion_len": float(np.mean(lengths)),
             "gen/tokens": float(np.sum(lengths)), "gen/seconds": time.perf_counter() - t0,
@@ -291,10 +299,14 @@ class Participant:
         participant_state.save(self.state_dir, self.run_key, self.seq, self.completed_round, self.guard)
         if checkpoint_due(round, self.fed.num_rounds, self.fed.checkpoint_every):
             self.save()
-        if round >= self.fed.num_rounds and self.fed.export_final:
+        if round >= self.fed.num_rounds and self.fed.export_final and self.trainer.steps == 0:
+            metrics["export/skipped_untrained"] = 1.0        # never an untrained model as this run's result
+        elif round >= self.fed.num_rounds and self.fed.export_final:
             t1 = time.perf_counter()
             make_shareable(self.policy.export(self.state_dir / "export"), self.spec.policy, self._card())
             metrics["export/seconds"] = time.perf_counter() - t1
+            if self.fed.eval_every <= 0:                    # no final evaluation to wait for: upload now
+                metrics.update(self._push())
         return metrics
 
     def _phrase_check(self, batches: list[CompletionBatch], weights: dict[tuple[int, int], np.ndarray]) -> dict[str, float]:
@@ -412,6 +424,7 @@ class Participant:
         self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
         if round >= self.fed.num_rounds and self.fed.export_final:
             update_card(self.state_dir / "export", self.heldout)        # the card gets the final figures
+            out.update(self._push())                                    # then, opt-in, to the hub
         return out
 
     def _card(self) -> CardInfo:
@@ -421,10 +434,39 @@ class Participant:
                   "filter-g": obj.filter_g, "kl-estimator": obj.kl_estimator, "clip-eps": obj.clip_eps,
                   "length-norm": obj.length_norm, "advantage-groups": obj.advantage_groups,
                   "group-size": fed.group_size, "max-new-tokens": fed.max_new_tokens,
-                  "temperature": fed.temperature, "lr": self.spec.policy.lr}
-        task = {"task-source": fed.task.source, "task digest": self.task_digest or "(procedural: the run config)"}
-        return CardInfo(self.name, self.run_id, self.completed_round, method, task, dict(self.peer_models),
-                        dict(self.heldout))
+                  "temperature": fed.temperature, "learning rate": self.spec.policy.effective_lr}
+        return CardInfo(self.name, self.run_id, self.completed_round, method, self._card_task(), dict(self.peer_models),
+                        dict(self.heldout), fed.export_license, self._card_datasets())
+
+    def _card_task(self) -> dict[str, str]:
+        """The card's task: source, data set, reward functions with weights and the solved rule, digest."""
+        t = self.fed.task
+        out = {"task-source": t.source}
+        if t.source == "user":
+            funcs = t.user.reward_funcs
+            out["data set"] = t.data if not Path(t.data).expanduser().exists() else Path(t.data).name
+            out["reward functions (weight)"] = ", ".join(f"{n} ({f.weight:g})" for n, f in zip(funcs.names, funcs.funcs))
+            out["solved"] = f"{t.user.solved_name} >= {t.solved_threshold:g}"
+        elif t.source != "procedural":
+            out["data set"] = Path(t.benchmark_path).name or t.benchmark_path
+        else:
+            out["data set"] = f"procedural arithmetic: {', '.join(t.families) or 'all ID families'}"
+        out["task digest"] = self.task_digest or "(procedural: the run config)"
+        return out
+
+    def _card_datasets(self) -> tuple[str, ...]:
+        """Hub ids of the data sets trained on (the card header's ``datasets``): a user task's hub id."""
+        t = self.fed.task
+        return (t.data,) if t.source == "user" and not Path(t.data).expanduser().exists() else ()
+
+    def _push(self) -> dict[str, float]:
+        """``push-to-hub``: upload the export (``policies.share.push_export``); an upload error is
+        this participant's error reply, naming the repo."""
+        if not self.fed.push_to_hub or not (self.state_dir / "export").exists():
+            return {}
+        url = push_export(self.state_dir / "export", self.fed.push_to_hub, self.name)
+        print(f"[ftis-fed] {self.name}: pushed its export to {url}", flush=True)
+        return {"export/pushed": 1.0}
 
     def finish(self) -> dict:
         """End of run: acknowledge (the worker process exits after answering)."""

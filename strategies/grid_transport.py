@@ -64,7 +64,9 @@ class GridTransport:
             if rep.has_error():
                 # the SuperLink's own error reply when the node's heartbeat lapsed (killed, cut off)
                 reason = "node_unavailable" if rep.error.code == ErrorCode.NODE_UNAVAILABLE else "error"
-                return Failure(reason, f"error {rep.error.code}: {str(rep.error.reason)[-300:]}")
+                # the last 8,000 characters: a worker's traceback ends with the exception's whole line
+                # (the engine reads a reward function's error there, not a clipped fragment of it)
+                return Failure(reason, f"error {rep.error.code}: {str(rep.error.reason)[-8000:]}")
             return Delivered(rep.metadata.src_node_id, content_to_reply(rep.content))
         except Exception as e:                                  # noqa: BLE001 - a reply never ends the run
             return Failure("internal_error", f"unpacking the reply: {type(e).__name__}: {e}")

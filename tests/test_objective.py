@@ -602,3 +602,56 @@ def test_implausible_claims_are_flagged_per_completion():
     for fp in ("tok-a", "tok-other"):                                        # same and cross tokenizer
         samples = samples_from_batches([b], "me", fp, ObjectiveConfig(), retokenize=lambda p, c, e: ([1], [2, 3]))
         assert [s.implausible for s in samples] == [False, True, True]
+
+
+# ------------------------------------------------------------------ issue 29: GSPO's sequence-mean ratio
+
+def _one_row(logp_vals, gen_vals, adv=1.0):
+    logp = torch.tensor([logp_vals], requires_grad=True)
+    return logp, LossInputs(logp=logp, logp_gen=torch.tensor([gen_vals]),
+                            mask=torch.ones(1, len(logp_vals), dtype=torch.bool), advantages=torch.tensor([adv]),
+                            source=torch.tensor([0]), local=torch.tensor([False]), source_names=("p",))
+
+
+def test_sequence_mean_is_gspo_s_mean_log_ratio_and_sequence_the_sum():
+    """The issue's figures: -0.1 nat/token over 40 tokens weighs exp(-4) = 0.018 summed, exp(-0.1) =
+    0.905 as GSPO's mean; TIS's weight is min(ratio, C) at either level (loss = -w with A = 1)."""
+    _, x = _one_row([math.log(0.5)] * 40, [math.log(0.5) + 0.1] * 40)
+    got = {level: -ftis_loss(x, ObjectiveConfig(mode="TIS", ratio_level=level)).loss.item()
+           for level in ("sequence", "sequence-mean")}
+    assert got["sequence"] == pytest.approx(math.exp(-4.0), rel=1e-5)
+    assert got["sequence-mean"] == pytest.approx(math.exp(-0.1), rel=1e-5)
+    # truncation: token ratios 3, 3 -> summed 9 and mean 3, both cut at C = 2; at C = 5 only the sum is
+    _, x = _one_row([math.log(0.6)] * 2, [math.log(0.2)] * 2)
+    for c, want in ((2.0, {"sequence": 2.0, "sequence-mean": 2.0}), (5.0, {"sequence": 5.0, "sequence-mean": 3.0})):
+        for level, w in want.items():
+            assert -ftis_loss(x, ObjectiveConfig(mode="TIS", ratio_level=level, trunc_c=c)).loss.item() \
+                == pytest.approx(w, rel=1e-5)
+
+
+def test_sequence_mean_gradient_is_trl_s_gspo_gradient():
+    """VIS at ``sequence-mean`` with GRPO's length norm has TRL's GSPO gradient (TRL 1.16
+    ``importance_sampling_level = "sequence"``: log_iw = masked mean of log pi_theta - log pi_old,
+    broadcast over the row's tokens, loss_type grpo), rows of different lengths."""
+    torch.manual_seed(0)
+    lp = torch.log(torch.rand(3, 5) * 0.5 + 0.3)
+    gen = lp + 0.05 * torch.randn(3, 5)                      # near on-policy: no clipping on either side
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -0.5, 0.3])
+    ours = lp.clone().requires_grad_(True)
+    x = LossInputs(logp=ours, logp_gen=gen, mask=mask, advantages=adv, source=torch.zeros(3, dtype=torch.long),
+                   local=torch.zeros(3, dtype=torch.bool), source_names=("p",))
+    ftis_loss(x, ObjectiveConfig(mode="VIS", ratio_level="sequence-mean", length_norm="sequence")).loss.backward()
+    trl = lp.clone().requires_grad_(True)                    # TRL's computation, written out
+    m = mask.float()
+    log_iw = (((trl - gen) * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef = torch.exp(log_iw)
+    per_token = -torch.min(coef * adv[:, None], torch.clamp(coef, 0.8, 1.2) * adv[:, None])
+    (((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()).backward()
+    assert torch.allclose(ours.grad, trl.grad, atol=1e-6)
+
+
+def test_ratio_level_values_are_checked():
+    assert ObjectiveConfig(ratio_level="sequence-mean").ratio_level == "sequence-mean"
+    with pytest.raises(ValueError, match=r"ratio_level='gspo': must be one of token, sequence, sequence-mean"):
+        ObjectiveConfig(ratio_level="gspo")

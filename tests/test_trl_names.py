@@ -49,3 +49,19 @@ def test_a_trl_name_is_an_error_naming_our_key(key, ours):
 def test_names_without_a_counterpart_say_so():
     assert trl_hint("beta").startswith("; TRL's beta has no ftis-fed key (no reference-model KL term")
     assert trl_hint("no-such-thing") == ""
+
+
+def test_trl_s_defaults_in_the_table_are_the_installed_trl_s():
+    """docs/configuration.md's TRL column is TRL 1.16's own defaults (GRPOConfig with its
+    TrainingArguments, ModelConfig), read from the installed classes' fields."""
+    trl = pytest.importorskip("trl")
+    fields = {f.name: f for cls in (trl.ModelConfig, trl.GRPOConfig) for f in dataclasses.fields(cls)}
+    checked = 0
+    for t in TRL_NAMES:
+        if not t.trl_default:
+            continue
+        f = fields[t.trl]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert t.trl_default == repr(default), f"{t.trl}: the table says {t.trl_default}, TRL {trl.__version__} {default!r}"
+        checked += 1
+    assert checked == len(TRL_NAMES) - 2                   # all but the trainer arguments train_dataset, reward_funcs

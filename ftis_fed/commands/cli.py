@@ -32,10 +32,24 @@ def _eval(sub) -> None:
     p.add_argument("--gsm8k", default=None, help="GSM8K file/folder (official JSONL or parquet layout)")
     p.add_argument("--math500", default=None, help="MATH-500 file/folder (HuggingFaceH4 layout)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"])
+    p.add_argument("--preset", default=None, help="score on a preset's task (sims/presets/NAME.toml), e.g. own-task")
+    p.add_argument("--run-config", action="append", default=[],
+                   help="score on the task these run-config items define (key=value items or a .toml file, as "
+                        "ftis-fed sim takes them): your own task's held-out rows and reward functions, its "
+                        "solved rule (task-solved-reward); eval-size / eval-ood-size set the sizes")
+    p.add_argument("--app", default=".", help="the app folder whose pyproject.toml declares the keys (default: .)")
 
     def run(a):
-        from ftis_fed.learn.evaluation import run_eval_cli
+        from ftis_fed.learn.evaluation import run_eval_cli, run_task_eval_cli
 
+        if a.preset or a.run_config:
+            from pathlib import Path
+
+            from ftis_fed.commands.sim import layered_overrides
+
+            items = layered_overrides(Path(a.app).resolve(), a.run_config, preset=a.preset)
+            run_task_eval_cli(a.model, items, max_new_tokens=a.max_new_tokens, dtype=a.dtype)
+            return
         run_eval_cli(a.model, a.split, n=a.n, seed=a.seed, max_new_tokens=a.max_new_tokens, gsm8k=a.gsm8k,
                      math500=a.math500, dtype=a.dtype)
 

@@ -391,7 +391,13 @@ def simulate_inprocess(app: str | Path = ".", run_config: list[str] | None = Non
     overrides, _ = checked_run_config(app, layered_overrides(app, list(run_config or []), preset))
     cfg = merged_run_config(app, overrides)
     print(f"[ftis-fed] in-process run: results in {overrides['output-dir']}", flush=True)
-    done = run_inprocess(cfg)
+    from ftis_fed.engine.core import RewardFunctionFailed
+
+    try:
+        done = run_inprocess(cfg)
+    except RewardFunctionFailed as e:               # task-reward-errors = stop: one whole line, exit 1
+        print(f"ftis-fed sim: the run failed: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0 if done == int(cfg.get("num-rounds", 0)) else 1
 
 

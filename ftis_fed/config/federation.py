@@ -139,6 +139,14 @@ class FederationConfig:
         bitsandbytes config in the card), otherwise a whole model (a LoRA merged into its base),
         with its tokenizer, generation_config.json and a filled model card (README.md);
         transformers (+ peft) and vLLM load it.""")
+    export_license: str = knob("export-license", "", """
+        the ``license`` of the exported model's card (a Hugging Face license id, e.g. ``apache-2.0``);
+        '' = the base model's license where ftis-fed knows it (SmolLM2: apache-2.0), else none.""")
+    push_to_hub: str = knob("push-to-hub", "", """
+        opt-in: after the run each participant uploads its export with ``huggingface_hub``'s
+        ``upload_folder`` to this hub repo id, ``{participant}`` replaced by its name (without it:
+        ``<id>-<participant>``); needs a token (``HF_TOKEN`` / ``hf auth login``) where the workers
+        run. Refused at start when the hub is offline (``HF_HUB_OFFLINE``); '' (default) = never.""")
     keys_dir: str = knob("keys-dir", "", """
         folder with ``public/<participant>.pub`` (and, on each node, its own
         ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
@@ -155,6 +163,11 @@ class FederationConfig:
         ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
         TRL; ``none`` = only metrics.jsonl/.csv. Optional extras: ``pip install
         'ftis-fed[tensorboard]'`` / ``'ftis-fed[wandb]'``; a missing package stops the run at start.""")
+    log_completions: int = knob("log-completions", 0, """
+        TRL's ``log_completions``: each participant writes its first k prompts of every round with
+        all their completions, rewards (per function too) and ``solved`` to
+        ``<state-dir>/completions.jsonl`` and a table a person reads, ``<state-dir>/completions.md``
+        (texts cut at 500 characters there), >= 0; 0 (default) = off.""")
     population: str = knob("population", "", """
         the participants as one table of participants or groups (``ftis_fed/config/population.py``):
         a .toml/.json/.yaml file relative to the app folder (carried in the app bundle) or absolute,
@@ -194,6 +207,8 @@ class FederationConfig:
                 raise ValueError(f"{_key_of(f)}={getattr(self, f)!r}: {limit}")
 
         need(self.num_rounds >= 1, "num_rounds", "must be >= 1")
+        need(isinstance(self.log_completions, int) and not isinstance(self.log_completions, bool)
+             and self.log_completions >= 0, "log_completions", "must be an integer >= 0 (0 = off)")
         from ftis_fed.engine.schedules import SCHEDULES          # registered round schedules (one file each)
 
         need(self.scheme in SCHEDULES, "scheme", f"must be a registered schedule: {', '.join(sorted(SCHEDULES))}")
@@ -241,6 +256,9 @@ class FederationConfig:
         ValueError naming the key. (The constructor only checks values: it does no I/O.)"""
         if self.task.source != "procedural":                    # the train file must load now, not mid-run
             self.task.train_pool()
+        if self.push_to_hub:                                    # an upload that cannot happen: say so now
+            from ftis_fed.policies.share import check_push
+            check_push(self.push_to_hub)
         if self.task.source == "math500" or self.task.math500_data:
             try:
                 require_math_verify()
@@ -856,7 +874,7 @@ def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
     lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
               "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]
     lines += [f"- `{k.key}`: {k.help}" for k in node_only]
-    lines += ["", *reference_section()]
+    lines += ["", *reference_section({k: v.default for k, v in RUN_KNOBS.items()})]
     return "\n".join(lines)
 
 

@@ -12,78 +12,101 @@ error naming the ftis-fed key instead. Standard library only.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 
 class TrlName(NamedTuple):
     trl: str          # TRL's name
     ours: str         # the ftis-fed key(s) / value(s), '' = no counterpart
+    trl_default: str  # TRL 1.16's default as a Python literal ('' = not stated: a trainer argument)
     note: str
 
 
-#: One entry per TRL name: ``TRL name | ftis-fed key ('' = none) | note``; indented lines continue the note.
+#: One entry per TRL name: ``TRL name | ftis-fed key ('' = none) | TRL's default | note``; indented
+#: lines continue the note. TRL's defaults are those of the installed TRL 1.16 (``GRPOConfig``,
+#: ``ModelConfig``; ``tests/test_trl_names.py`` checks each against it); ours come from the knobs.
 _TABLE = """
-num_generations | group-size | G, completions per prompt (horizontal advantage groups: split among
+num_generations | group-size | 8 | G, completions per prompt (horizontal advantage groups: split among
     participants).
-max_completion_length | max-new-tokens | also Dr. GRPO's normalisation constant, as in TRL.
-temperature | temperature | every participant samples and scores with it.
-top_p | top-p |
-top_k | top-k | 0 disables (TRL: 0 or None).
-learning_rate | lr | TRL's default 1e-6; ftis-fed's 0 = auto (1e-5 full, 2e-4 LoRA).
-epsilon | clip-eps | the PPO clip; symmetric only.
-epsilon_high |  | no asymmetric (DAPO clip-higher) bound: clip-eps both ways.
-beta |  | no reference-model KL term: always TRL's default beta = 0.
-loss_type | length-norm | grpo -> sequence; dapo (TRL's default) and bnpo -> token; dr_grpo -> constant (with
-    scale-rewards = none, as the Dr. GRPO paper); cispo, sapo, luspo, vespo: none.
-scale_rewards | scale-rewards | group or none; TRL's batch has no counterpart.
-importance_sampling_level | ratio-level | token or sequence (cross-tokenizer samples are always sequence-level).
-vllm_importance_sampling_correction | loss-mode | truncated importance sampling of samples from another policy:
-    TIS / F-TIS (default); noIS: off.
-vllm_importance_sampling_mode | ratio-level | token_truncate -> ratio-level = token; sequence_truncate ->
-    sequence; *_mask: none (ftis-fed truncates, it never masks by the ratio).
-vllm_importance_sampling_clip_max | trunc-c | C, the truncation cap (TRL's default 3.0, ours 2.0).
-vllm_importance_sampling_cap | trunc-c | TRL's deprecated name for vllm_importance_sampling_clip_max.
-vllm_importance_sampling_clip_min |  | no lower bound.
-off_policy_mask_threshold | filter-g | with kl-estimator = mean-k1 it is TRL's DeepSeek-V3.2 mask (negative-advantage
-    sequences whose mean per-token KL exceeds delta are dropped); ftis-fed's default estimator is the
-    summed KL (sum-k1, filter-g 50).
-reward_weights | task-reward-weights | one per reward function (docs/own-task.md).
-multi_objective_aggregation |  | sum_then_normalize (TRL's default) only.
-num_iterations |  | one update per batch (TRL's default 1).
-steps_per_generation | prompts-per-round | a participant's round: prompts-per-round prompts x group-size
-    completions, one update.
-generation_batch_size | prompts-per-round | see steps_per_generation.
-mask_truncated_completions |  | not supported: truncated completions keep their reward.
-use_vllm | backend | backend = vllm (colocated, one engine per participant).
-vllm_gpu_memory_utilization | gpu-memory-share | a participant's share of its GPU.
-per_device_train_batch_size | micro-batch | completions per forward/backward.
-gradient_accumulation_steps | micro-batch | every micro-batch of a round accumulates into one update.
-num_train_epochs | num-rounds | one update per participant per round.
-max_steps | num-rounds | one update per participant per round.
-max_grad_norm | max-grad-norm |
-weight_decay | weight-decay |
-optim | optimizer | adamw_torch -> adamw; adamw_8bit / paged_adamw_8bit -> adamw-8bit / paged-adamw-8bit.
-gradient_checkpointing | grad-checkpointing |
-bf16 | dtype | dtype = bf16 (autocast); weights-dtype = bf16 loads the weights in bf16.
-seed | seed |
-save_steps | checkpoint-every | rounds between checkpoints.
-output_dir | output-dir |
-report_to | report-to | none, tensorboard, wandb.
-train_dataset | task-data | with task-source = user; columns: task-prompt-column, task-answer-column
+max_completion_length | max-new-tokens | 512 | also Dr. GRPO's normalisation constant, as in TRL.
+temperature | temperature | 1.0 | every participant samples and scores with it.
+top_p | top-p | 1.0 |
+top_k | top-k | 0 | an int; 0 disables.
+min_p |  | None | not supported (no min-p sampling).
+repetition_penalty |  | 1.0 | not supported: always 1.0 (the recorded log-probs are the sampling distribution's).
+learning_rate | lr | 1e-06 | ftis-fed's 0 = auto (1e-5 full, 2e-4 LoRA).
+lr_scheduler_type |  | 'linear' | none: a constant learning rate (TRL's TrainingArguments decay it linearly).
+warmup_steps |  | 0 | no warm-up.
+epsilon | clip-eps | 0.2 | the PPO clip; symmetric only.
+epsilon_high |  | None | no asymmetric (DAPO clip-higher) bound: clip-eps both ways.
+delta |  | None | no two-sided (INTELLECT-2) upper clip.
+beta |  | 0.0 | no reference-model KL term: always beta = 0, TRL's default.
+loss_type | length-norm | 'dapo' | grpo -> sequence (ours); dapo (TRL's default) and bnpo -> token; dr_grpo ->
+    constant (with scale-rewards = none, as the Dr. GRPO paper); cispo, sapo, luspo, vespo: none.
+scale_rewards | scale-rewards | 'group' | group or none; TRL's batch has no counterpart.
+importance_sampling_level | ratio-level | 'token' | token -> token; sequence (GSPO: the MEAN per-token
+    log-ratio) -> sequence-mean. ratio-level = sequence is the SUMMED log-ratio (TRL's
+    vllm_importance_sampling_mode = sequence_truncate); cross-tokenizer samples are summed at token level.
+vllm_importance_sampling_correction | loss-mode | True | truncated importance sampling of samples from
+    another policy: TIS / F-TIS (default); noIS: off.
+vllm_importance_sampling_mode | ratio-level | 'sequence_mask' | token_truncate -> ratio-level = token;
+    sequence_truncate -> sequence; token_mask and sequence_mask (TRL's default): no counterpart (ftis-fed
+    truncates, it never masks by the ratio).
+vllm_importance_sampling_clip_max | trunc-c | 3.0 | C, the truncation cap.
+vllm_importance_sampling_cap | trunc-c | None | TRL's deprecated name for vllm_importance_sampling_clip_max.
+vllm_importance_sampling_clip_min |  | None | no lower bound.
+off_policy_mask_threshold | filter-g | None | with kl-estimator = mean-k1 it is TRL's DeepSeek-V3.2 mask
+    (negative-advantage sequences whose mean per-token KL exceeds delta are dropped); ftis-fed's default
+    estimator is the summed KL (sum-k1, filter-g 50), and the filter is on by default (F-TIS).
+reward_weights | task-reward-weights | None | one per reward function (docs/own-task.md).
+multi_objective_aggregation |  | 'sum_then_normalize' | sum_then_normalize only.
+num_iterations |  | 1 | one update per batch, TRL's default.
+steps_per_generation |  | None | optimizer steps per generation batch: always one here (one update per
+    round, every micro-batch accumulated into it).
+generation_batch_size | prompts-per-round, group-size | None | TRL counts completions per generation
+    batch: here a participant's round generates prompts-per-round x group-size completions.
+mask_truncated_completions |  | False | not supported: truncated completions keep their reward (as TRL's default).
+use_vllm | backend | False | backend = vllm.
+vllm_mode | backend | 'colocate' | colocate only: one engine per participant, in its worker (no vLLM server).
+vllm_tensor_parallel_size |  | 1 | one GPU per engine.
+vllm_gpu_memory_utilization | gpu-memory-utilization | 0.3 | the fraction of the card the engine reserves;
+    ours 0 = derived from the participant's gpu-memory-share.
+vllm_max_model_length | max-model-len | None | ours 0 = the model's context length, as TRL's None.
+per_device_train_batch_size | micro-batch | 8 | completions per forward/backward.
+gradient_accumulation_steps | micro-batch | 1 | every micro-batch of a round accumulates into one update.
+num_train_epochs | num-rounds | 3.0 | one update per participant per round.
+max_steps | num-rounds | -1 | one update per participant per round.
+eval_steps | eval-every | None | rounds between held-out evaluations (greedy pass@1).
+max_grad_norm | max-grad-norm | 1.0 |
+weight_decay | weight-decay | 0.0 |
+optim | optimizer | 'adamw_torch_fused' | adamw_torch(_fused) -> adamw; adamw_8bit / paged_adamw_8bit ->
+    adamw-8bit / paged-adamw-8bit.
+gradient_checkpointing | grad-checkpointing | True |
+bf16 | dtype | None | dtype = bf16 (autocast; TRL: bf16 unless fp16 is set); weights-dtype = bf16 loads the
+    weights in bf16.
+seed | seed | 42 |
+save_steps | checkpoint-every | 500 | rounds between checkpoints.
+resume_from_checkpoint | resume | None | resume = true continues from output-dir's saved state.
+output_dir | output-dir | None |
+report_to | report-to | 'none' | none, tensorboard, wandb.
+push_to_hub |  | False | no upload (exports are plain save_pretrained folders: huggingface_hub's upload_folder
+    takes them as they are).
+train_dataset | task-data |  | with task-source = user; columns: task-prompt-column, task-answer-column
     (docs/own-task.md).
-reward_funcs | task-rewards | import paths, module:function or path/to/file.py:function.
-model_name_or_path | model | p<i>-model per participant.
-dtype | weights-dtype | the dtype the weights are loaded in.
-use_peft | adapter | adapter = lora.
-lora_r | lora-r |
-lora_alpha | lora-alpha |
-lora_dropout | lora-dropout |
-lora_target_modules |  | always all linear layers.
-load_in_4bit | quant | quant = 4bit (NF4, with adapter = lora: QLoRA).
-load_in_8bit | quant | quant = 8bit (with adapter = lora).
+reward_funcs | task-rewards |  | import paths, module:function or path/to/file.py:function; a factory with
+    task-reward-kwargs; async def functions. Reward models (a model id) are not supported.
+model_name_or_path | model | None | p<i>-model per participant.
+dtype | weights-dtype | 'float32' | the dtype the weights are loaded in.
+use_peft | adapter | False | adapter = lora.
+lora_r | lora-r | 16 |
+lora_alpha | lora-alpha | 32 |
+lora_dropout | lora-dropout | 0.05 |
+lora_target_modules |  | None | always all linear layers.
+load_in_4bit | quant | False | quant = 4bit (NF4, with adapter = lora: QLoRA).
+load_in_8bit | quant | False | quant = 8bit (with adapter = lora).
 """
 
-TRL_NAMES: tuple[TrlName, ...] = tuple(TrlName(*(c.strip() for c in entry.split("|", 2)))
+TRL_NAMES: tuple[TrlName, ...] = tuple(TrlName(*(c.strip() for c in entry.split("|", 3)))
                                        for entry in _TABLE.strip().replace("\n    ", " ").splitlines())
 
 _BY_NAME = {t.trl: t for t in TRL_NAMES}
@@ -100,8 +123,10 @@ def trl_hint(key: str) -> str:
     return f"; TRL's {t.trl} is {t.ours}"
 
 
-def reference_section() -> list[str]:
-    """The TRL section of docs/configuration.md (markdown lines)."""
+def reference_section(defaults: Mapping[str, Any] | None = None) -> list[str]:
+    """The TRL section of docs/configuration.md (markdown lines); ``defaults``: ftis-fed key -> its
+    default, for the column beside TRL's."""
+    defaults = defaults or {}
     lines = ["## TRL names", "",
              "TRL's `GRPOConfig` (with its `TrainingArguments`), `ModelConfig` and `GRPOTrainer` arguments, and "
              "the ftis-fed keys that do the same. No aliases are accepted: Flower rejects keys a run config does "
@@ -109,9 +134,25 @@ def reference_section() -> list[str]:
              "disagree), in snake_case beside Flower's kebab-case keys, and several TRL names are not one key "
              "here. Instead `ftis-fed sim --run-config num-generations=8` (or `num_generations=8`) stops with "
              "`not a run-config key; TRL's num_generations is group-size`. (Plain `flwr run` rejects an "
-             "undeclared key itself, before ftis-fed sees it.)", "",
-             "| TRL | ftis-fed | notes |", "|---|---|---|"]
+             "undeclared key itself, before ftis-fed sees it.) Defaults differ: TRL's column is TRL 1.16's own "
+             "(`GRPOConfig` with its `TrainingArguments`, `ModelConfig`; `tests/test_trl_names.py` reads each back "
+             "from the installed classes), ours is the key's default; `—` = no counterpart.", "",
+             "| TRL | TRL 1.16 default | ftis-fed | ftis-fed default | notes |", "|---|---|---|---|---|"]
     for t in TRL_NAMES:
-        ours = ", ".join(f"`{k.strip()}`" for k in t.ours.split(",")) if t.ours else "—"
-        lines.append(f"| `{t.trl}` | {ours} | {t.note.replace('|', chr(92) + '|')} |")
+        keys = [k.strip() for k in t.ours.split(",")] if t.ours else []
+        ours = ", ".join(f"`{k}`" for k in keys) or "—"
+        mine = ", ".join(f"`{_literal(defaults[k])}`" for k in keys if k in defaults) or "—"
+        theirs = f"`{t.trl_default}`" if t.trl_default else "—"
+        lines.append(f"| `{t.trl}` | {theirs} | {ours} | {mine} | {t.note.replace('|', chr(92) + '|')} |")
     return lines + [""]
+
+
+def _literal(value: Any) -> str:
+    """A knob's default as the run config writes it (TOML: ``true``, ``"sync"``, ``0.7``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple):
+        return '"' + ",".join(map(str, value)) + '"'
+    return str(value)

@@ -43,6 +43,7 @@ from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import BatchValidationError
 from ftis_fed.config.federation import FederationConfig, to_jsonable
 from ftis_fed.tasks.identity import signed_run_id
+from ftis_fed.tasks.reward_funcs import REWARD_ERROR
 from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.trust.receive import resolve_task, run_tasks
@@ -77,6 +78,38 @@ class AdmissionError(RuntimeError):
 
 class TooFewSupernodes(AdmissionError):
     """A simulation with fewer SuperNodes than the participants the run config declares."""
+
+
+def eval_line(m: Mapping[str, Any]) -> str:
+    """A participant's evaluation on the console: ``ID 0.250`` and ``OOD 0.125`` only where measured
+    (a run without OOD families prints no ``OOD nan``)."""
+    parts = [f"{label} {float(m[key]):.3f}" for label, key in (("ID", "eval/id/accuracy"), ("OOD", "eval/ood/accuracy"))
+             if isinstance(m.get(key), (int, float))]
+    return "  ".join(parts) or "(no accuracy reported)"
+
+
+def per_function_line(row: Mapping[str, Any]) -> str:
+    """``  rewards correct 0.500±0.52 format 0.750±0.46``: each reward function's mean ± std of the
+    round (TRL's ``rewards/<name>/mean|std``), '' for built-in tasks."""
+    names = [k[len("rewards/"):-len("/mean")] for k in row if k.startswith("rewards/") and k.endswith("/mean")]
+    if not names:
+        return ""
+    return "  rewards " + " ".join(f"{n} {float(row[f'rewards/{n}/mean']):.3f}±{float(row.get(f'rewards/{n}/std', 0.0)):.2f}"
+                                   for n in names[:6])
+
+
+class RewardFunctionFailed(RuntimeError):
+    """A participant's reward function failed and ``task-reward-errors = stop``: the run ends as
+    failed (nothing more is trained or exported), with the function's whole message."""
+
+
+def reward_error_of(detail: str) -> str | None:
+    """The reward function error a failure's text carries (``REWARD_ERROR`` to the end of its line,
+    whole), or None: the same text whatever wrapped it (a worker's traceback, Flower's error reason)."""
+    at = detail.rfind(REWARD_ERROR)
+    if at < 0:
+        return None
+    return detail[at:].split("\n", 1)[0].strip().removesuffix("'>").strip()
 
 
 def too_few_supernodes_message(supernodes: int, declared: list[str]) -> str:
@@ -406,12 +439,29 @@ class Engine:
                                             on_reply=progress.replied)
         for addr, why in dropped.items():
             self.log(WARNING, "participant %s dropped from this phase (%s): %s: %s",
-                     self.nodes.get(addr, {}).get("participant", addr), action, why.reason, why.detail[-300:])
+                     self.nodes.get(addr, {}).get("participant", addr), action, why.reason,
+                     reward_error_of(why.detail) or why.detail[-300:])
             if stats is not None:
                 stats.dropped[why.reason] += 1
         if stats is not None:
             self.members.record(dropped)
+        self._stop_on_reward_error(action, dropped)
         return replies, dropped
+
+    def _stop_on_reward_error(self, action: str, dropped: Mapping[Address, Failure]) -> None:
+        """``task-reward-errors = stop``: a participant whose reward function failed ends the run now
+        (TRL raises at the first step), naming each such participant and its function's whole message."""
+        if self.fed.task.reward_errors != "stop":
+            return
+        errors = {self.nodes.get(a, {}).get("participant", str(a)): reward_error_of(f.detail) for a, f in dropped.items()}
+        errors = {n: e for n, e in errors.items() if e}
+        if not errors:
+            return
+        msg = (f"{action}: the reward function failed, so the run stops (task-reward-errors = \"stop\"; "
+               "\"drop\" drops that batch and goes on): "
+               + "; ".join(f"participant {n}: {e}" for n, e in sorted(errors.items())))
+        self.log(logging.ERROR, "%s", msg)
+        raise RewardFunctionFailed(msg)
 
     def generate(self, rnd: int, stats: RoundStats) -> list[VerifiedFrame]:
         """Every admitted participant generates and signs its batch of round ``rnd``; returns the
@@ -572,12 +622,12 @@ class Engine:
             name, m = self.name(addr), self._kept_metrics(addr, replies[addr], None)
             rows.append({"round": rnd, "participant": name, "phase": "eval", **m})
             if len(replies) <= CONSOLE_ROWS:
-                self.log(INFO, "  eval r%d %-12s ID %.3f  OOD %.3f", rnd, name, m.get("eval/id/accuracy", float("nan")),
-                         m.get("eval/ood/accuracy", float("nan")))
+                self.log(INFO, "  eval r%d %-12s %s", rnd, name, eval_line(m))
         if len(replies) > CONSOLE_ROWS:
             for key in ("eval/id/accuracy", "eval/ood/accuracy"):
                 vals = {r["participant"]: float(r[key]) for r in rows if isinstance(r.get(key), (int, float))}
-                self.log(INFO, "  eval r%d %s over %d participants: %s", rnd, key, len(vals), spread(vals))
+                if vals:                                 # no OOD families: no OOD line
+                    self.log(INFO, "  eval r%d %s over %d participants: %s", rnd, key, len(vals), spread(vals))
         self.writer.write(rows)
 
     def finish(self) -> None:
@@ -602,11 +652,11 @@ class Engine:
                     self.log(INFO, "  %-7s over %d participants: %s", label, len(vals), spread(vals))
             return
         for row in sorted(rows, key=lambda r: r["participant"]):
-            self.log(INFO, "  %-12s reward %.3f  solved %.2f  loss %+.4f  peers %3d  filtered %.2f  ratio %.3f",
+            self.log(INFO, "  %-12s reward %.3f  solved %.2f  loss %+.4f  peers %3d  filtered %.2f  ratio %.3f%s",
                      row["participant"], row.get("reward/mean", float("nan")),
                      row.get("reward/solved_frac", float("nan")), row.get("train/loss", float("nan")),
                      int(row.get("train/peer_samples", 0)), row.get("offpolicy/filtered_frac", 0.0),
-                     row.get("offpolicy/ratio_mean", float("nan")))
+                     row.get("offpolicy/ratio_mean", float("nan")), per_function_line(row))
 
     # ------------------------------------------------------------------ state
     def _save_state(self, rnd: int) -> None:

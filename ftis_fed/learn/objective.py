@@ -103,6 +103,20 @@ def log_ratios(logp: Tensor, logp_gen: Tensor, mask: Tensor, seq_level: Tensor,
     return torch.where(seq_level[:, None], seq_tok, tok)                           # (B,T)
 
 
+def sequence_mean_log_ratios(raw: Tensor, logp: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
+    """GSPO's log-ratio on ``rows`` (``ratio-level = sequence-mean``): the row's summed log-ratio
+    (``log_ratios`` on a sequence-level row) divided by its valid tokens |a_i|, as every position's
+    value, each position keeping its own token's gradient (as ``log_ratios``: with GRPO's 1/|a_i|
+    normalisation the row's gradient is s_i * (1/|a_i|) sum_t grad log pi_theta(a_t), GSPO's).
+    Other rows unchanged. (B,T) -> (B,T)."""
+    if not raw.shape[1]:
+        return raw
+    n = mask.sum(-1).clamp(min=1).to(raw.dtype)                                    # (B,)
+    mean = raw.detach()[:, 0] / n                                                  # (B,) the summed value / |a_i|
+    val = mean[:, None] + torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))   # (B,T)
+    return torch.where(rows[:, None], val, raw)
+
+
 def kl_estimate(log_ratio: Tensor, mask: Tensor, seq_level: Tensor, estimator: str, clamp: float) -> Tensor:
     """(B,) sample estimate of KL(pi_gen || pi_theta) from log-ratios lr = log(pi_theta/pi_gen).
 
@@ -298,7 +312,8 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     logp_gen, seq_logp_gen, implausible = sanitize_generator_logprobs(x, mask, seq_level, logp.dtype)
 
     raw = log_ratios(logp, logp_gen, mask, seq_level, seq_logp_gen)               # (B,T)
-    log_ratio_gen = raw.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)           # clamp before exp
+    weighted = sequence_mean_log_ratios(raw, logp, mask, seq_level) if cfg.ratio_level == "sequence-mean" else raw
+    log_ratio_gen = weighted.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)      # clamp before exp
     w, log_r = importance_weights(cfg.mode, logp, logp_old, log_ratio_gen, cfg.trunc_c)
     w = cap_row_mean(w, mask, cfg.trunc_mean_cap)                                  # a log-prob liar's bound
     kl = kl_estimate(raw.detach(), mask, seq_level, cfg.kl_estimator, cfg.log_ratio_clamp)  # (B,)
@@ -352,7 +367,7 @@ def sanitize_generator_logprobs(x: LossInputs, mask: Tensor, seq_level: Tensor,
 def participating_seq_level(x: LossInputs, cfg: ObjectiveConfig) -> Tensor:
     """(B,) rows using a sequence-level ratio: all of them at ratio_level=sequence, else the
     cross-tokenizer rows marked in ``x.seq_level``."""
-    if cfg.ratio_level == "sequence":
+    if cfg.ratio_level in ("sequence", "sequence-mean"):
         return torch.ones_like(x.local, dtype=torch.bool)
     return x.seq_level.bool() if x.seq_level is not None else torch.zeros_like(x.local, dtype=torch.bool)
 

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from ftis_fed.config.knobs import knob
 from ftis_fed.learn.modes import MODES
 
+#: ``ratio-level`` values: per token; per completion, summed log-ratio; per completion, mean (GSPO).
+RATIO_LEVELS = ("token", "sequence", "sequence-mean")
+
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
@@ -17,8 +20,12 @@ class ObjectiveConfig:
 
     mode: str = knob("loss-mode", "F-TIS", "one of ``MODES``: alone, noIS, VIS, TIS, F-noIS, F-VIS, F-TIS (default).")
     ratio_level: str = knob("ratio-level", "token", """
-        ``token`` (default, the paper) or ``sequence`` (one ratio per completion: exp of the summed
-        log-ratio). Cross-tokenizer samples always use ``sequence``.""")
+        ``token`` (default, the paper), ``sequence`` (one ratio per completion: exp of the summed
+        log-ratio; TRL's ``vllm_importance_sampling_mode = sequence_truncate``) or ``sequence-mean``
+        (GSPO, TRL's ``importance_sampling_level = sequence``: exp of the mean per-token log-ratio,
+        the mean over the receiver's tokens). The weight min(ratio, C) is truncated the same way at
+        every level; the F filter's KL estimate does not depend on it. Cross-tokenizer samples use
+        ``sequence`` at ``token`` level.""")
     trunc_c: float = knob("trunc-c", 2.0, "C, the truncation cap of the importance weight; > 0, ``inf`` disables.")
     trunc_mean_cap: float = knob("trunc-mean-cap", 0.0, """
         > 0: each completion's truncated weights are scaled so that their mean over its tokens is at
@@ -81,7 +88,7 @@ class ObjectiveConfig:
                 raise ValueError(f"objective.{field}={getattr(self, field)!r}: {limit}")
 
         need(self.mode in MODES, "mode", f"must be one of {sorted(MODES)}")
-        need(self.ratio_level in ("token", "sequence"), "ratio_level", "must be 'token' or 'sequence'")
+        need(self.ratio_level in RATIO_LEVELS, "ratio_level", f"must be one of {', '.join(RATIO_LEVELS)}")
         need(self.trunc_c > 0, "trunc_c", "must be > 0 (inf disables truncation)")
         need(self.trunc_mean_cap >= 0, "trunc_mean_cap", "must be >= 0 (0 = off)")
         need(self.peer_surprisal_max >= 0 and not math.isnan(self.peer_surprisal_max), "peer_surprisal_max",

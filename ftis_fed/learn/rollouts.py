@@ -8,15 +8,23 @@ from typing import Sequence
 from ftis_fed.wire.batch import PromptGroup, make_group
 from ftis_fed.policies.base import Rollout
 from ftis_fed.tasks.rewards import Verifier
+from ftis_fed.tasks.scores import GroupScores
 
 
 def scored_groups(rollouts: Sequence[Rollout], verifier: Verifier) -> list[PromptGroup]:
     """One PromptGroup per rollout, every completion rewarded by ``verifier`` against the task's own
     reference (texts and the prompt's text included: the wire decides whether to send them)."""
-    groups = []
+    return scored_groups_with_scores(rollouts, verifier)[0]
+
+
+def scored_groups_with_scores(rollouts: Sequence[Rollout],
+                              verifier: Verifier) -> tuple[list[PromptGroup], list[GroupScores]]:
+    """``scored_groups`` and, per group, its :class:`GroupScores` (solved flags, per-function rewards)."""
+    groups, scores = [], []
     for r in rollouts:
-        rewards = verifier.group_rewards(r.prompt.task_id, r.completion_texts, r.prompt.reference, r.prompt.text,
-                                         r.completion_ids)
-        groups.append(make_group(r.prompt_ids, r.completion_ids, r.logprobs, rewards, r.prompt.task_id,
+        s = verifier.group_scores(r.prompt.task_id, r.completion_texts, r.prompt.reference, r.prompt.text,
+                                  r.completion_ids)
+        groups.append(make_group(r.prompt_ids, r.completion_ids, r.logprobs, list(s.rewards), r.prompt.task_id,
                                  r.prompt.reference, r.prompt.text, r.completion_texts))
-    return groups
+        scores.append(s)
+    return groups, scores

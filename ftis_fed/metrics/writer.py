@@ -35,6 +35,16 @@ PLOTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 }
 
 
+def per_function_plot(rows: list[dict[str, Any]]) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """``rewards.png``: one panel per reward function (TRL's ``rewards/<name>/mean``), when a user
+    task's functions reported them; {} otherwise."""
+    keys = sorted({k for r in rows for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    if not keys:
+        return {}
+    return {"rewards.png": ("Reward per function (own samples)",
+                            [(k, f"{k[len('rewards/'):-len('/mean')]} (mean)") for k in keys[:6]])}
+
+
 def summarize_sources(metrics: dict[str, float], self_name: str) -> dict[str, float]:
     """Add ``offpolicy/<stat>`` (over peers' samples, weighted by samples / tokens) to a
     participant's metrics that hold per-source ``offpolicy/<source>/<stat>``."""
@@ -150,7 +160,7 @@ class MetricsWriter:
 
         rows = self.rows()
         written = []
-        for fname, (title, series) in {**PLOTS, "fed.png": ("Relay", [("fed/bytes_relayed", "bytes relayed"),
+        for fname, (title, series) in {**PLOTS, **per_function_plot(rows), "fed.png": ("Relay", [("fed/bytes_relayed", "bytes relayed"),
                                                                       ("fed/rejected", "rejected batches"),
                                                                       ("fed/replies", "replies"),
                                                                       ("fed/participants", "admitted"),

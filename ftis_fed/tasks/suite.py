@@ -52,6 +52,8 @@ SPLITS = ("train", "eval")
 SCHEMES = ("auto", "iid", "expertise", "dirichlet", "shared")
 #: ``task-source`` values: the procedural families, a benchmark file, or your own task (``tasks.user``).
 SOURCES = ("procedural", *BENCHMARKS, "user")
+#: ``task-reward-errors``: what a reward function's error does to the run.
+REWARD_ERRORS = ("stop", "drop")
 
 #: Rejection-sampling budget per instance (the eval split accepts ~1 draw in 5).
 _MAX_DRAWS = 10_000
@@ -195,6 +197,23 @@ class TaskSpec:
     reward_weights: str = knob("task-reward-weights", "", """
         comma-separated weights, one per function (TRL's ``reward_weights``; '' = 1.0 each): the
         reward is the weighted sum over the functions that scored the completion.""")
+    reward_kwargs: str = knob("task-reward-kwargs", "", """
+        keyword arguments of reward-function factories: a TOML table per function name of
+        ``task-rewards``, e.g. ``"get_soft_overlong_punishment = {max_completion_len = 24,
+        soft_punish_cache = 8}"`` with ``task-rewards = "trl.rewards:get_soft_overlong_punishment"``;
+        that function is then ``factory(**kwargs)`` (TRL's ``reward_funcs=[factory(...)]``); '' = none.""")
+    reward_errors: str = knob("task-reward-errors", "stop", """
+        a reward function that raises or returns the wrong number of rewards (TRL raises at the
+        first step): ``stop`` ends the run at once with the whole message and a non-zero exit, and
+        no model is exported; ``drop`` drops that participant's batch for the round and goes on.""")
+    solved_reward: str = knob("task-solved-reward", "", """
+        ``task-source = user``: the reward function whose own reward defines "solved" (the
+        ``reward/solved_frac`` of training and every ``eval/.../accuracy``), by function name;
+        '' = the first function whose name contains ``accuracy`` or ``correct``, else the first.
+        Built-in tasks: their verifier (a correct answer; a format bonus never counts).""")
+    solved_threshold: float = knob("task-solved-threshold", 1.0, """
+        ``task-source = user``: a completion is solved when the ``task-solved-reward`` function gave
+        it at least this (its unweighted reward; None never solves).""")
     eval_percent: int = knob("task-eval-percent", 10, """
         ``task-source = user`` without ``task-eval-data``: share (percent, 0-99) of the rows held out
         for evaluation, chosen by a hash of each prompt's text (train and eval never share a prompt).""")
@@ -220,6 +239,10 @@ class TaskSpec:
             if self.ood_families and not self.family_column:
                 raise ValueError(f"task.ood_families={','.join(self.ood_families)!r}: needs task-family-column (the "
                                  "column naming each row's family)")
+            if not (isinstance(self.solved_threshold, (int, float)) and math.isfinite(self.solved_threshold)):
+                raise ValueError(f"task.solved_threshold={self.solved_threshold!r}: must be a finite number")
+        if self.reward_errors not in REWARD_ERRORS:
+            raise ValueError(f"task.reward_errors={self.reward_errors!r}: must be one of {', '.join(REWARD_ERRORS)}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"task.scheme={self.scheme!r}: must be one of {SCHEMES}")
         if not self.families:
@@ -258,7 +281,8 @@ class TaskSpec:
                               answer_column=self.answer_column, family_column=self.family_column,
                               ood_families=tuple(self.ood_families), eval_data=self.eval_data,
                               eval_percent=int(self.eval_percent), rewards=self.rewards,
-                              reward_weights=self.reward_weights))
+                              reward_weights=self.reward_weights, reward_kwargs=self.reward_kwargs,
+                              solved_reward=self.solved_reward, solved_threshold=float(self.solved_threshold)))
 
     def train_pool(self) -> tuple[Prompt, ...]:
         """The benchmark's or user task's train items (cached); () for procedural tasks. A user task

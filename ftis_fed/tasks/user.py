@@ -37,7 +37,8 @@ from typing import Any, Mapping, Sequence
 
 from ftis_fed.tasks.benchmarks import read_rows
 from ftis_fed.tasks.prompt import Prompt
-from ftis_fed.tasks.reward_funcs import RewardFuncs, file_stamp, is_file_spec, parse_specs
+from ftis_fed.tasks.reward_funcs import RewardFuncs, combine, file_stamp, is_file_spec, parse_specs
+from ftis_fed.tasks.scores import GroupScores
 
 #: Family prefix of every user-task id (what the Verifier keys its rule on).
 USER = "user"
@@ -142,10 +143,30 @@ class UserTask:
     eval_percent: int = 10
     rewards: str = ""
     reward_weights: str = ""
+    reward_kwargs: str = ""
+    solved_reward: str = ""
+    solved_threshold: float = 1.0
 
     @cached_property
     def reward_funcs(self) -> RewardFuncs:
-        return RewardFuncs.from_config(self.rewards, self.reward_weights)
+        return RewardFuncs.from_config(self.rewards, self.reward_weights, self.reward_kwargs)
+
+    @cached_property
+    def solved_index(self) -> int:
+        """Which function decides ``solved`` (``task-solved-reward``; '' = the first whose name has
+        ``accuracy`` or ``correct`` in it, else the first function)."""
+        funcs, names = self.reward_funcs.funcs, self.reward_funcs.names
+        if self.solved_reward:
+            for i, f in enumerate(funcs):
+                if self.solved_reward in (names[i], f.spec, f.spec.rpartition(":")[2]):
+                    return i
+            raise ValueError(f"task-solved-reward={self.solved_reward!r}: not one of task-rewards' functions "
+                             f"({', '.join(names)})")
+        return next((i for i, n in enumerate(names) if "accuracy" in n.lower() or "correct" in n.lower()), 0)
+
+    @property
+    def solved_name(self) -> str:
+        return self.reward_funcs.names[self.solved_index]
 
     @cached_property
     def _items(self) -> tuple[tuple[Prompt, dict, str, str], ...]:
@@ -207,16 +228,18 @@ class UserTask:
         return sets
 
     def check(self, completion: str, reference: str, task_id: str = "", prompt: str = "") -> tuple[bool, float]:
-        """(solved, reward) of one completion, the ``RewardRule.check`` interface (solved: reward > 0)."""
-        r = self.group_rewards(task_id, [completion])[0]
-        return r > 0, r
+        """(solved, reward) of one completion, the ``RewardRule.check`` interface: solved when the
+        solved function's own reward is >= ``task-solved-threshold`` (another function's reward, a
+        format bonus, never counts), the reward the weighted sum."""
+        s = self.group_scores(task_id, [completion])
+        return s.solved[0], s.rewards[0]
 
     def load(self) -> None:
         """Load everything now (data, columns, splits, reward functions): errors name the key."""
         if self.ood_families and not self.family_column:
             raise ValueError("task-ood-families: needs task-family-column (the column naming each row's family)")
         self.train_pool()
-        self.reward_funcs
+        self.solved_index                           # loads the functions; a bad task-solved-reward names itself
 
     def digest(self) -> str:
         """sha256 of the task's definition (see the module docstring)."""
@@ -232,9 +255,15 @@ class UserTask:
 
     def group_rewards(self, task_id: str, completions: Sequence[str],
                       completion_ids: Sequence[Sequence[int]] | None = None) -> list[float]:
-        """The combined rewards of one task's completions, TRL-style: the row's prompt as the data
-        set holds it (conversational prompts get chat-message completions, as TRL gives them),
-        every other column repeated per completion. NaN: no function scored that completion."""
+        """The combined rewards of one task's completions (``group_scores``'s ``rewards``)."""
+        return list(self.group_scores(task_id, completions, completion_ids).rewards)
+
+    def group_scores(self, task_id: str, completions: Sequence[str],
+                     completion_ids: Sequence[Sequence[int]] | None = None) -> GroupScores:
+        """One task's completions scored TRL-style: the row's prompt as the data set holds it
+        (conversational prompts get chat-message completions, as TRL gives them), every other
+        column repeated per completion. ``rewards``: the weighted sum (NaN: no function scored that
+        completion); ``per_function``: each function's own rewards by name; ``solved``: see ``check``."""
         row = self.rows_by_id.get(task_id)
         if row is None:
             raise KeyError(f"task_id={task_id!r}: not a row of this user task")
@@ -245,7 +274,11 @@ class UserTask:
         ids = [list(map(int, c)) for c in completion_ids] if completion_ids is not None else [[] for _ in range(n)]
         skip = {"prompt", "completion", "completion_ids", self.prompt_column}      # TRL's own arguments
         columns = {k: [v] * n for k, v in row.items() if k not in skip}
-        return self.reward_funcs.rewards([prompt] * n, comps, ids, columns)
+        funcs = self.reward_funcs
+        per = funcs.per_function([prompt] * n, comps, ids, columns)
+        rewards = combine(per, [f.weight for f in funcs.funcs])
+        solved = tuple(bool(r >= self.solved_threshold) for r in per[self.solved_index])   # NaN: not solved
+        return GroupScores(tuple(rewards), solved, dict(zip(funcs.names, map(tuple, per))))
 
 
 def user_task(fields: Mapping[str, Any]) -> UserTask:
