@@ -314,7 +314,8 @@ class Worker:
         parent_cvd = os.environ.get(CUDA_ENV, "<unset>")
         seen = dict(os.environ)
         key = "device" if "participant" in self.node_config else f"p{pspec.partition_id}-device"
-        pinned, local, chosen = worker_device(pspec.policy.device, seen, key=key, index=pspec.partition_id)
+        pinned, local, chosen = worker_device(pspec.policy.device, seen, key=key, index=pspec.partition_id,
+                                              requires_gpu=fed.requires_gpu)
         os.environ.update(pinned)                                # before anything initialises CUDA
         if (pspec.policy.backend == "vllm" and chosen.startswith("cuda") and not pspec.policy.gpu_memory_share
                 and "partition-id" in self.node_config):        # simulation: share the card with its peers

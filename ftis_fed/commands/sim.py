@@ -290,19 +290,28 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     return overrides, len(participant_names(cfg))
 
 
-def gpu_check_at_start(cfg: dict, n: int, problem: str | None) -> None:
-    """A machine whose GPUs torch cannot use (``problem``: ``devices.launcher_cuda_problem``) is
-    reported in one line at start; when a participant asks for CUDA (``device`` auto or cuda:N) the
-    run does not start (ValueError naming its key), since that participant would stop at once."""
-    if problem is None:
-        return
-    print(f"[ftis-fed] CUDA: {problem}", flush=True)
+def gpu_check_at_start(cfg: dict, n: int, problem: str | None, cuda_count: int = 0) -> None:
+    """The device check before Flower starts. A machine whose GPUs torch cannot use (``problem``:
+    ``devices.launcher_cuda``) is reported in one line, and a participant that asks for CUDA
+    (``device`` auto or cuda:N) stops the run here (ValueError naming its key), since it would stop
+    at once. With no CUDA device visible (``cuda_count`` 0), a participant whose device is ``cuda:N``,
+    or ``auto`` in a run that says ``requires-gpu = true`` (the GPU presets), stops it too
+    (``devices.no_gpu_refusal``): only ``device = "cpu"`` runs such a participant on the CPU."""
+    from ftis_fed.policies.devices import no_gpu_refusal
+
+    if problem is not None:
+        print(f"[ftis-fed] CUDA: {problem}", flush=True)
+    requires = cfg.get("requires-gpu") is True
     for i in range(n):
         key = f"p{i}-device" if str(cfg.get(f"p{i}-device", "")).strip() else "device"
         value = str(cfg.get(key, "") or "auto").strip().lower()
-        if value != "cpu":
-            who = cfg.get(f"p{i}-participant") or f"p{i}"
+        who = cfg.get(f"p{i}-participant") or f"p{i}"
+        if problem is not None and value != "cpu":
             raise ValueError(f"{key}={value!r} (participant {who}): {problem}; set {key}='cpu' to run on the CPU")
+        if problem is None:
+            refusal = no_gpu_refusal(value, cuda_count, requires, key)
+            if refusal:
+                raise ValueError(f"{refusal.split(': ', 1)[0]} (participant {who}): {refusal.split(': ', 1)[1]}")
 
 
 def simulate(app: str | Path = ".", connection: str | None = None, run_config: list[str] | None = None,
@@ -327,18 +336,18 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     actors = -(-n // per)                                        # one ClientApp actor per worker process
     out = overrides["output-dir"]
     home = Path(os.environ.get("FLWR_HOME", app / ".flwr")).resolve()
-    merged = merge_flower_config(app, home, connection, address)
-    print(f"[ftis-fed] FLWR_HOME={home}: flower.toml's connections merged into {merged}", flush=True)
     # the SuperLink starts `flower-superexec` (which starts the apps) by name: our interpreter's
     # bin directory goes first on PATH so `.venv/bin/ftis-fed` works without an activated venv
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    from ftis_fed.policies.devices import launcher_cuda_problem, launcher_env
+    from ftis_fed.policies.devices import launcher_cuda, launcher_env
 
     # launcher_env records the GPUs visible here (FTIS_FED_VISIBLE_DEVICES) before Ray masks them
     env = launcher_env({**os.environ, "PATH": path, "FLWR_HOME": str(home),
                         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
                         "PYTHONUNBUFFERED": "1"})     # progress lines reach a redirected log as they come
-    gpu_check_at_start(merged_run_config(app, overrides), n, launcher_cuda_problem(env))
+    gpu_check_at_start(merged_run_config(app, overrides), n, *launcher_cuda(env))
+    merged = merge_flower_config(app, home, connection, address)
+    print(f"[ftis-fed] FLWR_HOME={home}: flower.toml's connections merged into {merged}", flush=True)
     link = None
     if conn.get("ftis-managed"):
         link = acquire_superlink(conn["address"], home, env, reuse_superlink)

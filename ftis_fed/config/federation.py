@@ -138,6 +138,13 @@ class FederationConfig:
         folder with ``public/<participant>.pub`` (and, on each node, its own
         ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
     threads: int = knob("threads", 0, "torch threads per participant process, >= 0 (0 = cores / participants).")
+    requires_gpu: bool = knob("requires-gpu", False, """
+        the run needs CUDA GPUs (the GPU presets set it): a participant whose ``device`` is ``auto``
+        on a machine where no CUDA device is visible stops the run before it starts (``ftis-fed sim``
+        checks before Flower starts; a worker started by plain ``flwr run`` refuses with the same
+        line) instead of running on the CPU; ``device = "cpu"`` (or ``p<i>-device``) runs that
+        participant on the CPU all the same. false = ``auto`` falls back to the CPU. ``cuda`` /
+        ``cuda:N`` always need the GPU they name.""")
     worker_idle_timeout_s: float = knob("worker-idle-timeout-s", 1800.0, """
         a participant process with no request for this long exits (the end-of-run message normally
         stops it first), > 0.""")
