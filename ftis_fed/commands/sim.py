@@ -28,14 +28,17 @@ What it does, so the same can be done by hand:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -65,7 +68,8 @@ def merge_flower_config(app: Path, home: Path, connection: str | None = None,
                         address: str | None = None) -> Path:
     """Merge flower.toml's connections into $FLWR_HOME/config.toml (what `flwr` reads): the project's
     connections are added or replaced, every other connection and an existing default are kept.
-    ``address`` replaces the address of ``connection`` (e.g. a free port for tests)."""
+    ``address`` replaces the address of ``connection`` in the file written (used for the launch's
+    private copy, ``launch_flower_home``; never for the user's own file)."""
     import tomli_w
 
     home.mkdir(parents=True, exist_ok=True)
@@ -91,6 +95,23 @@ def merge_flower_config(app: Path, home: Path, connection: str | None = None,
             shutil.copyfile(dst, home / "config.toml.bak")
         atomic_write(dst, new_text)
     return dst
+
+
+#: Under FLWR_HOME: one folder per launch given --address, the `flwr` CLI's own FLWR_HOME for it.
+LAUNCH_HOMES = "ftis-launches"
+
+
+def launch_flower_home(app: Path, home: Path, connection: str, address: str, token: str) -> Path:
+    """A private FLWR_HOME for this launch's ``flwr`` commands (run, log, ls, stop), holding a copy of
+    ``home``'s config.toml with ``connection``'s address replaced by ``address``: ``--address``
+    changes nothing in the user's ``$FLWR_HOME/config.toml``, so a later plain ``flwr run . local-sim``
+    still targets the address flower.toml gives. Removed when the launch ends."""
+    private = home / LAUNCH_HOMES / token
+    private.mkdir(parents=True, exist_ok=True)
+    if (home / "config.toml").exists():
+        shutil.copyfile(home / "config.toml", private / "config.toml")
+    merge_flower_config(app, private, connection, address)
+    return private
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -263,6 +284,57 @@ def stop(proc: subprocess.Popen | None) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+#: In the environment of every process the launcher starts (and so of everything they start: the
+#: SuperLink, SuperExec, the simulation process, Ray, the ClientApps, the model workers): a token of
+#: this launch, by which it finds and ends what it started, whichever session or process group it is in.
+LAUNCH_ENV = "FTIS_FED_LAUNCH"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, turned into what Ctrl-C raises, so the launcher cleans up the same way."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def launched_processes(token: str, proc: str | Path = "/proc") -> list[int]:
+    """The pids (not this process) whose environment carries ``LAUNCH_ENV=token`` (Linux ``/proc``;
+    processes of other users are unreadable and skipped)."""
+    mark = f"{LAUNCH_ENV}={token}".encode()
+    pids = []
+    for d in Path(proc).glob("[0-9]*"):
+        pid = int(d.name)
+        if pid == os.getpid():
+            continue
+        try:
+            if mark in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids
+
+
+def end_launched(token: str, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM every process of this launch still running, SIGKILL those left after ``grace_s``;
+    the pids it found."""
+    found = launched_processes(token)
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and launched_processes(token):
+        time.sleep(0.2)
+    for pid in launched_processes(token):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return found
+
+
 def run_status(connection: str, run_id: str, env: dict) -> dict:
     r = subprocess.run([_flwr_bin("flwr"), "ls", connection, "--run-id", run_id, "--format", "json"],
                        env=env, capture_output=True, text=True, timeout=120)
@@ -346,44 +418,91 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
                         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
                         "PYTHONUNBUFFERED": "1"})     # progress lines reach a redirected log as they come
     gpu_check_at_start(merged_run_config(app, overrides), n, *launcher_cuda(env))
-    merged = merge_flower_config(app, home, connection, address)
+    merged = merge_flower_config(app, home, connection)
     print(f"[ftis-fed] FLWR_HOME={home}: flower.toml's connections merged into {merged}", flush=True)
-    link = None
+    token = env[LAUNCH_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
+    cli_env = env
+    if address:                                                  # the user's config.toml keeps its address
+        cli_env = {**env, "FLWR_HOME": str(launch_flower_home(app, home, connection, address, token))}
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():   # SIGTERM / SIGHUP end it as Ctrl-C does
+        handlers = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    started_link: list = []
+    run_ids: list = []
+    interrupted = False
+    try:
+        return _launch(app, connection, conn, n, actors, out, overrides, home, env, cli_env, reuse_superlink,
+                       stream, started_link, run_ids)
+    except KeyboardInterrupt as e:                               # Ctrl-C, SIGTERM, SIGHUP
+        interrupted = True
+        signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+        print(f"\n[ftis-fed] {signal.Signals(signum).name}: stopping the run and everything this launcher "
+              "started", file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:
+        for sig in handlers:                                     # a second signal does not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        link = started_link[0] if started_link else None
+        keep = keep_superlink and not interrupted               # an interrupted launch keeps nothing
+        try:
+            if interrupted and run_ids and link is None:         # a SuperLink it did not start stays up
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run([_flwr_bin("flwr"), "stop", str(run_ids[0]), connection], env=cli_env,
+                                   capture_output=True, timeout=60)
+            if link is not None and not keep:
+                stop(link)
+                (home / OWNER_FILE).unlink(missing_ok=True)
+            if not keep:
+                left = end_launched(token)
+                if left:
+                    print(f"[ftis-fed] ended {len(left)} process(es) of this launch still running "
+                          f"(pids {', '.join(map(str, sorted(left)))})", file=sys.stderr, flush=True)
+        finally:
+            if cli_env is not env:
+                shutil.rmtree(cli_env["FLWR_HOME"], ignore_errors=True)
+            for sig, old_handler in handlers.items():
+                signal.signal(sig, old_handler)
+
+
+def _launch(app: Path, connection: str, conn: dict, n: int, actors: int, out: str, overrides: dict, home: Path,
+            env: dict, cli_env: dict, reuse_superlink: bool, stream: bool, started_link: list,
+            run_ids: list) -> int:
+    """Start (or reuse) the SuperLink (``env``), submit the run, stream its log, return its exit status
+    (the ``flwr`` commands with ``cli_env``); what it started goes into ``started_link`` /
+    ``run_ids`` as it happens, for ``simulate``'s cleanup."""
     if conn.get("ftis-managed"):
         link = acquire_superlink(conn["address"], home, env, reuse_superlink)
+        if link is not None:
+            started_link.append(link)
     else:
         print(f"[ftis-fed] SuperLink: connection {connection!r} at {conn.get('address')} (not started by ftis-fed)",
               flush=True)
+    cmd = [_flwr_bin("flwr"), "run", str(app), connection, "--format", "json",
+           "--federation-config", f"num-supernodes={n} init-args-num-cpus={actors} client-resources-num-cpus=1"]
+    for item in run_config_items(overrides):
+        cmd += ["--run-config", item]
+    print("[ftis-fed] " + " ".join(cmd), flush=True)
+    started = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
     try:
-        cmd = [_flwr_bin("flwr"), "run", str(app), connection, "--format", "json",
-               "--federation-config", f"num-supernodes={n} init-args-num-cpus={actors} client-resources-num-cpus=1"]
-        for item in run_config_items(overrides):
-            cmd += ["--run-config", item]
-        print("[ftis-fed] " + " ".join(cmd), flush=True)
-        started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        try:
-            run_id = json.loads(started.stdout)["run-id"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            print(started.stdout + started.stderr, file=sys.stderr)
-            return 2
-        if run_id is None:
-            print(started.stdout + started.stderr, file=sys.stderr)
-            return 2
-        print(f"[ftis-fed] run {run_id}: {n} participants, results in {out}", flush=True)
-        if stream:
-            subprocess.run([_flwr_bin("flwr"), "log", run_id, connection, "--stream"], env=env)
-        while True:
-            status = run_status(connection, run_id, env)
-            if str(status.get("status", "")).startswith("finished"):
-                break
-            time.sleep(2)
-        print(f"[ftis-fed] run {run_id}: {status['status']} {status.get('status-details', '')} "
-              f"elapsed {float(status.get('elapsed', 0)):.0f} s", flush=True)
-        return 0 if status["status"] == "finished:completed" else 1
-    finally:
-        if link is not None and not keep_superlink:
-            stop(link)
-            (home / OWNER_FILE).unlink(missing_ok=True)
+        run_id = json.loads(started.stdout)["run-id"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        print(started.stdout + started.stderr, file=sys.stderr)
+        return 2
+    if run_id is None:
+        print(started.stdout + started.stderr, file=sys.stderr)
+        return 2
+    run_ids.append(run_id)
+    print(f"[ftis-fed] run {run_id}: {n} participants, results in {out}", flush=True)
+    if stream:
+        subprocess.run([_flwr_bin("flwr"), "log", run_id, connection, "--stream"], env=cli_env)
+    while True:
+        status = run_status(connection, run_id, cli_env)
+        if str(status.get("status", "")).startswith("finished"):
+            break
+        time.sleep(2)
+    print(f"[ftis-fed] run {run_id}: {status['status']} {status.get('status-details', '')} "
+          f"elapsed {float(status.get('elapsed', 0)):.0f} s", flush=True)
+    return 0 if status["status"] == "finished:completed" else 1
 
 
 def simulate_inprocess(app: str | Path = ".", run_config: list[str] | None = None, preset: str | None = None) -> int:
