@@ -257,3 +257,34 @@ def test_address_leaves_the_users_flower_configuration_as_it_was(tmp_path):
     private = launch.launch_flower_home(ROOT, home, "local-sim", "127.0.0.1:4242", "t")
     assert tomllib.loads((private / "config.toml").read_text())["superlink"]["local-sim"]["address"] == "127.0.0.1:4242"
     assert (home / "config.toml").read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- models built first
+
+@pytest.mark.slow                       # builds two tiny models into a fresh cache: ~20 s here
+def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tmp_path, monkeypatch, capsys):
+    """In a fresh cache (SmolLM2 linked in: the tiny models take its tokenizer), the models a run
+    needs are listed, built with "building …" and the time, verified, and not built again."""
+    from ftis_fed.commands.models import build_models
+    from ftis_fed.config.federation import models_to_build
+    from ftis_fed.policies.models import resolve_model
+
+    real = Path(resolve_model("smollm2"))
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "models").mkdir(parents=True)
+    (tmp_path / "cache" / "models" / "smollm2").symlink_to(real)
+    overrides, _ = launch.checked_run_config(ROOT, {"p0-model": "tiny-llama", "p1-model": "tiny-llama-b",
+                                                    "p2-model": "", "output-dir": str(tmp_path / "out")})
+    cfg = launch.merged_run_config(ROOT, overrides)
+    assert models_to_build(cfg) == {"tiny-llama": ["smol-full"], "tiny-llama-b": ["smol-lora"]}
+    lines: list[str] = []
+    built = build_models({"tiny-llama": ["smol-full"]}, say=lines.append, every_s=0.05)
+    assert lines[0] == "[ftis-fed] building model tiny-llama (first use, for smol-full; cached for later runs) ..."
+    assert any(line.startswith("[ftis-fed] building model tiny-llama: ") for line in lines[1:-1]), lines
+    assert lines[-1].startswith("[ftis-fed] built model tiny-llama in ") and Path(built["tiny-llama"]).is_dir()
+    launch.build_first(cfg)                                       # what ftis-fed sim does before Flower
+    out = capsys.readouterr().out
+    assert "[ftis-fed] building model tiny-llama-b (first use, for smol-lora" in out and "tiny-llama " not in out
+    assert models_to_build(cfg) == {}
+    launch.build_first(cfg)
+    assert capsys.readouterr().out == ""

@@ -386,6 +386,24 @@ def gpu_check_at_start(cfg: dict, n: int, problem: str | None, cuda_count: int =
                 raise ValueError(f"{refusal.split(': ', 1)[0]} (participant {who}): {refusal.split(': ', 1)[1]}")
 
 
+def build_first(cfg: dict) -> None:
+    """The offline models the run needs and the cache lacks, built and verified now, before Flower
+    starts (``ftis_fed.commands.models.build_models``: "building …" with the time every 15 s), so no
+    participant builds one inside the hello wait (``wait-for-participants-s``). A failed build ends
+    the launch (ValueError, one line naming the model)."""
+    from ftis_fed.config.federation import models_to_build
+
+    todo = models_to_build(cfg)
+    if not todo:
+        return
+    from ftis_fed.commands.models import build_models
+
+    try:
+        build_models(todo, say=lambda line: print(line, flush=True))
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+
+
 def simulate(app: str | Path = ".", connection: str | None = None, run_config: list[str] | None = None,
              keep_superlink: bool = False, stream: bool = True, address: str | None = None,
              preset: str | None = None, reuse_superlink: bool = False) -> int:
@@ -418,6 +436,7 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
                         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
                         "PYTHONUNBUFFERED": "1"})     # progress lines reach a redirected log as they come
     gpu_check_at_start(merged_run_config(app, overrides), n, *launcher_cuda(env))
+    build_first(merged_run_config(app, overrides))
     merged = merge_flower_config(app, home, connection)
     print(f"[ftis-fed] FLWR_HOME={home}: flower.toml's connections merged into {merged}", flush=True)
     token = env[LAUNCH_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"

@@ -625,6 +625,22 @@ def offline_model_names() -> list[str]:
     return sorted(models.OFFLINE_MODELS)
 
 
+def models_to_build(run_config: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Simulation: the registered offline models the run's participants use that are not in the
+    cache yet (built on first use, which can take minutes), each with the participants using it."""
+    from ftis_fed.policies.store import is_built
+
+    names = set(offline_model_names())
+    fed = federation_from_run_config(run_config)
+    members = participant_names(run_config)
+    todo: dict[str, list[str]] = {}
+    for i, who in enumerate(members):
+        model = participant_spec(run_config, {"partition-id": i, "num-partitions": len(members)}, fed).policy.model
+        if model in names and not is_built(model):
+            todo.setdefault(model, []).append(who)
+    return todo
+
+
 def check_model(value: str, key: str = "model", participant: str = "") -> None:
     """Cheap check that a participant's ``model`` resolves without a hub: a registered offline name,
     an existing local model folder, or a hub id already in the local Hugging Face cache. Nothing is
