@@ -265,7 +265,7 @@ def test_address_leaves_the_users_flower_configuration_as_it_was(tmp_path):
 def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tmp_path, monkeypatch, capsys):
     """In a fresh cache (SmolLM2 linked in: the tiny models take its tokenizer), the models a run
     needs are listed, built with "building …" and the time, verified, and not built again."""
-    from ftis_fed.commands.models import build_models
+    from ftis_fed.commands.sim import build_models
     from ftis_fed.config.federation import models_to_build
     from ftis_fed.policies.models import resolve_model
 

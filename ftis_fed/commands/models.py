@@ -83,44 +83,6 @@ def fetch_model(repo_id: str, revision: str | None = None, token: str | None = N
     return path, False
 
 
-#: seconds between the "still building" lines
-BUILD_PROGRESS_EVERY_S = 15.0
-
-
-def build_models(todo: dict[str, list[str]], say=print, every_s: float = BUILD_PROGRESS_EVERY_S) -> dict[str, str]:
-    """Build each offline model of ``todo`` (name -> the participants using it) into the cache,
-    saying so with the time every ``every_s`` seconds, and verify it (its config and tokenizer load
-    from the folder); name -> folder. Raises RuntimeError naming the model on a failed build."""
-    import threading
-    import time
-
-    from ftis_fed.policies.models import load_tokenizer, resolve_model
-
-    done: dict[str, str] = {}
-    for name, users in todo.items():
-        say(f"[ftis-fed] building model {name} (first use, for {', '.join(users)}; cached for later runs) ...")
-        t0, stop = time.monotonic(), threading.Event()
-
-        def beat(name=name, t0=t0, stop=stop) -> None:
-            while not stop.wait(every_s):
-                say(f"[ftis-fed] building model {name}: {time.monotonic() - t0:.0f} s ...")
-
-        threading.Thread(target=beat, daemon=True).start()
-        try:
-            path = resolve_model(name)
-            from transformers import AutoConfig
-
-            AutoConfig.from_pretrained(path)
-            load_tokenizer(path)
-        except Exception as e:                               # noqa: BLE001 - one line naming the model
-            raise RuntimeError(f"building model {name!r} failed: {type(e).__name__}: {e}") from e
-        finally:
-            stop.set()
-        say(f"[ftis-fed] built model {name} in {time.monotonic() - t0:.0f} s: {path}")
-        done[name] = path
-    return done
-
-
 def add_cli(sub) -> None:
     p = sub.add_parser("models", help="models: fetch a hub model / build offline models into the cache before a run")
     m = p.add_subparsers(dest="models", required=True)
@@ -152,6 +114,7 @@ def add_cli(sub) -> None:
     b.add_argument("--run-config", action="append", default=[], help="overrides, as for ftis-fed sim")
 
     def build(a) -> int:
+        from ftis_fed.commands.sim import build_models
         from ftis_fed.config.federation import models_to_build, offline_model_names
         from ftis_fed.policies.store import is_built
 

@@ -386,9 +386,47 @@ def gpu_check_at_start(cfg: dict, n: int, problem: str | None, cuda_count: int =
                 raise ValueError(f"{refusal.split(': ', 1)[0]} (participant {who}): {refusal.split(': ', 1)[1]}")
 
 
+#: seconds between the "still building" lines
+BUILD_PROGRESS_EVERY_S = 15.0
+
+
+def build_models(todo: dict[str, list[str]], say=print, every_s: float = BUILD_PROGRESS_EVERY_S) -> dict[str, str]:
+    """Build each offline model of ``todo`` (name -> the participants using it) into the cache,
+    saying so with the time every ``every_s`` seconds, and verify it (its config and tokenizer load
+    from the folder); name -> folder. Raises RuntimeError naming the model on a failed build."""
+    import threading
+    import time
+
+    from ftis_fed.policies.models import load_tokenizer, resolve_model
+
+    done: dict[str, str] = {}
+    for name, users in todo.items():
+        say(f"[ftis-fed] building model {name} (first use, for {', '.join(users)}; cached for later runs) ...")
+        t0, stop = time.monotonic(), threading.Event()
+
+        def beat(name=name, t0=t0, stop=stop) -> None:
+            while not stop.wait(every_s):
+                say(f"[ftis-fed] building model {name}: {time.monotonic() - t0:.0f} s ...")
+
+        threading.Thread(target=beat, daemon=True).start()
+        try:
+            path = resolve_model(name)
+            from transformers import AutoConfig
+
+            AutoConfig.from_pretrained(path)
+            load_tokenizer(path)
+        except Exception as e:                               # noqa: BLE001 - one line naming the model
+            raise RuntimeError(f"building model {name!r} failed: {type(e).__name__}: {e}") from e
+        finally:
+            stop.set()
+        say(f"[ftis-fed] built model {name} in {time.monotonic() - t0:.0f} s: {path}")
+        done[name] = path
+    return done
+
+
 def build_first(cfg: dict) -> None:
     """The offline models the run needs and the cache lacks, built and verified now, before Flower
-    starts (``ftis_fed.commands.models.build_models``: "building …" with the time every 15 s), so no
+    starts (``build_models``: "building …" with the time every 15 s), so no
     participant builds one inside the hello wait (``wait-for-participants-s``). A failed build ends
     the launch (ValueError, one line naming the model)."""
     from ftis_fed.config.federation import models_to_build
@@ -396,8 +434,6 @@ def build_first(cfg: dict) -> None:
     todo = models_to_build(cfg)
     if not todo:
         return
-    from ftis_fed.commands.models import build_models
-
     try:
         build_models(todo, say=lambda line: print(line, flush=True))
     except RuntimeError as e:
