@@ -152,18 +152,19 @@ def record_owner(state_dir: str | Path, run_key: str, pid: int) -> None:
     os.replace(tmp, Path(state_dir) / OWNER_FILE)
 
 
-def end_other_run_worker(state_dir: str | Path, run_key: str, wait_s: float = 10.0) -> tuple[int, str] | None:
+def end_other_run_worker(state_dir: str | Path, run_key: str | None, wait_s: float = 10.0) -> tuple[int, str] | None:
     """End (SIGKILL, with its process group) the worker ``state_dir`` records for *another* run, if it
     still runs; (its pid, its run key), or None. A new run of the participant in this state dir (a
     ``resume`` after the SuperLink or ServerApp went down) means that run is over for it; in
     deployment its worker would otherwise live on (its SuperNode, which anchors it, outlives the
-    run) with its model and device memory, until ``worker-idle-timeout-s``."""
+    run) with its model and device memory, until ``worker-idle-timeout-s``. ``run_key`` None: the
+    worker of whatever run (``ftis-fed deploy end-worker``: a stopped run that will not resume)."""
     try:
         rec = json.loads((Path(state_dir) / OWNER_FILE).read_text())
         pid, start, key = int(rec["pid"]), rec.get("start"), str(rec["run_key"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if key == run_key or pid <= 1 or pid == os.getpid() or not alive(pid, start):
+    if (run_key is not None and key == run_key) or pid <= 1 or pid == os.getpid() or not alive(pid, start):
         return None
     try:
         os.killpg(pid, signal.SIGKILL)                      # a worker leads its process group

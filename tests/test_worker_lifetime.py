@@ -179,3 +179,30 @@ def test_a_worker_building_its_model_does_not_run_out_its_start_timeout(tmp_path
     pid = line["worker_pid"]
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, 9)
+
+
+@pytest.mark.slow                       # a worker loading a tiny model: ~20-40 s on 2 busy cores
+def test_a_stopped_runs_worker_is_ended_by_deploy_end_worker(tmp_path):
+    """After `flwr stop` of a run that will not resume, its worker would keep its model until
+    worker-idle-timeout-s (an hour here) while its SuperNode (the anchor) lives on:
+    `ftis-fed deploy end-worker --state-dir` ends it (and says which), the anchor still alive."""
+    from ftis_fed.config.federation import participant_names
+    from ftis_fed.trust.signing import generate_keypair
+
+    rc = _run_config(tmp_path)
+    generate_keypair(participant_names(rc)[0], tmp_path / "out" / "keys")
+    app = _clientapp(tmp_path, rc)
+    try:
+        line = json.loads(app.stdout.readline())
+        assert "worker_pid" in line, line
+        pid = line["worker_pid"]
+        start = process_start(pid)
+        state_dir = next((tmp_path / "out").rglob("worker.json")).parent
+        r = subprocess.run([sys.executable, "-m", "ftis_fed.commands.cli", "deploy", "end-worker", "--state-dir",
+                            str(state_dir)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0 and r.stdout.strip() == f"ended worker pid {pid} of run run-1", r.stdout + r.stderr
+        assert not alive(pid, start) and app.poll() is None
+    finally:
+        app.kill()
+        app.wait()

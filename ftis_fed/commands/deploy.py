@@ -22,6 +22,10 @@ before ``flower-superlink`` starts): the certificate's validity now, that it nam
 SuperNodes will use, and that the CA file signed it. A SuperLink starts with an expired or
 wrong-host certificate without a word.
 
+``deploy end-worker --state-dir DIR`` (an organisation, after ``flwr stop`` of a run that will not
+resume): ends the participant worker recorded in ``DIR/worker.json`` with its process group, so its
+model and memory are freed now instead of after ``worker-idle-timeout-s``.
+
 Exit status 0 when everything checked is right, 1 otherwise (each problem one line on stderr).
 """
 
@@ -250,6 +254,20 @@ def add_cli(sub) -> None:
     k.add_argument("hosts", nargs="+", help="every name or address the SuperNodes connect to")
     k.add_argument("--ssl-certfile", required=True, help="as given to flower-superlink")
     k.add_argument("--ssl-ca-certfile", default=None, help="as given to flower-superlink")
+
+    w = d.add_parser("end-worker", help="end the participant worker recorded in a state dir (a run stopped "
+                                        "with flwr stop that will not resume: its model and memory are freed now)")
+    w.add_argument("--state-dir", required=True, help="the participant's state-dir (node config)")
+
+    def run_end_worker(a) -> int:
+        from clients.worker import end_other_run_worker
+
+        ended = end_other_run_worker(a.state_dir, None)
+        print(f"ended worker pid {ended[0]} of run {ended[1]}" if ended else
+              f"no worker running for {a.state_dir}")
+        return 0
+
+    w.set_defaults(func=run_end_worker)
 
     def run_check(a) -> int:
         try:
