@@ -120,10 +120,10 @@ def add_cli(sub) -> None:
 
         try:
             if a.model:
-                unknown = [x for x in a.model if x not in offline_model_names()]
+                unknown = [x for x in a.model if x not in offline_model_names() and not Path(x).expanduser().is_dir()]
                 if unknown:
                     raise ValueError(f"{unknown[0]!r}: not an offline model ({', '.join(offline_model_names())})")
-                todo = {x: ["the command line"] for x in a.model if not is_built(x)}
+                todo = {x: ["the command line"] for x in a.model if x in offline_model_names() and not is_built(x)}
             else:
                 from ftis_fed.commands.sim import checked_run_config, layered_overrides, merged_run_config
 
