@@ -5,10 +5,15 @@ What it does, so the same can be done by hand:
 1. The run config (``pyproject.toml`` < ``--preset`` < ``--run-config``) is checked whole before
    anything starts (``ftis_fed.config.federation.validate_run_config``): a bad value, an unknown key or a model
    that cannot be resolved offline ends the command with one line and exit status 2.
+   Then the device (``gpu_check_at_start``: ``requires-gpu``, ``cuda:N`` without a visible CUDA
+   device) and the offline models the run needs (``build_first``: built and verified now, with
+   "building …" lines, not inside the participants' hello wait).
 2. ``FLWR_HOME`` = ``$FLWR_HOME`` if set, else ``<app>/.flwr``. ``flower.toml``'s connections are
    merged into ``$FLWR_HOME/config.toml`` (where ``flwr`` reads its SuperLink connections): the
    project's connections are added or refreshed; any other connection and the default already set
    there are kept (the file is backed up as ``config.toml.bak`` before it is first rewritten).
+   ``--address`` is not written there: this launch's ``flwr`` commands read a private copy
+   (``launch_flower_home``).
 3. ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``: otherwise every ``flwr run`` would ``uv sync``
    the app's dependencies (torch included) into a fresh environment.
 4. For a connection with ``ftis-managed = true`` (``local-sim``), a simulation SuperLink is started
@@ -24,6 +29,9 @@ What it does, so the same can be done by hand:
    ``task-eval-data`` and file-form ``task-rewards``) is made absolute against the current directory.
 6. The run's log is streamed; the exit status is the run's (``flwr run`` itself exits 0 even when the
    run failed), read with ``flwr ls --run-id``.
+7. Ctrl-C, SIGTERM and SIGHUP end the launch alike (exit 128 + the signal): the SuperLink it started
+   is stopped (a foreign one gets ``flwr stop <run>``), then every process still carrying this
+   launch's ``FTIS_FED_LAUNCH`` token in its environment is ended (``end_launched``).
 """
 
 from __future__ import annotations
@@ -495,8 +503,10 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
               "started", file=sys.stderr, flush=True)
         return 128 + signum
     finally:
-        for sig in handlers:                                     # a second signal does not cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
+        if handlers:                                             # a second signal does not cut the cleanup short
+            handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+            for sig in handlers:
+                signal.signal(sig, signal.SIG_IGN)
         link = started_link[0] if started_link else None
         keep = keep_superlink and not interrupted               # an interrupted launch keeps nothing
         try:
