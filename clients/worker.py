@@ -50,6 +50,10 @@ from ftis_fed.policies.devices import (CUDA_ENV, FROM_ENV, VISIBLE_ENV, DeviceEr
 START_ERROR = "FTIS_FED_WORKER_START_ERROR: "
 #: How often the worker checks that its anchors are alive (seconds).
 LIVENESS_EVERY_S = 0.5
+#: While a worker builds its offline model (first use), it touches ``<wid>.building`` this often;
+#: ``ensure_worker`` does not count that time against its start timeout while the file is fresh.
+BUILDING_BEAT_S = 2.0
+BUILDING_FRESH_S = 20.0
 
 def runtime_dir() -> Path:
     """Private (0700) folder for sockets and auth keys (``FTIS_FED_RUNTIME``; the card locks live there too)."""
@@ -148,18 +152,19 @@ def record_owner(state_dir: str | Path, run_key: str, pid: int) -> None:
     os.replace(tmp, Path(state_dir) / OWNER_FILE)
 
 
-def end_other_run_worker(state_dir: str | Path, run_key: str, wait_s: float = 10.0) -> tuple[int, str] | None:
+def end_other_run_worker(state_dir: str | Path, run_key: str | None, wait_s: float = 10.0) -> tuple[int, str] | None:
     """End (SIGKILL, with its process group) the worker ``state_dir`` records for *another* run, if it
     still runs; (its pid, its run key), or None. A new run of the participant in this state dir (a
     ``resume`` after the SuperLink or ServerApp went down) means that run is over for it; in
     deployment its worker would otherwise live on (its SuperNode, which anchors it, outlives the
-    run) with its model and device memory, until ``worker-idle-timeout-s``."""
+    run) with its model and device memory, until ``worker-idle-timeout-s``. ``run_key`` None: the
+    worker of whatever run (``ftis-fed deploy end-worker``: a stopped run that will not resume)."""
     try:
         rec = json.loads((Path(state_dir) / OWNER_FILE).read_text())
         pid, start, key = int(rec["pid"]), rec.get("start"), str(rec["run_key"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if key == run_key or pid <= 1 or pid == os.getpid() or not alive(pid, start):
+    if (run_key is not None and key == run_key) or pid <= 1 or pid == os.getpid() or not alive(pid, start):
         return None
     try:
         os.killpg(pid, signal.SIGKILL)                      # a worker leads its process group
@@ -239,8 +244,10 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
         (rt / f"{wid}.pid").write_text(str(proc.pid))
         if state_dir:
             record_owner(state_dir, run_key, proc.pid)
-        deadline = time.monotonic() + start_timeout
+        deadline = last = time.monotonic()
+        deadline += start_timeout
         authkey = keyfile.read_bytes()
+        built_s = 0.0
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise WorkerError(_start_failure(participant, proc.returncode, log_path, offset))
@@ -248,7 +255,46 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
             if conn is not None:
                 return conn
             time.sleep(0.2)
-        raise WorkerError(f"participant {participant!r}: worker did not start within {start_timeout:.0f} s")
+            now = time.monotonic()
+            if building(rt / f"{wid}.building"):                # a first-use model build: not counted
+                deadline += now - last
+                built_s += now - last
+            last = now
+        raise WorkerError(f"participant {participant!r}: worker did not start within {start_timeout:.0f} s"
+                          + (f" (besides {built_s:.0f} s building its model)" if built_s >= 1 else "")
+                          + f"; log {log_path}")
+
+
+def building(marker: Path, fresh_s: float = BUILDING_FRESH_S) -> bool:
+    """Whether a worker is building its model now: its marker exists and was touched lately."""
+    try:
+        return time.time() - marker.stat().st_mtime < fresh_s
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def building_marker(marker: Path, beat_s: float = BUILDING_BEAT_S):
+    """Touch ``marker`` every ``beat_s`` seconds while the block runs (a model being built), then
+    remove it."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                marker.touch()
+            if stop.wait(beat_s):
+                return
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        with contextlib.suppress(OSError):
+            marker.unlink()
 
 
 def _start_failure(participant: str, code: int, log_path: Path, offset: int) -> str:
@@ -314,7 +360,8 @@ class Worker:
         parent_cvd = os.environ.get(CUDA_ENV, "<unset>")
         seen = dict(os.environ)
         key = "device" if "participant" in self.node_config else f"p{pspec.partition_id}-device"
-        pinned, local, chosen = worker_device(pspec.policy.device, seen, key=key, index=pspec.partition_id)
+        pinned, local, chosen = worker_device(pspec.policy.device, seen, key=key, index=pspec.partition_id,
+                                              requires_gpu=fed.requires_gpu)
         os.environ.update(pinned)                                # before anything initialises CUDA
         if (pspec.policy.backend == "vllm" and chosen.startswith("cuda") and not pspec.policy.gpu_memory_share
                 and "partition-id" in self.node_config):        # simulation: share the card with its peers
@@ -333,6 +380,7 @@ class Worker:
         print(f"[worker {pspec.name}] pid {os.getpid()} loading {pspec.policy.label} "
               f"({threads} threads)", flush=True)
         t0 = time.perf_counter()
+        build_first(pspec.policy.model, pspec.name, Path(spec["socket"]).with_suffix(".building"))
         self.participant = Participant(pspec, fed, run_key=str(spec.get("run_key", "")))
         print(f"[worker {pspec.name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
         self.fed, self.run_key = fed, str(spec.get("run_key", ""))
@@ -418,6 +466,22 @@ class Worker:
             if not self.busy and time.monotonic() - self.last_request > self.idle_timeout:
                 print(f"[worker] idle for {self.idle_timeout:.0f} s: exiting", flush=True)
                 end_process_group(0)
+
+
+def build_first(model: str, name: str, marker: Path) -> None:
+    """An offline model not in the cache yet is built here, first, under ``marker`` (so the start
+    timeout of ``ensure_worker`` does not run out while it builds), saying so and naming the command
+    that builds it before a run."""
+    from ftis_fed.policies.models import OFFLINE_MODELS, is_built, resolve_model
+
+    if model not in OFFLINE_MODELS or is_built(model):
+        return
+    print(f"[worker {name}] building model {model} (first use; `ftis-fed models build {model}` builds it "
+          "before a run) ...", flush=True)
+    t0 = time.perf_counter()
+    with building_marker(marker):
+        resolve_model(model)
+    print(f"[worker {name}] built model {model} in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def watch_anchors(anchors: list[tuple[int, str | None]], name: str = "") -> None:

@@ -33,8 +33,7 @@ keys() { (cd "$APP" && python -m ftis_fed.commands.cli keys "$@"); }
 # --- the models, built into the shared cache before anything waits on them -----------------------
 # (the first use of tiny-arith trains it for a few minutes; a SuperNode building it would miss the
 # server's hello deadline)
-(cd "$APP" && python -c 'import sys; from ftis_fed.policies.models import resolve_model
-for m in sys.argv[1:]: resolve_model(m)' "$MODEL_A" "$MODEL_B")
+(cd "$APP" && python -m ftis_fed.commands.cli models build "$MODEL_A" "$MODEL_B" >/dev/null) || exit 1
 
 # --- TLS: a private CA and the SuperLink's certificate for 127.0.0.1 ---------------------------
 keys tls 127.0.0.1 localhost --dir "$B/certs" --days 2 >/dev/null
@@ -90,7 +89,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# --- the SuperLink (the coordinating organisation) ---------------------------------------------
+# --- the SuperLink (the coordinating organisation), its certificate checked before it starts ----
+(cd "$APP" && python -m ftis_fed.commands.cli deploy cert 127.0.0.1 localhost \
+  --ssl-certfile "$B/certs/server.crt" --ssl-ca-certfile "$B/certs/ca.crt") || exit 1
 AUTH_FLAG=()
 [ "$SUPERNODE_AUTH" = 1 ] && AUTH_FLAG=(--enable-supernode-auth)
 mkdir -p "$B/link"
@@ -116,6 +117,9 @@ for ((i = 0; i < N; i++)); do
   model=$([ $((i % 2)) -eq 0 ] && echo "$MODEL_A" || echo "$MODEL_B")
   AUTH_KEY=()
   [ "$SUPERNODE_AUTH" = 1 ] && AUTH_KEY=(--auth-supernode-private-key "$B/$n/keys/supernode/$n.key")
+  # the organisation checks TLS (and its key registration) the way its SuperNode will, first
+  (cd "$APP" && python -m ftis_fed.commands.cli deploy check --superlink "127.0.0.1:$PORT" \
+    --root-certificates "$B/certs/ca.crt" "${AUTH_KEY[@]}" | sed "s/^/[deploy] $n: /") || exit 1
   (cd "$B/$n" && FLWR_HOME="$B/$n" FTIS_FED_RUNTIME="$B/rt" exec setsid flower-supernode \
     --root-certificates "$B/certs/ca.crt" --superlink "127.0.0.1:$PORT" --port $((PORT + 1 + i)) "${AUTH_KEY[@]}" \
     --node-config "participant=\"$n\" model=\"$model\" keys-dir=\"$B/$n/keys\" state-dir=\"$B/$n/state\" partition-id=$i num-partitions=$N" \

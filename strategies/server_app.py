@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from ftis_fed.config.federation import participant_names, validate_run_config
+from ftis_fed.config.federation import models_to_build, participant_names, validate_run_config
 from ftis_fed.engine.core import Engine
 from ftis_fed.trust.signing import generate_keypair, key_paths, load_key_directory
 
@@ -43,4 +43,9 @@ def main(grid: Grid, context: Context) -> None:
     declared = participant_names(run_config)
     keys = prepare_keys(fed.keys_dir, out, declared)
     log(INFO, "ftis-fed: output folder %s, keys %s", out, keys)
+    if not fed.keys_dir:                            # simulation: the participants build on this machine
+        for model, users in models_to_build(run_config).items():
+            log(WARNING, "ftis-fed: model %s (for %s) is not built yet: its participants build it on first use "
+                "(minutes on a CPU), while the run waits for them; build it first with `ftis-fed models build %s` "
+                "(`ftis-fed sim` does that itself)", model, ", ".join(users), model)
     Engine(fed, load_key_directory(keys / "public"), out, GridTransport(grid), declared=declared, log=log).run()

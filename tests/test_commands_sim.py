@@ -4,6 +4,7 @@ reader), and no SuperLink used that the launcher did not start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -178,3 +179,112 @@ def test_a_superlink_the_launcher_started_and_kept_is_reused(tmp_path):
     finally:
         launch.stop(proc)
     assert launch.own_superlink(tmp_path, address) is None                    # stale record dropped
+
+
+# ----------------------------------------------------------------------------- signals
+
+def _marked(mark: str) -> dict[int, str]:
+    """pid -> command line of every process whose environment carries TEST_RUN_MARK=mark."""
+    found = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if f"TEST_RUN_MARK={mark}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_to_the_launcher_leaves_no_process_of_the_run_behind(tmp_path, signame):
+    """`ftis-fed sim --preset quick`, signalled (to its pid only, as `kill`, a job scheduler or CI
+    would) once a model worker runs: it exits with 128 + the signal, and within 30 s no process
+    started for the run (SuperLink, SuperExec, simulation, Ray, ClientApps, model workers: all carry
+    the test's mark in their environment) is left. Ctrl-C (SIGINT) is the reference."""
+    import signal
+    import time
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "PYTHONPATH": str(ROOT), "TEST_RUN_MARK": mark}
+    log = open(tmp_path / "launcher.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_fed.commands.cli", "sim", "--app", str(ROOT), "--preset",
+                             "quick", "--address", f"127.0.0.1:{free_port()}",
+                             "--run-config", f'output-dir="{tmp_path / "out"}" num-rounds=50'],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 400
+        while not any("clients.worker" in c for c in _marked(mark).values()):
+            assert proc.poll() is None, (tmp_path / "launcher.log").read_text()
+            assert time.monotonic() < deadline, "no model worker started"
+            time.sleep(1)
+        before = _marked(mark)
+        proc.send_signal(getattr(signal, signame))
+        rc = proc.wait(timeout=120)
+        text = (tmp_path / "launcher.log").read_text()
+        assert rc == 128 + getattr(signal, signame), text
+        assert f"[ftis-fed] {signame}: stopping the run and everything this launcher started" in text
+        deadline = time.monotonic() + 30
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _marked(mark)
+        assert not left, f"left running ({len(before)} before the signal): {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _marked(mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+def test_address_leaves_the_users_flower_configuration_as_it_was(tmp_path):
+    """`--address` is the launch's own: `$FLWR_HOME/config.toml` keeps flower.toml's address for
+    local-sim (before: rewritten for good, so a later plain `flwr run . local-sim` hit a dead port),
+    and the launch's private FLWR_HOME for its `flwr` commands is gone afterwards."""
+    home = tmp_path / "flwr-home"
+    launch.merge_flower_config(ROOT, home)
+    before = (home / "config.toml").read_bytes()
+    with socket.socket() as busy:                                 # the launch stops at the SuperLink
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        proc = sim(tmp_path, "--preset", "quick", "--address", f"127.0.0.1:{busy.getsockname()[1]}")
+    assert proc.returncode == 2 and "in use by another program" in proc.stderr, proc.stdout + proc.stderr
+    assert (home / "config.toml").read_bytes() == before
+    assert tomllib.loads(before.decode())["superlink"]["local-sim"]["address"] == "127.0.0.1:39191"
+    assert not list((home / launch.LAUNCH_HOMES).glob("*"))
+    private = launch.launch_flower_home(ROOT, home, "local-sim", "127.0.0.1:4242", "t")
+    assert tomllib.loads((private / "config.toml").read_text())["superlink"]["local-sim"]["address"] == "127.0.0.1:4242"
+    assert (home / "config.toml").read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- models built first
+
+@pytest.mark.slow                       # builds two tiny models into a fresh cache: ~20 s here
+def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tmp_path, monkeypatch, capsys):
+    """In a fresh cache (SmolLM2 linked in: the tiny models take its tokenizer), the models a run
+    needs are listed, built with "building …" and the time, verified, and not built again."""
+    from ftis_fed.commands.sim import build_models
+    from ftis_fed.config.federation import models_to_build
+    from ftis_fed.policies.models import resolve_model
+
+    real = Path(resolve_model("smollm2"))
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "models").mkdir(parents=True)
+    (tmp_path / "cache" / "models" / "smollm2").symlink_to(real)
+    overrides, _ = launch.checked_run_config(ROOT, {"p0-model": "tiny-llama", "p1-model": "tiny-llama-b",
+                                                    "p2-model": "", "output-dir": str(tmp_path / "out")})
+    cfg = launch.merged_run_config(ROOT, overrides)
+    assert models_to_build(cfg) == {"tiny-llama": ["smol-full"], "tiny-llama-b": ["smol-lora"]}
+    lines: list[str] = []
+    built = build_models({"tiny-llama": ["smol-full"]}, say=lines.append, every_s=0.05)
+    assert lines[0] == "[ftis-fed] building model tiny-llama (first use, for smol-full; cached for later runs) ..."
+    assert any(line.startswith("[ftis-fed] building model tiny-llama: ") for line in lines[1:-1]), lines
+    assert lines[-1].startswith("[ftis-fed] built model tiny-llama in ") and Path(built["tiny-llama"]).is_dir()
+    launch.build_first(cfg)                                       # what ftis-fed sim does before Flower
+    out = capsys.readouterr().out
+    assert "[ftis-fed] building model tiny-llama-b (first use, for smol-lora" in out and "tiny-llama " not in out
+    assert models_to_build(cfg) == {}
+    launch.build_first(cfg)
+    assert capsys.readouterr().out == ""

@@ -76,6 +76,20 @@ def test_flower_toml_simulates_one_supernode_per_default_participant():
     assert opts["backend"]["client-resources"]["num-cpus"] == 1 and opts["backend"]["init-args"]["num-cpus"] == n
 
 
+def test_flower_toml_lab_entry_works_as_written():
+    """The deployment connection: an absolute CA path (a relative one broke the first `flwr`
+    command), the layout docs/deployment.md uses, and no comment naming another port than its own."""
+    import re
+
+    text = (ROOT / "flower.toml").read_text()
+    lab = tomllib.loads(text)["superlink"]["lab"]
+    assert Path(lab["root-certificates"]).is_absolute() and lab["root-certificates"] == "/srv/ftis/certs/ca.crt"
+    port = lab["address"].rsplit(":", 1)[1]
+    comment = text[text.index("# Deployment: a SuperLink"):text.index("[superlink.lab]")]
+    assert set(re.findall(r":(\d{4})\b", comment)) == {port}
+    assert lab["root-certificates"] in (ROOT / "docs" / "deployment.md").read_text()
+
+
 def test_defaults_build_the_heterogeneous_federation():
     fed = federation_from_run_config(RUN_CONFIG)
     assert fed.objective.mode == "F-TIS" and fed.objective.trunc_c == 2.0 and fed.objective.filter_g == 50.0

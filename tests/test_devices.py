@@ -424,3 +424,65 @@ def test_the_launcher_says_in_one_line_that_torch_cannot_use_the_gpus(tmp_path, 
     with pytest.raises(ValueError, match=r"^p1-device='cuda:1' \(participant p1\): the problem; set p1-device='cpu'"):
         gpu_check_at_start({"device": "cpu", "p1-device": "cuda:1"}, 2, "the problem")
     gpu_check_at_start({"device": "auto"}, 2, None)
+
+
+# ----------------------------------------------------------------------------- a run that needs a GPU, without one
+
+def test_a_run_that_needs_a_gpu_refuses_without_one_unless_told_cpu():
+    """requires-gpu = true: `auto` with no visible CUDA device is refused, naming the key and the way
+    out; `cpu` is never refused; `cuda:N` with none visible is refused whatever requires-gpu says."""
+    from ftis_fed.commands.sim import gpu_check_at_start
+    from ftis_fed.policies.devices import no_gpu_refusal, worker_device
+
+    assert no_gpu_refusal("auto", 0, requires_gpu=False) is None         # the default: auto may be the CPU
+    assert no_gpu_refusal("auto", 1, requires_gpu=True) is None
+    assert no_gpu_refusal("cpu", 0, requires_gpu=True) is None
+    assert "names a CUDA device" in no_gpu_refusal("cuda:0", 0, key="p1-device")
+    line = no_gpu_refusal("auto", 0, requires_gpu=True, key="p2-device")
+    assert line.startswith("p2-device='auto': requires-gpu = true") and line.endswith("set p2-device='cpu' to run on the CPU")
+    # the worker (plain `flwr run`) refuses with the same line, before anything initialises CUDA
+    with pytest.raises(DeviceError, match=r"^p0-device='auto': requires-gpu = true"):
+        worker_device("auto", {CUDA_ENV: ""}, key="p0-device", requires_gpu=True)
+    assert worker_device("auto", {CUDA_ENV: ""}, key="p0-device")[2] == "cpu"
+    assert worker_device("cpu", {CUDA_ENV: ""}, key="p0-device", requires_gpu=True)[2] == "cpu"
+    # the launcher: one participant left on auto stops it; all on the CPU on purpose do not
+    cfg = {"requires-gpu": True, "device": "cpu", "p1-device": "auto", "p1-participant": "b"}
+    with pytest.raises(ValueError, match=r"^p1-device='auto' \(participant b\): requires-gpu = true"):
+        gpu_check_at_start(cfg, 2, None, 0)
+    gpu_check_at_start({**cfg, "p1-device": "cpu"}, 2, None, 0)
+    gpu_check_at_start(cfg, 2, None, 1)
+    with pytest.raises(ValueError, match=r"^device='cuda:0' \(participant p0\): names a CUDA device"):
+        gpu_check_at_start({"device": "cuda:0"}, 1, None, 0)
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl") or bool(shutil.which("nvidia-smi")),
+                    reason="needs a machine without an NVIDIA driver")
+def test_a_gpu_preset_on_this_cpu_machine_stops_at_once_with_the_reason(tmp_path):
+    """`ftis-fed sim --preset gpu-offline` here: exit status 2 and the reason, before Flower starts
+    (no SuperLink, no output folder, no Flower configuration written); with device='cpu' the
+    check passes (the run itself does not start: the SuperLink's port is taken)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home")}
+    env.pop(CUDA_ENV, None)
+    exe = [sys.executable, "-m", "ftis_fed.commands.cli", "sim", "--app", str(root), "--preset", "gpu-offline"]
+    r = subprocess.run(exe + ["--run-config", f'output-dir="{tmp_path / "out"}"'], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("ftis-fed sim: error: device='auto' (participant smol-full): requires-gpu = true (this run needs a GPU), "
+            "but no CUDA device is visible on this machine") in r.stderr
+    assert "set device='cpu' to run on the CPU" in r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "flwr-home").exists()   # nothing started
+    # device='cpu' said on purpose: past the device check, up to the SuperLink (its port is taken here)
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run(exe + ["--run-config", f"output-dir=\"{tmp_path / 'out'}\" device='cpu'",
+                                  "--address", f"127.0.0.1:{port}"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert r.returncode == 2 and "the port is in use by another program" in r.stderr, r.stdout + r.stderr
+    assert "requires-gpu" not in r.stderr

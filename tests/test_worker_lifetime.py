@@ -4,6 +4,7 @@ cannot have its device exits at once with one line saying why."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -57,7 +58,7 @@ _CLIENTAPP = textwrap.dedent(r"""
     spec = participant_spec(run_config, node_config, fed)           # what the ClientApp resolves
     host, payload = worker_payload(run_config, node_config, fed, spec, given["run_key"])
     try:
-        conn = ensure_worker("run-1", host, payload, Path(sys.argv[2]), start_timeout=600)
+        conn = ensure_worker("run-1", host, payload, Path(sys.argv[2]), start_timeout=given.get("start_timeout", 600))
     except WorkerError as e:
         print(json.dumps({"error": str(e)}), flush=True)
         sys.exit(0)
@@ -68,8 +69,9 @@ _CLIENTAPP = textwrap.dedent(r"""
 """)
 
 
-def _clientapp(tmp: Path, run_config: dict, extra_env: dict | None = None) -> subprocess.Popen:
-    payload = {"run_config": run_config, "node_config": {"partition-id": 0, "num-partitions": 2}, "run_key": "run-1"}
+def _clientapp(tmp: Path, run_config: dict, extra_env: dict | None = None, start_timeout: float = 600) -> subprocess.Popen:
+    payload = {"run_config": run_config, "node_config": {"partition-id": 0, "num-partitions": 2}, "run_key": "run-1",
+               "start_timeout": start_timeout}
     env = {**os.environ, "FTIS_FED_RUNTIME": str(tmp / "rt"), "PYTHONPATH": str(ROOT), **(extra_env or {})}
     return subprocess.Popen([sys.executable, "-c", _CLIENTAPP, json.dumps(payload), str(tmp / "worker.log"),
                              str(tmp / "rt")], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -132,3 +134,75 @@ def test_on_a_gpu_machine_torch_cannot_use_the_worker_says_why(tmp_path):
     assert "p0-device='auto': this machine has 2 NVIDIA GPUs (NVIDIA H200; driver 550.54.14, CUDA 12.4) but torch" in err
     assert err.endswith(f"set p0-device='cpu' to run on the CPU (worker log {tmp_path / 'worker.log'})")
     assert "\n" not in err
+
+
+@pytest.mark.slow                       # a worker waiting 60 s on a model build, then loading a tiny model
+def test_a_worker_building_its_model_does_not_run_out_its_start_timeout(tmp_path):
+    """A model built on first use (here: the build lock held by another builder for 60 s, longer than
+    the 40 s start timeout) does not make ensure_worker give up (before: "worker did not start
+    within 300 s" ended the run); the worker says it is building and names the command."""
+    import fcntl
+    import time
+
+    from ftis_fed.config.federation import participant_names
+    from ftis_fed.trust.signing import generate_keypair
+
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    real = Path(os.environ.get("FTIS_FED_CACHE", Path.home() / ".cache" / "ftis-fed"))
+    from ftis_fed.policies.models import resolve_model
+
+    resolve_model("smollm2")                                         # tiny-llama takes its tokenizer
+    (cache / "models" / "smollm2").symlink_to(real / "models" / "smollm2")
+    rc = _run_config(tmp_path)
+    generate_keypair(participant_names(rc)[0], tmp_path / "out" / "keys")
+    (cache / "locks").mkdir()
+    with open(cache / "locks" / "tiny-llama.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                             # someone else is building it
+        t0 = time.monotonic()
+        app = _clientapp(tmp_path, rc, {"FTIS_FED_CACHE": str(cache)}, start_timeout=40)
+        try:
+            marker_seen = False
+            while time.monotonic() - t0 < 60:
+                marker_seen |= any((tmp_path / "rt").glob("*.building"))
+                assert app.poll() is None
+                time.sleep(0.5)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            line = json.loads(app.stdout.readline())
+        finally:
+            app.kill()
+            app.wait()
+    log = (tmp_path / "worker.log").read_text()
+    assert "worker_pid" in line, (line, log[-2000:])
+    assert marker_seen and "building model tiny-llama (first use; `ftis-fed models build tiny-llama`" in log
+    assert (cache / "models" / "tiny-llama" / "config.json").exists()
+    pid = line["worker_pid"]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, 9)
+
+
+@pytest.mark.slow                       # a worker loading a tiny model: ~20-40 s on 2 busy cores
+def test_a_stopped_runs_worker_is_ended_by_deploy_end_worker(tmp_path):
+    """After `flwr stop` of a run that will not resume, its worker would keep its model until
+    worker-idle-timeout-s (an hour here) while its SuperNode (the anchor) lives on:
+    `ftis-fed deploy end-worker --state-dir` ends it (and says which), the anchor still alive."""
+    from ftis_fed.config.federation import participant_names
+    from ftis_fed.trust.signing import generate_keypair
+
+    rc = _run_config(tmp_path)
+    generate_keypair(participant_names(rc)[0], tmp_path / "out" / "keys")
+    app = _clientapp(tmp_path, rc)
+    try:
+        line = json.loads(app.stdout.readline())
+        assert "worker_pid" in line, line
+        pid = line["worker_pid"]
+        start = process_start(pid)
+        state_dir = next((tmp_path / "out").rglob("worker.json")).parent
+        r = subprocess.run([sys.executable, "-m", "ftis_fed.commands.cli", "deploy", "end-worker", "--state-dir",
+                            str(state_dir)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0 and r.stdout.strip() == f"ended worker pid {pid} of run run-1", r.stdout + r.stderr
+        assert not alive(pid, start) and app.poll() is None
+    finally:
+        app.kill()
+        app.wait()

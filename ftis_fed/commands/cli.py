@@ -61,12 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _bench(sub)
     _eval(sub)
-    from ftis_fed.commands import experiment as grid, models as hub, sim as launch
+    from ftis_fed.commands import deploy, experiment as grid, models as hub, sim as launch
     from ftis_fed.trust import deploy_keys
 
     deploy_keys.add_cli(sub)
     hub.add_cli(sub)
     launch.add_cli(sub)
+    deploy.add_cli(sub)
     grid.add_cli(sub)
     return parser
 

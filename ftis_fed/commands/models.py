@@ -1,4 +1,5 @@
-"""``ftis-fed models fetch``: download a hub model into the local Hugging Face cache BEFORE a run.
+"""``ftis-fed models fetch``: download a hub model into the local Hugging Face cache BEFORE a run;
+``ftis-fed models build``: build the run's offline models into the ftis-fed cache before a run.
 
 A participant given a hub id loads it with ``from_pretrained`` during ``hello``, inside the run's
 participant wait: a multi-GB first download there gets the participant dropped. So runs refuse a hub
@@ -11,6 +12,12 @@ Revision and token: ``--revision`` (branch, tag or commit; default the repo's de
 ``HF_HUB_CACHE`` choose the cache, ``HF_ENDPOINT`` a mirror. The command prints the snapshot folder:
 give that folder as the participant's ``model`` to pin exactly this revision (a hub id loads the
 cached default branch).
+
+Offline models (``smollm2``, ``tiny-arith``, ...) are built on first use into ``~/.cache/ftis-fed``
+(a GGUF conversion, SFT steps: minutes on a CPU). ``ftis-fed sim`` builds the ones its run needs
+before Flower starts, saying "building …" with the time every 15 s, and checks each (config and
+tokenizer load); under a plain ``flwr run`` the ServerApp names this command
+(``ftis-fed models build --preset NAME`` or ``ftis-fed models build MODEL ...``).
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ def fetch_model(repo_id: str, revision: str | None = None, token: str | None = N
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("models", help="models: fetch a hub model into the local cache before a run")
+    p = sub.add_parser("models", help="models: fetch a hub model / build offline models into the cache before a run")
     m = p.add_subparsers(dest="models", required=True)
     f = m.add_parser("fetch", help="download a hub model (with progress) into the Hugging Face cache; "
                                    "prints one JSON line with the snapshot folder")
@@ -98,3 +105,36 @@ def add_cli(sub) -> None:
         return 0
 
     f.set_defaults(func=run)
+
+    b = m.add_parser("build", help="build the offline models a run needs (or the named ones) into the cache, "
+                                   "before a run; prints one JSON line with their folders")
+    b.add_argument("model", nargs="*", help="offline model names (default: those of the run config)")
+    b.add_argument("--app", default=".", help="the Flower app folder (default: .)")
+    b.add_argument("--preset", default=None, help="a run-config preset, as for ftis-fed sim")
+    b.add_argument("--run-config", action="append", default=[], help="overrides, as for ftis-fed sim")
+
+    def build(a) -> int:
+        from ftis_fed.commands.sim import build_models
+        from ftis_fed.config.federation import models_to_build, offline_model_names
+        from ftis_fed.policies.store import is_built
+
+        try:
+            if a.model:
+                unknown = [x for x in a.model if x not in offline_model_names() and not Path(x).expanduser().is_dir()]
+                if unknown:
+                    raise ValueError(f"{unknown[0]!r}: not an offline model ({', '.join(offline_model_names())})")
+                todo = {x: ["the command line"] for x in a.model if x in offline_model_names() and not is_built(x)}
+            else:
+                from ftis_fed.commands.sim import checked_run_config, layered_overrides, merged_run_config
+
+                app = Path(a.app).resolve()
+                overrides, _ = checked_run_config(app, layered_overrides(app, a.run_config, a.preset))
+                todo = models_to_build(merged_run_config(app, overrides))
+            built = build_models(todo, say=lambda line: print(line, file=sys.stderr, flush=True))
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            print(f"ftis-fed models build: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"built": built}))
+        return 0
+
+    b.set_defaults(func=build)

@@ -5,10 +5,15 @@ What it does, so the same can be done by hand:
 1. The run config (``pyproject.toml`` < ``--preset`` < ``--run-config``) is checked whole before
    anything starts (``ftis_fed.config.federation.validate_run_config``): a bad value, an unknown key or a model
    that cannot be resolved offline ends the command with one line and exit status 2.
+   Then the device (``gpu_check_at_start``: ``requires-gpu``, ``cuda:N`` without a visible CUDA
+   device) and the offline models the run needs (``build_first``: built and verified now, with
+   "building …" lines, not inside the participants' hello wait).
 2. ``FLWR_HOME`` = ``$FLWR_HOME`` if set, else ``<app>/.flwr``. ``flower.toml``'s connections are
    merged into ``$FLWR_HOME/config.toml`` (where ``flwr`` reads its SuperLink connections): the
    project's connections are added or refreshed; any other connection and the default already set
    there are kept (the file is backed up as ``config.toml.bak`` before it is first rewritten).
+   ``--address`` is not written there: this launch's ``flwr`` commands read a private copy
+   (``launch_flower_home``).
 3. ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``: otherwise every ``flwr run`` would ``uv sync``
    the app's dependencies (torch included) into a fresh environment.
 4. For a connection with ``ftis-managed = true`` (``local-sim``), a simulation SuperLink is started
@@ -24,18 +29,24 @@ What it does, so the same can be done by hand:
    ``task-eval-data`` and file-form ``task-rewards``) is made absolute against the current directory.
 6. The run's log is streamed; the exit status is the run's (``flwr run`` itself exits 0 even when the
    run failed), read with ``flwr ls --run-id``.
+7. Ctrl-C, SIGTERM and SIGHUP end the launch alike (exit 128 + the signal): the SuperLink it started
+   is stopped (a foreign one gets ``flwr stop <run>``), then every process still carrying this
+   launch's ``FTIS_FED_LAUNCH`` token in its environment is ended (``end_launched``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -65,7 +76,8 @@ def merge_flower_config(app: Path, home: Path, connection: str | None = None,
                         address: str | None = None) -> Path:
     """Merge flower.toml's connections into $FLWR_HOME/config.toml (what `flwr` reads): the project's
     connections are added or replaced, every other connection and an existing default are kept.
-    ``address`` replaces the address of ``connection`` (e.g. a free port for tests)."""
+    ``address`` replaces the address of ``connection`` in the file written (used for the launch's
+    private copy, ``launch_flower_home``; never for the user's own file)."""
     import tomli_w
 
     home.mkdir(parents=True, exist_ok=True)
@@ -91,6 +103,23 @@ def merge_flower_config(app: Path, home: Path, connection: str | None = None,
             shutil.copyfile(dst, home / "config.toml.bak")
         atomic_write(dst, new_text)
     return dst
+
+
+#: Under FLWR_HOME: one folder per launch given --address, the `flwr` CLI's own FLWR_HOME for it.
+LAUNCH_HOMES = "ftis-launches"
+
+
+def launch_flower_home(app: Path, home: Path, connection: str, address: str, token: str) -> Path:
+    """A private FLWR_HOME for this launch's ``flwr`` commands (run, log, ls, stop), holding a copy of
+    ``home``'s config.toml with ``connection``'s address replaced by ``address``: ``--address``
+    changes nothing in the user's ``$FLWR_HOME/config.toml``, so a later plain ``flwr run . local-sim``
+    still targets the address flower.toml gives. Removed when the launch ends."""
+    private = home / LAUNCH_HOMES / token
+    private.mkdir(parents=True, exist_ok=True)
+    if (home / "config.toml").exists():
+        shutil.copyfile(home / "config.toml", private / "config.toml")
+    merge_flower_config(app, private, connection, address)
+    return private
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -263,6 +292,57 @@ def stop(proc: subprocess.Popen | None) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+#: In the environment of every process the launcher starts (and so of everything they start: the
+#: SuperLink, SuperExec, the simulation process, Ray, the ClientApps, the model workers): a token of
+#: this launch, by which it finds and ends what it started, whichever session or process group it is in.
+LAUNCH_ENV = "FTIS_FED_LAUNCH"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, turned into what Ctrl-C raises, so the launcher cleans up the same way."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def launched_processes(token: str, proc: str | Path = "/proc") -> list[int]:
+    """The pids (not this process) whose environment carries ``LAUNCH_ENV=token`` (Linux ``/proc``;
+    processes of other users are unreadable and skipped)."""
+    mark = f"{LAUNCH_ENV}={token}".encode()
+    pids = []
+    for d in Path(proc).glob("[0-9]*"):
+        pid = int(d.name)
+        if pid == os.getpid():
+            continue
+        try:
+            if mark in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids
+
+
+def end_launched(token: str, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM every process of this launch still running, SIGKILL those left after ``grace_s``;
+    the pids it found."""
+    found = launched_processes(token)
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and launched_processes(token):
+        time.sleep(0.2)
+    for pid in launched_processes(token):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return found
+
+
 def run_status(connection: str, run_id: str, env: dict) -> dict:
     r = subprocess.run([_flwr_bin("flwr"), "ls", connection, "--run-id", run_id, "--format", "json"],
                        env=env, capture_output=True, text=True, timeout=120)
@@ -290,19 +370,82 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     return overrides, len(participant_names(cfg))
 
 
-def gpu_check_at_start(cfg: dict, n: int, problem: str | None) -> None:
-    """A machine whose GPUs torch cannot use (``problem``: ``devices.launcher_cuda_problem``) is
-    reported in one line at start; when a participant asks for CUDA (``device`` auto or cuda:N) the
-    run does not start (ValueError naming its key), since that participant would stop at once."""
-    if problem is None:
-        return
-    print(f"[ftis-fed] CUDA: {problem}", flush=True)
+def gpu_check_at_start(cfg: dict, n: int, problem: str | None, cuda_count: int = 0) -> None:
+    """The device check before Flower starts. A machine whose GPUs torch cannot use (``problem``:
+    ``devices.launcher_cuda``) is reported in one line, and a participant that asks for CUDA
+    (``device`` auto or cuda:N) stops the run here (ValueError naming its key), since it would stop
+    at once. With no CUDA device visible (``cuda_count`` 0), a participant whose device is ``cuda:N``,
+    or ``auto`` in a run that says ``requires-gpu = true`` (the GPU presets), stops it too
+    (``devices.no_gpu_refusal``): only ``device = "cpu"`` runs such a participant on the CPU."""
+    from ftis_fed.policies.devices import no_gpu_refusal
+
+    if problem is not None:
+        print(f"[ftis-fed] CUDA: {problem}", flush=True)
+    requires = cfg.get("requires-gpu") is True
     for i in range(n):
         key = f"p{i}-device" if str(cfg.get(f"p{i}-device", "")).strip() else "device"
         value = str(cfg.get(key, "") or "auto").strip().lower()
-        if value != "cpu":
-            who = cfg.get(f"p{i}-participant") or f"p{i}"
+        who = cfg.get(f"p{i}-participant") or f"p{i}"
+        if problem is not None and value != "cpu":
             raise ValueError(f"{key}={value!r} (participant {who}): {problem}; set {key}='cpu' to run on the CPU")
+        if problem is None:
+            refusal = no_gpu_refusal(value, cuda_count, requires, key)
+            if refusal:
+                raise ValueError(f"{refusal.split(': ', 1)[0]} (participant {who}): {refusal.split(': ', 1)[1]}")
+
+
+#: seconds between the "still building" lines
+BUILD_PROGRESS_EVERY_S = 15.0
+
+
+def build_models(todo: dict[str, list[str]], say=print, every_s: float = BUILD_PROGRESS_EVERY_S) -> dict[str, str]:
+    """Build each offline model of ``todo`` (name -> the participants using it) into the cache,
+    saying so with the time every ``every_s`` seconds, and verify it (its config and tokenizer load
+    from the folder); name -> folder. Raises RuntimeError naming the model on a failed build."""
+    import threading
+    import time
+
+    from ftis_fed.policies.models import load_tokenizer, resolve_model
+
+    done: dict[str, str] = {}
+    for name, users in todo.items():
+        say(f"[ftis-fed] building model {name} (first use, for {', '.join(users)}; cached for later runs) ...")
+        t0, stop = time.monotonic(), threading.Event()
+
+        def beat(name=name, t0=t0, stop=stop) -> None:
+            while not stop.wait(every_s):
+                say(f"[ftis-fed] building model {name}: {time.monotonic() - t0:.0f} s ...")
+
+        threading.Thread(target=beat, daemon=True).start()
+        try:
+            path = resolve_model(name)
+            from transformers import AutoConfig
+
+            AutoConfig.from_pretrained(path)
+            load_tokenizer(path)
+        except Exception as e:                               # noqa: BLE001 - one line naming the model
+            raise RuntimeError(f"building model {name!r} failed: {type(e).__name__}: {e}") from e
+        finally:
+            stop.set()
+        say(f"[ftis-fed] built model {name} in {time.monotonic() - t0:.0f} s: {path}")
+        done[name] = path
+    return done
+
+
+def build_first(cfg: dict) -> None:
+    """The offline models the run needs and the cache lacks, built and verified now, before Flower
+    starts (``build_models``: "building …" with the time every 15 s), so no
+    participant builds one inside the hello wait (``wait-for-participants-s``). A failed build ends
+    the launch (ValueError, one line naming the model)."""
+    from ftis_fed.config.federation import models_to_build
+
+    todo = models_to_build(cfg)
+    if not todo:
+        return
+    try:
+        build_models(todo, say=lambda line: print(line, flush=True))
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
 
 
 def simulate(app: str | Path = ".", connection: str | None = None, run_config: list[str] | None = None,
@@ -327,54 +470,104 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     actors = -(-n // per)                                        # one ClientApp actor per worker process
     out = overrides["output-dir"]
     home = Path(os.environ.get("FLWR_HOME", app / ".flwr")).resolve()
-    merged = merge_flower_config(app, home, connection, address)
-    print(f"[ftis-fed] FLWR_HOME={home}: flower.toml's connections merged into {merged}", flush=True)
     # the SuperLink starts `flower-superexec` (which starts the apps) by name: our interpreter's
     # bin directory goes first on PATH so `.venv/bin/ftis-fed` works without an activated venv
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    from ftis_fed.policies.devices import launcher_cuda_problem, launcher_env
+    from ftis_fed.policies.devices import launcher_cuda, launcher_env
 
     # launcher_env records the GPUs visible here (FTIS_FED_VISIBLE_DEVICES) before Ray masks them
     env = launcher_env({**os.environ, "PATH": path, "FLWR_HOME": str(home),
                         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
                         "PYTHONUNBUFFERED": "1"})     # progress lines reach a redirected log as they come
-    gpu_check_at_start(merged_run_config(app, overrides), n, launcher_cuda_problem(env))
-    link = None
+    gpu_check_at_start(merged_run_config(app, overrides), n, *launcher_cuda(env))
+    build_first(merged_run_config(app, overrides))
+    merged = merge_flower_config(app, home, connection)
+    print(f"[ftis-fed] FLWR_HOME={home}: flower.toml's connections merged into {merged}", flush=True)
+    token = env[LAUNCH_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
+    cli_env = env
+    if address:                                                  # the user's config.toml keeps its address
+        cli_env = {**env, "FLWR_HOME": str(launch_flower_home(app, home, connection, address, token))}
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():   # SIGTERM / SIGHUP end it as Ctrl-C does
+        handlers = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    started_link: list = []
+    run_ids: list = []
+    interrupted = False
+    try:
+        return _launch(app, connection, conn, n, actors, out, overrides, home, env, cli_env, reuse_superlink,
+                       stream, started_link, run_ids)
+    except KeyboardInterrupt as e:                               # Ctrl-C, SIGTERM, SIGHUP
+        interrupted = True
+        signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+        print(f"\n[ftis-fed] {signal.Signals(signum).name}: stopping the run and everything this launcher "
+              "started", file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:
+        if handlers:                                             # a second signal does not cut the cleanup short
+            handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+            for sig in handlers:
+                signal.signal(sig, signal.SIG_IGN)
+        link = started_link[0] if started_link else None
+        keep = keep_superlink and not interrupted               # an interrupted launch keeps nothing
+        try:
+            if interrupted and run_ids and link is None:         # a SuperLink it did not start stays up
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run([_flwr_bin("flwr"), "stop", str(run_ids[0]), connection], env=cli_env,
+                                   capture_output=True, timeout=60)
+            if link is not None and not keep:
+                stop(link)
+                (home / OWNER_FILE).unlink(missing_ok=True)
+            if not keep:
+                left = end_launched(token)
+                if left:
+                    print(f"[ftis-fed] ended {len(left)} process(es) of this launch still running "
+                          f"(pids {', '.join(map(str, sorted(left)))})", file=sys.stderr, flush=True)
+        finally:
+            if cli_env is not env:
+                shutil.rmtree(cli_env["FLWR_HOME"], ignore_errors=True)
+            for sig, old_handler in handlers.items():
+                signal.signal(sig, old_handler)
+
+
+def _launch(app: Path, connection: str, conn: dict, n: int, actors: int, out: str, overrides: dict, home: Path,
+            env: dict, cli_env: dict, reuse_superlink: bool, stream: bool, started_link: list,
+            run_ids: list) -> int:
+    """Start (or reuse) the SuperLink (``env``), submit the run, stream its log, return its exit status
+    (the ``flwr`` commands with ``cli_env``); what it started goes into ``started_link`` /
+    ``run_ids`` as it happens, for ``simulate``'s cleanup."""
     if conn.get("ftis-managed"):
         link = acquire_superlink(conn["address"], home, env, reuse_superlink)
+        if link is not None:
+            started_link.append(link)
     else:
         print(f"[ftis-fed] SuperLink: connection {connection!r} at {conn.get('address')} (not started by ftis-fed)",
               flush=True)
+    cmd = [_flwr_bin("flwr"), "run", str(app), connection, "--format", "json",
+           "--federation-config", f"num-supernodes={n} init-args-num-cpus={actors} client-resources-num-cpus=1"]
+    for item in run_config_items(overrides):
+        cmd += ["--run-config", item]
+    print("[ftis-fed] " + " ".join(cmd), flush=True)
+    started = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
     try:
-        cmd = [_flwr_bin("flwr"), "run", str(app), connection, "--format", "json",
-               "--federation-config", f"num-supernodes={n} init-args-num-cpus={actors} client-resources-num-cpus=1"]
-        for item in run_config_items(overrides):
-            cmd += ["--run-config", item]
-        print("[ftis-fed] " + " ".join(cmd), flush=True)
-        started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        try:
-            run_id = json.loads(started.stdout)["run-id"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            print(started.stdout + started.stderr, file=sys.stderr)
-            return 2
-        if run_id is None:
-            print(started.stdout + started.stderr, file=sys.stderr)
-            return 2
-        print(f"[ftis-fed] run {run_id}: {n} participants, results in {out}", flush=True)
-        if stream:
-            subprocess.run([_flwr_bin("flwr"), "log", run_id, connection, "--stream"], env=env)
-        while True:
-            status = run_status(connection, run_id, env)
-            if str(status.get("status", "")).startswith("finished"):
-                break
-            time.sleep(2)
-        print(f"[ftis-fed] run {run_id}: {status['status']} {status.get('status-details', '')} "
-              f"elapsed {float(status.get('elapsed', 0)):.0f} s", flush=True)
-        return 0 if status["status"] == "finished:completed" else 1
-    finally:
-        if link is not None and not keep_superlink:
-            stop(link)
-            (home / OWNER_FILE).unlink(missing_ok=True)
+        run_id = json.loads(started.stdout)["run-id"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        print(started.stdout + started.stderr, file=sys.stderr)
+        return 2
+    if run_id is None:
+        print(started.stdout + started.stderr, file=sys.stderr)
+        return 2
+    run_ids.append(run_id)
+    print(f"[ftis-fed] run {run_id}: {n} participants, results in {out}", flush=True)
+    if stream:
+        subprocess.run([_flwr_bin("flwr"), "log", run_id, connection, "--stream"], env=cli_env)
+    while True:
+        status = run_status(connection, run_id, cli_env)
+        if str(status.get("status", "")).startswith("finished"):
+            break
+        time.sleep(2)
+    print(f"[ftis-fed] run {run_id}: {status['status']} {status.get('status-details', '')} "
+          f"elapsed {float(status.get('elapsed', 0)):.0f} s", flush=True)
+    return 0 if status["status"] == "finished:completed" else 1
 
 
 def simulate_inprocess(app: str | Path = ".", run_config: list[str] | None = None, preset: str | None = None) -> int:

@@ -151,6 +151,13 @@ class FederationConfig:
         folder with ``public/<participant>.pub`` (and, on each node, its own
         ``private/<participant>.key``); '' = simulation: generate a fresh set in output-dir/keys.""")
     threads: int = knob("threads", 0, "torch threads per participant process, >= 0 (0 = cores / participants).")
+    requires_gpu: bool = knob("requires-gpu", False, """
+        the run needs CUDA GPUs (the GPU presets set it): a participant whose ``device`` is ``auto``
+        on a machine where no CUDA device is visible stops the run before it starts (``ftis-fed sim``
+        checks before Flower starts; a worker started by plain ``flwr run`` refuses with the same
+        line) instead of running on the CPU; ``device = "cpu"`` (or ``p<i>-device``) runs that
+        participant on the CPU all the same. false = ``auto`` falls back to the CPU. ``cuda`` /
+        ``cuda:N`` always need the GPU they name.""")
     worker_idle_timeout_s: float = knob("worker-idle-timeout-s", 1800.0, """
         a participant process with no request for this long exits (the end-of-run message normally
         stops it first), > 0.""")
@@ -640,6 +647,22 @@ def offline_model_names() -> list[str]:
     from ftis_fed.policies import models            # importing it registers the derived and sized builders
 
     return sorted(models.OFFLINE_MODELS)
+
+
+def models_to_build(run_config: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Simulation: the registered offline models the run's participants use that are not in the
+    cache yet (built on first use, which can take minutes), each with the participants using it."""
+    from ftis_fed.policies.store import is_built
+
+    names = set(offline_model_names())
+    fed = federation_from_run_config(run_config)
+    members = participant_names(run_config)
+    todo: dict[str, list[str]] = {}
+    for i, who in enumerate(members):
+        model = participant_spec(run_config, {"partition-id": i, "num-partitions": len(members)}, fed).policy.model
+        if model in names and not is_built(model):
+            todo.setdefault(model, []).append(who)
+    return todo
 
 
 def check_model(value: str, key: str = "model", participant: str = "") -> None:

@@ -170,9 +170,24 @@ def count_visible(env: Mapping[str, str], python: str | None = None, ask_child: 
     return int(cuda_probe(env, python)["count"])
 
 
+def no_gpu_refusal(setting: str, cuda_count: int, requires_gpu: bool = False, key: str = "device",
+                   env: Mapping[str, str] | None = None) -> str | None:
+    """One line saying why a participant with device ``setting`` must not start with ``cuda_count``
+    visible CUDA devices, or None: ``cuda`` / ``cuda:N`` with none visible, or ``auto`` with none
+    visible when the run says ``requires-gpu = true`` (a GPU preset). ``cpu`` is never refused."""
+    v = parse_device(setting, key)
+    if cuda_count > 0 or v == "cpu" or (v == "auto" and not requires_gpu):
+        return None
+    why = ("requires-gpu = true (this run needs a GPU)" if v == "auto"
+           else "names a CUDA device")
+    return (f"{key}={setting!r}: {why}, but no CUDA device is visible on this machine "
+            f"({_describe_visible(0, env)}); set {key}='cpu' to run on the CPU")
+
+
 def worker_device(setting: str, env: Mapping[str, str], key: str = "device",
                   count: int | None = None, index: int = 0,
-                  driver: Driver | None = None, probe: dict | None = None) -> tuple[dict[str, str], str, str]:
+                  driver: Driver | None = None, probe: dict | None = None,
+                  requires_gpu: bool = False) -> tuple[dict[str, str], str, str]:
     """Everything a participant worker does about its device, before anything initialises CUDA:
     select it among the devices ``env`` shows (``count`` asked with ``count_visible`` when None;
     ``auto`` spread by ``index``), then narrow the view to it. Returns (environment to apply, device
@@ -181,7 +196,9 @@ def worker_device(setting: str, env: Mapping[str, str], key: str = "device",
     A setting that wants CUDA (``auto``, ``cuda:N``) on a machine whose driver shows GPUs
     (``driver``, read with ``nvidia_driver`` when None) that this process cannot use raises
     :class:`DeviceError` with one line saying why (``cuda_problem``; ``probe``: ``cuda_probe``'s
-    answer, asked when None): a GPU machine never runs such a participant on the CPU silently.
+    answer, asked when None): a GPU machine never runs such a participant on the CPU silently. On a
+    machine without GPUs, ``cuda:N`` and (with ``requires_gpu``) ``auto`` raise it too
+    (``no_gpu_refusal``).
     """
     if parse_device(setting, key) == "cpu":
         n = 0
@@ -196,6 +213,9 @@ def worker_device(setting: str, env: Mapping[str, str], key: str = "device",
                 why = cuda_problem(driver, probe, env)
                 if why:
                     raise DeviceError(f"{key}={setting!r}: {why}; set {key.split(': ')[-1]}='cpu' to run on the CPU")
+            refusal = no_gpu_refusal(setting, 0, requires_gpu, key, env)
+            if refusal:
+                raise DeviceError(refusal)
     chosen = select_device(setting, n, key=key, env=env, index=index)
     pinned, local = pin_env(env, chosen)
     return pinned, local, chosen
@@ -282,6 +302,16 @@ def cuda_problem(driver: Driver, probe: Mapping[str, object], env: Mapping[str, 
                        f"built for CUDA {driver.cuda or 'your driver'}")
     said = str(probe.get("warning") or "").strip()
     return head + f"torch {tv} (CUDA {tc}) sees none" + (f": {said}" if said else " (torch.cuda.is_available() is False)")
+
+
+def launcher_cuda(env: Mapping[str, str], driver: Driver | None = None) -> tuple[str | None, int]:
+    """(``cuda_problem``, visible CUDA device count) for a process started with ``env``, asked in a
+    child only when the driver shows GPUs (so it costs nothing on a machine without them)."""
+    driver = nvidia_driver() if driver is None else driver
+    if not driver.gpus:
+        return None, 0
+    probe = {"count": 0} if visible_ids(env) == [] else cuda_probe(env)
+    return cuda_problem(driver, probe, env), int(probe.get("count") or 0)
 
 
 def launcher_cuda_problem(env: Mapping[str, str], driver: Driver | None = None) -> str | None:

@@ -125,6 +125,11 @@ OFFLINE_MODELS: dict[str, Callable[[Path], None]] = {
 }
 
 
+def is_built(name: str) -> bool:
+    """Whether the registered offline model ``name`` is in the cache already (not built on use)."""
+    return (cache_root() / "models" / name / "config.json").exists()
+
+
 def resolve_model(name: str) -> str:
     """A participant's ``model`` setting -> something ``from_pretrained`` loads without a hub.
 

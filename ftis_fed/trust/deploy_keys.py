@@ -29,6 +29,7 @@ import hashlib
 import ipaddress
 import os
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +123,9 @@ def generate_tls(out_dir: str | os.PathLike, hosts: list[str], days: int = 365, 
     from an organisation-wide CA; every participant then trusts exactly this CA."""
     if not hosts:
         raise ValueError("hosts: give at least one address or DNS name the SuperNodes will connect to")
+    if not 1 <= days <= 3650:
+        raise ValueError(f"--days {days}: must be in [1, 3650] (the certificates are valid from now for that "
+                         "many days; an expired certificate makes every SuperNode's TLS handshake fail)")
     d = Path(out_dir)
     files = TlsFiles(d / "ca.crt", d / "ca.key", d / "server.crt", d / "server.key")
     if not overwrite and any(p.exists() for p in (files.ca_cert, files.server_cert)):
@@ -247,7 +251,17 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 
 def run_keys_cli(args: argparse.Namespace) -> int:
-    """Handler for ``ftis-fed keys ...``; returns the exit code."""
+    """Handler for ``ftis-fed keys ...``; returns the exit code (2 with one line for a bad argument,
+    an existing file or a missing key)."""
+    try:
+        return _run_keys(args)
+    except (ValueError, FileExistsError, FileNotFoundError, KeyError) as e:
+        text = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"ftis-fed keys {args.keys_command}: error: {text}", file=sys.stderr)
+        return 2
+
+
+def _run_keys(args: argparse.Namespace) -> int:
     if args.keys_command == "generate":
         for p in args.participants:
             paths = generate_keypair(p, args.dir, overwrite=args.force)
