@@ -2,13 +2,15 @@
 the beyond-the-paper goals), and ``verdicts`` that decides each from the paired per-prompt intervals.
 
 To add a claim, add a row. A claim compares method ``a`` with method ``b`` (``a − b``) on one held-out
-set (``id`` / ``ood``) for some participants (``who``: every participant, or the stronger partner
+set (``id`` / ``ood``; or ``updates``: ``a``'s update ratio to reach ``b``'s final ID accuracy,
+``grid.efficiency``, a ratio rather than points) for some participants (``who``: every participant, or the stronger partner
 before training) with one rule over each participant's 95 % interval (``RULES``) and one way of
 combining the participants' verdicts (``all`` of them must hold, or ``any`` one):
 
 - ``at_least``: held if the lower bound is ≥ ``margin``; not held if the upper bound is < ``margin``;
 - ``greater``: held if the lower bound is > ``margin``; not held if the upper bound is ≤ ``margin``;
 - ``less``: held if the upper bound is < ``margin``; not held if the lower bound is ≥ ``margin``;
+- ``at_most``: held if the upper bound is ≤ ``margin``; not held if the lower bound is > ``margin``;
 - else inconclusive; a participant for which neither method solved a single prompt of the set (0 for
   both: a floor at which the claim cannot show) is inconclusive too.
 
@@ -48,7 +50,12 @@ class Claim:
     only_if_run: bool = False  # a row only when the grid ran a and b (the horizontal claim)
 
 
-RULES = {"at_least": at_least, "greater": greater_than, "less": less_than}
+def at_most(lo: float, hi: float, bound: float) -> str:
+    """Claim "value <= bound": ``at_least`` of the negated interval."""
+    return at_least(-hi, -lo, -bound)
+
+
+RULES = {"at_least": at_least, "greater": greater_than, "less": less_than, "at_most": at_most}
 COMBINE = {"all": all_of, "any": any_of}
 
 CLAIMS: tuple[Claim, ...] = (
@@ -69,13 +76,17 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("h", "horizontal groups: F-TIS/h ID ≥ Alone/h − 1 point (Alone/h: the full group of the shared "
           "prompts), every participant", REFERENCE + "/h", BASELINE + "/h", "id", "at_least", "all", "as claim 1",
           margin=-0.01, only_if_run=True),
+    Claim("7", "beyond the paper: with its peers' samples a participant reaches Alone's final ID accuracy in "
+          "≤ 60 % of Alone's updates (some participant)", REFERENCE, BASELINE, "updates", "at_most", "any",
+          "held: some t upper bound of the update ratio ≤ 0.6; not held: every lower bound > 0.6", margin=0.6),
 )
 
 
 def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str | None,
              beyond: str | None, claims: Sequence[Claim] = CLAIMS) -> list[dict]:
     """The verdict table: one row per claim (``claims``), each held / not held / inconclusive from the
-    95 % intervals (``lo``, ``hi``) of ``paired`` (rows of ``grid.tables.paired_prompt_table``)."""
+    95 % intervals (``lo``, ``hi``) of ``paired`` (rows of ``grid.tables.paired_prompt_table`` and of
+    ``grid.efficiency.efficiency_table``)."""
     by = {(r["a"], r["b"], r["participant"], r["set"]): r for r in paired}
     fill = {"stronger": stronger or "none: the participants tie before training", "beyond": beyond or "none run"}
     rows = []
@@ -92,11 +103,14 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
                 vs.append(MISSING)
                 texts.append(f"{p}: –")
                 continue
-            floor = r["a_acc"] == 0 and r["b_acc"] == 0          # nothing solved by either: untestable
+            floor = c.set != "updates" and r["a_acc"] == 0 and r["b_acc"] == 0   # nothing solved: untestable
             vs.append(INCONCLUSIVE if floor else rule(r["lo"], r["hi"], c.margin))
-            texts.append(f"{p}: " + ("0 % for both (floor)" if floor else
-                                     f"{100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}]")
-                         + f" ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
+            if c.set == "updates":
+                value = f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}], reached in {r['reached']}"
+            else:
+                value = "0 % for both (floor)" if floor else \
+                    f"{100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}]"
+            texts.append(f"{p}: {value} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
         rows.append({"claim": c.id, "statement": c.statement.format(**fill),
                      "comparison": f"{a} − {c.b}, {c.set.upper()}", "verdict": COMBINE[c.combine](vs),
                      "interval": "; ".join(texts), "rule": c.how})

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from ftis_fed.grid.claims import BEYOND, REFERENCE, verdicts
+from ftis_fed.grid.efficiency import efficiency_table
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import initial_eval, num, read_rows
 from ftis_fed.grid.tables import (DIAGNOSTICS, METRICS, _mean_sd, cell_results, family_table, paired_prompt_table,
@@ -37,7 +38,8 @@ def _ci(r: dict) -> str:
 def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
                      title: str, initial: dict[str, dict] | None = None,
                      diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
-                     families: Sequence[dict] = (), verdict_rows: Sequence[dict] = ()) -> str:
+                     families: Sequence[dict] = (), verdict_rows: Sequence[dict] = (),
+                     efficiency: Sequence[dict] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -113,6 +115,16 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
             row.append(f"[{100 * r['t_lo']:+.1f}, {100 * r['t_hi']:+.1f}]" if r and math.isfinite(r["t_lo"]) else "–")
             row += [_ci(by[(a, b, p, k)]) if (a, b, p, k) in by else "–" for k in fams]
             lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    if efficiency:
+        lines += ["## Sample efficiency: updates to reach Alone's final ID accuracy (`grid/efficiency.py`)", "",
+                  "Per seed in which Alone gained over the accuracy before training (only those): the first evaluated "
+                  "round at which the method's ID accuracy is ≥ Alone's final ID accuracy of that seed, over Alone's updates (1.00: not reached within Alone's budget, counted "
+                  "as 1); mean and 95 % t interval over the seeds; resolution: the evaluation rounds.", "",
+                  "| method | participant | seeds | reached | mean ratio [95 % t] | per seed |", "|---|---|---|---|---|---|"]
+        for r in efficiency:
+            ci = f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if math.isfinite(r["lo"]) else f"{r['diff']:.2f}"
+            lines.append(f"| {r['a']} | {r['participant']} | {r['seeds']} | {r['reached']} | {ci} | {r['ratios']} |")
         lines.append("")
     if diagnostics:
         lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
@@ -227,7 +239,9 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str) -> dict:
     methods = {c.method for c in cells}
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
-    verdict_rows = verdicts(prompt_paired, participants, stronger_participant(initial), beyond) if prompt_paired else []
+    efficiency = efficiency_table(cells, out, initial)
+    verdict_rows = verdicts([*prompt_paired, *efficiency], participants, stronger_participant(initial),
+                            beyond) if prompt_paired else []
     _write_csv(out / "cells.csv", results)
     _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd"} for r in summary] +
                [{**r, "kind": "paired_diff"} for r in paired] +
@@ -236,11 +250,12 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str) -> dict:
                [{**r, "kind": "train_diagnostics"} for r in diagnostics] +
                [{**r, "kind": "paired_prompts"} for r in prompt_paired] +
                [{**r, "kind": "family"} for r in families] +
+               [{**r, "kind": "efficiency"} for r in efficiency] +
                [{**r, "kind": "verdict"} for r in verdict_rows])
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
-                                                     prompt_paired, families, verdict_rows))
+                                                     prompt_paired, families, verdict_rows, efficiency))
     plot(summary, cells, out)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
-            "verdicts": verdict_rows}
+            "verdicts": verdict_rows, "efficiency": efficiency}
 

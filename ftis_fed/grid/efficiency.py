@@ -1,0 +1,80 @@
+"""Sample efficiency: how many updates a method needs to reach what training alone reached at its end.
+
+For one participant and seed, alone's *target* is its final held-out ID accuracy ``a_T`` after its
+``T`` updates (the last evaluated round). A method *reaches* it at the first evaluated round ``r``
+(1 <= r <= T) whose ID accuracy is >= ``a_T``; its **update ratio** is ``r / T`` (a round is one update
+per participant). A method that never reaches it within alone's budget gets ratio 1 (reached at the
+end at best): that is the conservative value for the claim "reaches alone's final accuracy in <= 60 %
+of alone's updates", which holds for a participant when the 95 % t interval of its ratios over the
+seeds lies at or below 0.6. The ratio means something only where alone learned: a seed counts only
+when alone's final accuracy is above the participant's accuracy before training (the grid's shared
+evaluation before round 1); with no such seed there is no row. The resolution is the evaluation grid (``eval-every``): with an evaluation
+every ``k`` rounds a ratio is a multiple of ``k / T``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+from ftis_fed.grid.plan import Cell, method_order
+from ftis_fed.grid.records import num, participant_rows, read_rows
+from ftis_fed.grid.stats import t_interval
+
+METRIC = "eval/id/accuracy"
+
+
+def id_curves(rows: Sequence[dict]) -> dict[str, list[tuple[int, float]]]:
+    """participant -> [(round, ID accuracy)] of its evaluations after training (round >= 1), by round."""
+    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in participant_rows(rows, "eval"):
+        v = num(r.get(METRIC))
+        if int(r.get("round", 0)) >= 1 and math.isfinite(v):
+            out[r["participant"]].append((int(r["round"]), v))
+    return {p: sorted(c) for p, c in out.items()}
+
+
+def update_ratio(curve: Sequence[tuple[int, float]], target: float, budget: int) -> tuple[float, bool]:
+    """(r / budget, reached) for the first evaluated round r <= budget with accuracy >= target;
+    (1.0, False) when no evaluation within the budget reaches it."""
+    for rnd, acc in curve:
+        if rnd <= budget and acc >= target:
+            return rnd / budget, True
+    return 1.0, False
+
+
+def efficiency_table(cells: Sequence[Cell], out: Path, initial: dict[str, dict], baseline: str = "alone") -> list[dict]:
+    """One row per method (other than ``baseline``, same grouping) × participant: per seed the update
+    ratio against the baseline's own final accuracy of that seed (module docstring), their mean and
+    95 % t interval over the seeds both finished in which the baseline gained over ``initial`` (the
+    evaluation rows before training, by participant), and how many of them reached the target."""
+    curves: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
+    for c in cells:
+        if (out / "cells" / c.name / "done.json").exists():
+            for p, curve in id_curves(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")).items():
+                curves[(c.method, p, c.seed)] = curve
+    rows = []
+    methods = sorted({m for m, _, _ in curves}, key=method_order)
+    for m in methods:
+        base = baseline + ("/h" if m.endswith("/h") else "")
+        if m == base:
+            continue
+        for p in sorted({q for _, q, _ in curves}):
+            start = num(initial.get(p, {}).get(METRIC))
+            seeds = sorted(s for (mm, q, s) in curves if mm == m and q == p and (base, p, s) in curves
+                           and math.isfinite(start) and curves[(base, p, s)][-1][1] > start)
+            if not seeds:
+                continue
+            ratios, reached = [], 0
+            for s in seeds:
+                budget, target = curves[(base, p, s)][-1]
+                ratio, ok = update_ratio(curves[(m, p, s)], target, budget)
+                ratios.append(ratio)
+                reached += ok
+            mean, lo, hi = t_interval(ratios)
+            rows.append({"a": m, "b": base, "participant": p, "set": "updates", "seeds": len(seeds),
+                         "reached": reached, "diff": mean, "lo": lo, "hi": hi,
+                         "ratios": " ".join(f"{x:.2f}" for x in ratios)})
+    return rows
