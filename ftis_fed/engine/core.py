@@ -45,7 +45,7 @@ from ftis_fed.config.federation import FederationConfig, to_jsonable
 from ftis_fed.tasks.identity import signed_run_id
 from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
-from ftis_fed.trust.receive import resolve_task, run_tasks
+from ftis_fed.receive.frames import resolve_task, run_tasks
 from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, phase_summary, summarize_sources
 from ftis_fed.metrics.sinks import open_sinks, parse_report_to
 from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_run_id, verify_challenge, verify_frame

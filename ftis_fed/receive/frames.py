@@ -1,4 +1,5 @@
-"""A receiver's whole path from peers' signed frames to the batches it trains on.
+"""A receiver's path from peers' signed frames to the batches it trains on (the receiver room's first step;
+``ftis_fed/receive/checks.py`` then runs the registered checks on their samples).
 
 Trust nothing a peer says that the receiver can check itself; no peer's input can end or stall the
 round. For each frame, on its own (``receive``):
@@ -119,10 +120,9 @@ class Received:
     weights: list[tuple[np.ndarray, ...] | None] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def sample_weights(self, offset: int = 0) -> dict[tuple[int, int], np.ndarray]:
-        """``samples_from_batches``' ``sample_weights`` for these batches placed at ``offset`` onwards."""
-        return {(offset + bi, gi): w for bi, ws in enumerate(self.weights) if ws is not None
-                for gi, w in enumerate(ws)}
+    def weights_of(self, batch: CompletionBatch) -> tuple[np.ndarray, ...] | None:
+        """The re-verification weights of ``batch`` (one of ``batches``, by identity), or None."""
+        return next((w for b, w in zip(self.batches, self.weights) if b is batch), None)
 
 
 @dataclass
