@@ -147,6 +147,17 @@ def _loaded(info: Mapping[str, Any]) -> str:
     return f" (model loaded in {s:.1f} s)" if isinstance(s, (int, float)) and not isinstance(s, bool) else ""
 
 
+def budget_rejections(rows: list[dict]) -> dict[str, int]:
+    """Per participant of a round's rows: the peer batches it dropped past its time budget
+    (``offpolicy/rejected/time_budget``), those with any."""
+    out = {}
+    for r in rows:
+        n = r.get("offpolicy/rejected/time_budget", 0)
+        if isinstance(n, (int, float)) and n > 0:
+            out[str(r.get("participant"))] = int(n)
+    return out
+
+
 class Engine:
     """See the module docstring.
 
@@ -594,6 +605,11 @@ class Engine:
         self.log(INFO, "round %d/%d: %d replies, %d dropped, %d rejected, %.0f bytes relayed, %.1f s", rnd,
                  self.fed.num_rounds, int(fed_row.get("fed/replies", 0)), sum(stats.dropped.values()),
                  int(fed_row["fed/rejected"]), fed_row.get("fed/bytes_relayed", 0.0), fed_row["fed/round_seconds"])
+        late = budget_rejections(rows)
+        if late:
+            self.log(WARNING, "round %d: receivers dropped %d peer batches past their time budget "
+                     "(reverify-time-budget-s = %g s; slow reward functions?): %s", rnd, sum(late.values()),
+                     self.fed.reverify.time_budget_s, ", ".join(f"{p} {n}" for p, n in sorted(late.items())[:8]))
         if len(rows) > CONSOLE_ROWS:                     # many participants: aggregates and the extremes
             for key, label in (("reward/mean", "reward"), ("train/loss", "loss"), ("train/peer_samples", "peers"),
                                ("offpolicy/ratio_mean", "ratio")):
