@@ -42,7 +42,7 @@ from ftis_fed.policies import build_policy
 from ftis_fed.policies.share import CardInfo, make_shareable, update_card
 from ftis_fed.receive.checks import Receiver, Update, after_step, build_checks, checks_state, restore_checks, run_checks
 from ftis_fed.receive.frames import ReceiverContext, receive
-from ftis_fed.tasks.identity import signed_run_id, split_run_id
+from ftis_fed.trust.run_id import signed_run_id, split_run_id
 from ftis_fed.trust.attacks import Attacker, payload_poisoner
 from ftis_fed.learn.rollouts import scored_groups
 from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key,

@@ -22,7 +22,7 @@ from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.learn.objective import compute_advantages
 from ftis_fed.participant import Participant
 from ftis_fed.policies.config import PolicyConfig
-from ftis_fed.tasks.identity import signed_run_id, split_run_id
+from ftis_fed.trust.run_id import signed_run_id, split_run_id
 from ftis_fed.tasks.resolve import TaskRefused, TaskResolver
 from ftis_fed.tasks.reward_funcs import RewardFuncs, combine
 from ftis_fed.tasks.user import _load_rows, load_rows

@@ -274,6 +274,7 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     directory, and the number of participants; the whole run config validated first (ValueError,
     one line). Imports the config dataclasses, nothing heavier; builds and loads no model."""
     from ftis_fed.config.federation import MAX_PARTICIPANTS, absolute_paths, participant_names, validate_run_config
+    from ftis_fed.engine.schedules import get_schedule
 
     overrides = dict(overrides)                                  # what the user set (preset, --run-config)
     cfg = merged_run_config(app, overrides)
@@ -286,7 +287,8 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     overrides.update(absolute_paths({k: cfg[k] for k in ("task-data", "task-eval-data", "task-rewards")
                                      if cfg.get(k)}, {})[0])    # your own task's files, likewise
     cfg = merged_run_config(app, overrides)
-    validate_run_config(cfg, explicit=overrides)
+    fed = validate_run_config(cfg, explicit=overrides)
+    get_schedule(fed.scheme)                                   # the engine's check of the scheme name, before starting
     return overrides, len(participant_names(cfg))
 
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping
 from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import BatchValidationError
 from ftis_fed.config.federation import FederationConfig, to_jsonable
-from ftis_fed.tasks.identity import signed_run_id
+from ftis_fed.trust.run_id import signed_run_id
 from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.receive.frames import resolve_task, run_tasks

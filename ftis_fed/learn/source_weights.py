@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ftis_fed.config.knobs import knob
+from ftis_fed.knobs import knob
 
 SOURCE_ADAPT_MODES = ("off", "kl", "guard")
 

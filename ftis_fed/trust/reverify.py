@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, PromptGroup
-from ftis_fed.config.knobs import knob
+from ftis_fed.knobs import knob
 from ftis_fed.tasks.rewards import Verifier
 
 REVERIFY_ACTIONS = ("replace", "downweight", "drop", "off")
