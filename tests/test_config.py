@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from ftis_fed.config.federation import (KEYS, MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS,
-                             RUN_KNOBS, check_model, config_reference, federation_from_run_config,
-                             offline_model_names, participant_names, participant_spec, pyproject_disagreements,
-                             validate_run_config)
+                             RUN_KNOBS, federation_from_run_config, participant_names, participant_spec,
+                             pyproject_disagreements, validate_run_config)
+from ftis_fed.config.models_check import check_model, offline_model_names
+from ftis_fed.config.reference import config_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
@@ -43,7 +44,7 @@ def test_a_disagreement_between_pyproject_and_the_declarations_is_named(change, 
 
 def test_configuration_doc_is_current():
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    assert doc == config_reference(), "regenerate: python -m ftis_fed.config.federation > docs/configuration.md"
+    assert doc == config_reference(), "regenerate: python -m ftis_fed.config.reference > docs/configuration.md"
     for key, k in RUN_KNOBS.items():
         assert f"| `{key}` |" in doc and k.help, key
     for key in PER_PARTICIPANT_KEYS:

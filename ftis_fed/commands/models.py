@@ -2,7 +2,7 @@
 
 A participant given a hub id loads it with ``from_pretrained`` during ``hello``, inside the run's
 participant wait: a multi-GB first download there gets the participant dropped. So runs refuse a hub
-id that is not cached (``ftis_fed.config.federation.check_model``), and this command is the step before the
+id that is not cached (``ftis_fed.config.models_check.check_model``), and this command is the step before the
 run (simulation and deployment alike): it downloads with progress (huggingface_hub's bars on
 stderr) into the cache the participants read, or fails with one clear line.
 
@@ -29,7 +29,7 @@ class HubFetchError(RuntimeError):
 
 
 def _is_hub_id(value: str) -> bool:
-    from ftis_fed.config.federation import _HUB_ID
+    from ftis_fed.config.models_check import _HUB_ID
 
     return bool(_HUB_ID.match(value)) and not value.startswith(".") and not Path(value).expanduser().exists()
 
