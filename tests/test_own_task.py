@@ -305,7 +305,7 @@ def test_the_example_preset_validates_offline(monkeypatch):
     """``ftis-fed sim --preset own-task`` from the repository root: the whole run config checks
     (models offline, data and reward functions load), paths made absolute for the workers."""
     monkeypatch.chdir(ROOT)
-    overrides, n = checked_run_config(ROOT, layered_overrides(ROOT, [], preset="own-task"))
+    overrides, n, _ = checked_run_config(ROOT, layered_overrides(ROOT, [], preset="own-task"))
     assert n == 2 and overrides["task-data"] == str(EXAMPLE / "data.jsonl")
     assert overrides["task-rewards"].split(",")[0] == f"{EXAMPLE / 'rewards.py'}:correct_answer"
 

@@ -1,5 +1,9 @@
 """Every knob of a run, built from the Flower run config (and a SuperNode's node config) in one place.
 
+Why ~740 lines: it holds the run's dataclass key declarations (each key declared once, where other
+engineers add theirs) and their whole-run checks; the docs generator (``reference.py``), the model
+check (``models_check.py``) and GPU shares (``gpu_shares.py``) are their own modules.
+
 Each run-config key is declared once, as a dataclass field made with ``ftis_fed.knobs.knob`` (key,
 default, help): ``FederationConfig`` below, ``ObjectiveConfig``, ``TaskSpec``, ``ReverifyConfig``,
 ``PolicyConfig`` and ``ParticipantSpec``. The key tables here, the error names, the reference in

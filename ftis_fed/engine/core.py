@@ -1,5 +1,9 @@
 """The round engine: admission, rounds, evaluation, metrics and resume; nothing of Flower.
 
+Why ~650 lines: the engine's state (members, pending frames, guard, stats) is one object that its
+phases share; the per-phase policy lives elsewhere (``schedules/``, ``relay.py``, ``membership.py``,
+``sampling.py``, ``validation.py``), what is left here is the state and its bookkeeping.
+
     Engine(fed, keys, out_dir, transport, declared=[...]).run()
 
 1. **Admission** (``hello``): wait until ``min-participants`` addresses are connected; send each a
