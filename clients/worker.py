@@ -365,7 +365,7 @@ class Worker:
         os.environ.update(pinned)                                # before anything initialises CUDA
         if (pspec.policy.backend == "vllm" and chosen.startswith("cuda") and not pspec.policy.gpu_memory_share
                 and "partition-id" in self.node_config):        # simulation: share the card with its peers
-            from ftis_fed.config.federation import run_memory_share
+            from ftis_fed.config.gpu_shares import run_memory_share
 
             share = run_memory_share(self.run_config, pspec.name, count_visible(seen))
             pspec = dataclasses.replace(pspec, policy=dataclasses.replace(pspec.policy, gpu_memory_share=share))

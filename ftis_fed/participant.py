@@ -40,16 +40,13 @@ from ftis_fed.learn.guard import GuardedUpdate, validation_prompts
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
 from ftis_fed.policies.share import CardInfo, make_shareable, push_export, update_card
-from ftis_fed.tasks.identity import signed_run_id, split_run_id
-from ftis_fed.trust.attacks import Poisoner, hostile_frames, parse_kinds, poison
-from ftis_fed.trust.receive import ReceiverContext, receive
+from ftis_fed.receive.checks import Receiver, Update, after_step, build_checks, checks_state, restore_checks, run_checks
+from ftis_fed.receive.frames import ReceiverContext, receive
+from ftis_fed.trust.run_id import signed_run_id, split_run_id
+from ftis_fed.trust.attacks import Attacker, payload_poisoner
 from ftis_fed.learn.rollouts import scored_groups_with_scores
 from ftis_fed.tasks.scores import per_function_metrics
 from ftis_fed.metrics.completions import append_log, completion_records
-from ftis_fed.learn.source_weights import SourceAdapter
-from ftis_fed.learn.modes import MODES
-from ftis_fed.learn.phrases import PhraseMonitor, check_batches
-from ftis_fed.learn.surprisal import needed_rows
 from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key,
                                    run_name_of, sign_batch, sign_challenge)
 from ftis_fed.learn.training import Trainer, samples_from_batches
@@ -140,11 +137,14 @@ class Participant:
         self.seq = 0
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
         self.completed_round = 0
-        self.adapt = SourceAdapter(fed.source_adapt, self.name)   # per-source weights (source-adapt)
         self.peer_models: dict[str, str] = {}               # peer -> model id of its accepted batches (card)
         self.heldout: dict[int, dict[str, float]] = {}      # round -> held-out accuracies (card)
         self.guarded = self._guarded() if fed.source_adapt.mode == "guard" else None
-        self.phrases = PhraseMonitor.from_config(fed.objective)   # the phrase check (None: off)
+        self.receiver = Receiver(self.name, fed, self.policy, self.verifier)   # what the receiver checks use
+        self.checks = build_checks(self.receiver)            # receive/: the checks on in this run, in order
+        self.attacker = (Attacker(spec.byzantine, self.key, lambda: payload_poisoner(fed, self.policy, self.verifier,
+                                                                                    self.name))
+                         if spec.byzantine else None)            # security experiments: trust/attacks.py
         if fed.resume and (self.state_dir / "participant.json").exists():
             self._load()
         self._rejoin()
@@ -213,7 +213,7 @@ class Participant:
     def generate(self, round: int, texts: bool | tuple[bool, ...]) -> tuple[list[bytes], dict[str, float]]:
         """Sample this round's prompts, reward them, sign the batch: one frame per entry of ``texts``
         (a bool = one frame; ``(False, True)`` = without and with the completion texts, same seq).
-        Returns (frames, metrics); an attacker (``byzantine``) returns what ``_attack`` makes of it."""
+        Returns (frames, metrics); an attacker (``byzantine``) sends what its ``attacks.Attacker`` makes of it."""
         variants = variants_of(texts)                           # the engine's reading of the same field
         if not 1 <= len(variants) <= 2:
             raise ValueError(f"texts={texts!r}: a bool or a list of one or two bools")
@@ -242,7 +242,12 @@ class Participant:
         signed = [sign_batch(batch, self.key, send_options(t), max_tokens=fed.max_batch_tokens) for t in variants]
         self.own[round] = batch
         attack: dict[str, float] = {}
-        frames = [f for t in variants for f in self._attack(batch, round, t, attack)] if self.spec.byzantine else signed
+        frames = signed
+        if self.attacker is not None:                           # what an attacker sends instead
+            frames = []
+            for t in variants:
+                frames += (sent := self.attacker.frames(batch, round, send_options(t), attack))
+                self.seq = batch.seq + len(sent) - 1
         n_tok = max(1, int(np.sum(lengths)))
         suffix = {False: "", True: "_texts"}
         rw = np.asarray(rewards)
@@ -262,39 +267,39 @@ class Participant:
 
     # ------------------------------------------------------------------ phase 2
     def learn(self, round: int, peer_frames: list[bytes], peer_round: int | None = None) -> dict[str, float]:
-        """Verify peers' frames (signature with the sender's key, replay, validation), re-check their
-        rewards, then one F-TIS update on my batch of ``round`` and the accepted peer batches."""
+        """Receive peers' frames of ``peer_round`` (default ``round``), run the receiver's checks on the
+        update's samples, then one F-TIS update on my batch of ``round`` and what the checks left."""
         if round <= self.completed_round:                   # trained on it before a restart: never twice
             self.own.pop(round, None)
             return {"train/already_trained": 1.0, "train/seconds": 0.0, "worker/pid": float(os.getpid())}
         t0 = time.perf_counter()
         own = self.own.pop(round, None)
         peer_round = round if peer_round is None else peer_round
-        batches = [self._local_budget(own)] if own is not None else []
+        # 1. receive: signature, bounds, task truth, rewards re-scored (receive/frames.py)
         recv = receive(peer_frames, peer_round, self.inbox, self._receiver_context(peer_round))
-        metrics: dict[str, float] = dict(recv.metrics)
-        weights = recv.sample_weights(offset=len(batches))
-        batches += recv.batches
         self.peer_models.update({b.sender: b.model_id for b in recv.batches})
-        if self.phrases is not None and not MODES[self.fed.objective.mode].local_only:
-            metrics.update(self._phrase_check(batches, weights))
-        exempt, n_exempt = self._surprisal_exempt(batches)
-        if exempt is not None:
-            metrics["train/surprisal_exempt"] = float(n_exempt)
+        batches = ([self._local_budget(own)] if own is not None else []) + recv.batches
+        # 2. samples (advantages per group), then every receiver check on them (receive/checks.py)
         samples = samples_from_batches(batches, self.name, self.policy.tokenizer_fp, self.fed.objective,
-                                       retokenize=self.policy.retokenize, sample_weights=weights, exempt=exempt)
-        samples = self.adapt.apply(samples)                 # source-adapt: peers' negative advantages x w_s
+                                       retokenize=self.policy.retokenize)
+        metrics: dict[str, float] = dict(recv.metrics)
+        metrics.update(run_checks(self.checks, samples, Update(self.receiver, recv, batches)))
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
+        # 3. train: one F-TIS step (source-adapt = guard: the guarded step, learn/guard.py)
         if samples:
             step = self.guarded.step if self.guarded is not None else self.trainer.step
             metrics.update(step(samples, self.fed.sampling))
-            self.adapt.observe(self.trainer.source_kl)
-            metrics.update(self.adapt.metrics())
+            metrics.update(after_step(self.checks, self.trainer))
         metrics["train/seconds"] = time.perf_counter() - t0
         metrics["train/steps"] = float(self.trainer.steps)   # optimizer steps so far, restored with the checkpoint
         metrics["worker/pid"] = float(os.getpid())
         metrics["worker/model_loads"] = float(self.model_loads)
+        self._round_done(round, metrics)
+        return metrics
+
+    def _round_done(self, round: int, metrics: dict[str, float]) -> None:
+        """After ``round``'s update: the rejoin counters, the checkpoint when due, the final export."""
         self.completed_round = round
         participant_state.save(self.state_dir, self.run_key, self.seq, self.completed_round, self.guard)
         if checkpoint_due(round, self.fed.num_rounds, self.fed.checkpoint_every):
@@ -307,35 +312,6 @@ class Participant:
             metrics["export/seconds"] = time.perf_counter() - t1
             if self.fed.eval_every <= 0:                    # no final evaluation to wait for: upload now
                 metrics.update(self._push())
-        return metrics
-
-    def _phrase_check(self, batches: list[CompletionBatch], weights: dict[tuple[int, int], np.ndarray]) -> dict[str, float]:
-        """``peer-phrase-ratio``: ``phrases.check_batches`` with this participant's decoding and verifier."""
-        tok = self.policy.tokenizer
-        return check_batches(self.phrases, batches, self.name, weights,
-                             lambda ids: tok.decode(list(ids), skip_special_tokens=True), self.verifier.reward)
-
-    def _surprisal_exempt(self, batches: list[CompletionBatch]) -> tuple[dict | None, int]:
-        """``peer-surprisal-max`` with ``peer-surprisal-keep-needed``: per peer group (same tokenizer),
-        which completions' surprising tokens (under this participant's current policy) their
-        receiver-recomputed reward needs (``learn/surprisal.py``); (None, 0) when the check is off."""
-        obj = self.fed.objective
-        if obj.peer_surprisal_max <= 0 or not obj.peer_surprisal_keep_needed:
-            return None, 0
-        tok, out, n = self.policy.tokenizer, {}, 0
-        for bi, b in enumerate(batches):
-            if b.sender == self.name or b.tokenizer_fp != self.policy.tokenizer_fp:
-                continue
-            for gi, g in enumerate(b.groups):
-                comps = [c.tolist() for c in g.completion_ids]
-                lp = self.policy.score_padded([g.prompt_ids.tolist()] * len(comps), comps, self.fed.sampling, False)
-
-                def reward(ids, g=g):
-                    return self.verifier.reward(g.task_id, tok.decode(list(ids), skip_special_tokens=True),
-                                                g.reference, g.prompt_text)
-                out[(bi, gi)] = needed_rows(comps, lp.tolist(), g.rewards.tolist(), obj.peer_surprisal_max, reward)
-                n += sum(out[(bi, gi)])
-        return out, n
 
     def _receiver_context(self, peer_round: int) -> ReceiverContext:
         """How this participant checks peers' batches of ``peer_round``. Horizontal groups: a peer's
@@ -370,39 +346,6 @@ class Participant:
         metrics = self.learn(round, peer_frames, peer_round=round - 1)
         metrics.update(gen_metrics)
         return frames, metrics
-
-    def _attack(self, batch: CompletionBatch, round: int, texts: bool, metrics: dict[str, float]) -> list[bytes]:
-        """An attacker's frames (security experiments): the corrupted batch, one frame per round; with
-        ``flood`` every even round is instead a flood of re-signed copies (which the server refuses
-        whole: a reply carries one frame), so the other attacks still reach the odd rounds. With
-        ``payload`` the batch is poisoned first (``attacks.poison``; ``attack/payload_completions``
-        in ``metrics`` counts the completions that carry the payload)."""
-        kinds = parse_kinds(self.spec.byzantine)
-        flood = "flood" in kinds and round % 2 == 0
-        lies = tuple(k for k in kinds if k not in ("flood", "payload")) + (("flood",) if flood else ())
-        if "payload" in kinds:
-            batch, n = poison(batch, self._poisoner(), (round - 1) * len(batch.groups))
-            metrics["attack/payload_completions"] = float(n)
-        frames = hostile_frames(batch, self.key, lies, flood=200, options=send_options(texts))
-        self.seq = batch.seq + len(frames) - 1
-        return frames
-
-    def _poisoner(self) -> Poisoner:
-        """The ``payload`` attack with this participant's tokenizer, verifier and model: the run's
-        ``attack-payload`` in its tokens, its claims its own model's log-probs of the new tokens."""
-        fed, pol, tok = self.fed, self.policy, self.policy.tokenizer
-        if not fed.attack_payload:
-            raise ValueError(f"participant {self.name!r}: byzantine='payload' needs attack-payload (the phrase)")
-
-        def score(prompt_ids, completions):
-            out = pol.score_padded([prompt_ids] * len(completions), completions, fed.sampling, False)   # (b,T)
-            return [row[:len(c)] for row, c in zip(out.tolist(), completions)]
-
-        return Poisoner(tuple(tok(fed.attack_payload, add_special_tokens=False)["input_ids"]),
-                        fed.attack_payload_share, fed.max_new_tokens, getattr(tok, "eos_token_id", None),
-                        lambda ids: tok.decode(list(ids), skip_special_tokens=True),
-                        lambda task, text, ref, prompt: bool(self.verifier.check(task, text, ref, prompt)[0]),
-                        score, fed.attack_payload_at)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, round: int) -> dict[str, float]:
@@ -478,9 +421,9 @@ class Participant:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.trainer.save(self.state_dir / "policy.pt")
         state = {"seq": self.seq, "completed_round": self.completed_round, "guard": self.guard.to_json(),
-                 "adapt": self.adapt.to_json(), "model_id": self.policy.model_id, "run_id": self.run_id,
+                 "checks": checks_state(self.checks), "model_id": self.policy.model_id, "run_id": self.run_id,
                  "peer_models": self.peer_models, "heldout": {str(k): v for k, v in self.heldout.items()},
-                 "run_key": self.run_key, "phrases": self.phrases.to_json() if self.phrases is not None else None}
+                 "run_key": self.run_key}
         atomic_write(self.state_dir / "participant.json", json.dumps(state))
 
     def _rejoin(self) -> None:
@@ -507,8 +450,8 @@ class Participant:
         self.completed_round = int(state["completed_round"])
         self.guard = ReplayGuard.from_json(state["guard"])
         self.run_id = str(state.get("run_id") or self.run_base)
-        self.adapt = SourceAdapter.from_json(self.fed.source_adapt, self.name, state.get("adapt"))
+        restore_checks(self.checks, state.get("checks") or {"source-adapt": state.get("adapt"),   # or before the room:
+                                                           "phrase": state.get("phrases")})     # its two states
         self.peer_models = dict(state.get("peer_models", {}))
         self.heldout = {int(k): v for k, v in state.get("heldout", {}).items()}
-        if self.phrases is not None and state.get("phrases"):
-            self.phrases = PhraseMonitor.from_json(self.fed.objective, state["phrases"])
+

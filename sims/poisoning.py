@@ -1,4 +1,7 @@
 """The poisoning experiment: a validly signing participant whose completions earn correct rewards
+
+Why ~530 lines: one experiment end to end (plan, run, summary, probes) in the file its docs name;
+its statistics and runner are ``commands/grid_stats.py`` and ``commands/experiment.py``'s.
 but carry a payload, against the honest receivers of the research tier, per method, with and without
 the receiver-side defence ``peer-surprisal-max`` (docs/security.md, "Poisoning with correct answers").
 
@@ -50,7 +53,8 @@ import numpy as np
 from ftis_fed.grid.plan import Cell, discover_cells
 from ftis_fed.grid.records import initial_eval, participant_rows, prompt_records, prompt_vectors, read_rows
 from ftis_fed.grid.report import PNG_META
-from ftis_fed.grid.run import inprocess_runner, run_grid, sim_runner
+from ftis_fed.commands.cells import inprocess_runner, sim_runner
+from ftis_fed.grid.run import run_grid
 from ftis_fed.grid.stats import paired_interval
 
 PRESET = "poisoning"

@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 
+from ftis_fed.commands import cells
 from ftis_fed.grid import plan as gplan, records, report, run as grun
 from ftis_fed.grid.plan import Cell, plan
 from ftis_fed.grid.report import write_summary
@@ -248,9 +249,9 @@ def test_sim_runner_passes_the_cell_and_runs_this_tree(tmp_path, monkeypatch):
             returncode = 0
         return R()
 
-    monkeypatch.setattr(grun.subprocess, "run", fake_run)
+    monkeypatch.setattr(cells.subprocess, "run", fake_run)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    run = grun.sim_runner(tmp_path, "grid-small", ["eval-size=8"], ["--keep-superlink", "--address", "h:1"])
+    run = cells.sim_runner(tmp_path, "grid-small", ["eval-size=8"], ["--keep-superlink", "--address", "h:1"])
     cell = Cell("F-TIS", "vertical", 2, eval_initial=False)
     (tmp_path / "c").mkdir()
     assert run(cell, tmp_path / "c", tmp_path / "c" / "run.log") == 0

@@ -57,9 +57,15 @@ def test_checked_run_config_makes_paths_absolute_and_counts_participants(tmp_pat
     model = tmp_path / "models" / "mine"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
-    overrides, n = launch.checked_run_config(ROOT, {"output-dir": "out/x", "p1-model": "./models/mine"})
+    from ftis_fed.config import federation
+
+    parses = []
+    real = federation.federation_from_run_config
+    monkeypatch.setattr(federation, "federation_from_run_config", lambda rc: parses.append(1) or real(rc))
+    overrides, n, fed = launch.checked_run_config(ROOT, {"output-dir": "out/x", "p1-model": "./models/mine"})
     assert n == 4 and overrides["output-dir"] == str(tmp_path / "out" / "x")
     assert overrides["p1-model"] == str(model)
+    assert len(parses) == 1 and fed.output_dir == overrides["output-dir"]     # parsed once; the launcher reuses it
 
 
 # ----------------------------------------------------------------------------- $FLWR_HOME/config.toml

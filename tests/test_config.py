@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from ftis_fed.config.federation import (KEYS, MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS,
-                             RUN_KNOBS, check_model, config_reference, federation_from_run_config,
-                             offline_model_names, participant_names, participant_spec, pyproject_disagreements,
-                             validate_run_config)
+                             RUN_KNOBS, federation_from_run_config, participant_names, participant_spec,
+                             pyproject_disagreements, validate_run_config)
+from ftis_fed.config.models_check import check_model, offline_model_names
+from ftis_fed.config.reference import config_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
@@ -43,7 +44,7 @@ def test_a_disagreement_between_pyproject_and_the_declarations_is_named(change, 
 
 def test_configuration_doc_is_current():
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    assert doc == config_reference(), "regenerate: python -m ftis_fed.config.federation > docs/configuration.md"
+    assert doc == config_reference(), "regenerate: python -m ftis_fed.config.reference > docs/configuration.md"
     for key, k in RUN_KNOBS.items():
         assert f"| `{key}` |" in doc and k.help, key
     for key in PER_PARTICIPANT_KEYS:
@@ -129,7 +130,6 @@ def test_deployment_node_config_wins():
     ("loss-mode", "FTIS", "loss-mode='FTIS': must be one of"),
     ("group-size", 1, "group-size=1: must be >= 2"),
     ("top-p", 1.5, "top-p=1.5: must be in (0, 1]"),
-    ("scheme", "async", "scheme='async': must be a registered schedule: pipelined, sync"),
     ("resume", "maybe", "resume='maybe': must be true or false"),
     ("num-rounds", 2.5, "num-rounds=2.5: must be an integer"),
     ("wait-for-participants-s", 0.0, "wait-for-participants-s=0.0: must be > 0"),
@@ -269,3 +269,13 @@ def test_evaluation_follows_the_trained_families_and_too_large_sets_fail_at_star
     with pytest.raises(ValueError, match=r"eval-size=64 .*task-families=add1.*only 22 distinct"):
         federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 64}).check_data()
     federation_from_run_config({**RUN_CONFIG, "task-families": "add1", "eval-size": 64, "eval-every": 0}).check_data()
+
+
+def test_the_scheme_name_is_checked_by_the_engine():
+    """config/ imports nothing of the engine: a registered schedule's name is the engine's check
+    (``get_schedule``, at ``Engine`` construction and in the launcher before anything starts)."""
+    from ftis_fed.engine.schedules import get_schedule
+
+    assert federation_from_run_config({"scheme": "async"}).scheme == "async"
+    with pytest.raises(ValueError, match=r"scheme='async': no such schedule \(registered: pipelined, sync\)"):
+        get_schedule("async")

@@ -169,7 +169,7 @@ def test_run_memory_share_splits_a_card_between_the_run_s_participants():
     import tomllib
     from pathlib import Path
 
-    from ftis_fed.config.federation import run_memory_share
+    from ftis_fed.config.gpu_shares import run_memory_share
     from ftis_fed.policies.devices import DeviceError
 
     cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
@@ -202,7 +202,8 @@ def test_run_memory_share_follows_the_spreading():
     import tomllib
     from pathlib import Path
 
-    from ftis_fed.config.federation import participant_names, run_memory_share
+    from ftis_fed.config.federation import participant_names
+    from ftis_fed.config.gpu_shares import run_memory_share
 
     cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     rc = dict(cfg["tool"]["flwr"]["app"]["config"])

@@ -23,7 +23,7 @@ from ftis_fed.wire.batch import CompletionBatch, make_group
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import PolicyConfig, build_policy
-from ftis_fed.trust.receive import UNVERIFIED, ReceiverContext, receive
+from ftis_fed.receive.frames import UNVERIFIED, ReceiverContext, receive
 from ftis_fed.trust.reverify import ReverifyConfig
 from ftis_fed.tasks.rewards import RewardRule, Verifier, answers_match, default_rules, extract_boxed
 from ftis_fed.trust.signing import KeyDirectory, generate_keypair, sign_body

@@ -22,7 +22,7 @@ from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.learn.objective import compute_advantages
 from ftis_fed.participant import Participant
 from ftis_fed.policies.config import PolicyConfig
-from ftis_fed.tasks.identity import signed_run_id, split_run_id
+from ftis_fed.trust.run_id import signed_run_id, split_run_id
 from ftis_fed.tasks.resolve import TaskRefused, TaskResolver
 from ftis_fed.tasks.reward_funcs import RewardFuncs, combine
 from ftis_fed.tasks.user import _load_rows, load_rows
@@ -305,7 +305,7 @@ def test_the_example_preset_validates_offline(monkeypatch):
     """``ftis-fed sim --preset own-task`` from the repository root: the whole run config checks
     (models offline, data and reward functions load), paths made absolute for the workers."""
     monkeypatch.chdir(ROOT)
-    overrides, n = checked_run_config(ROOT, layered_overrides(ROOT, [], preset="own-task"))
+    overrides, n, _ = checked_run_config(ROOT, layered_overrides(ROOT, [], preset="own-task"))
     assert n == 2 and overrides["task-data"] == str(EXAMPLE / "data.jsonl")
     assert overrides["task-rewards"].split(",")[0] == f"{EXAMPLE / 'rewards.py'}:correct_answer"
 

@@ -2,7 +2,7 @@
 peer repeats in its rewarded completions is flagged against the receiver's own completions and
 dropped when its reward does not need it; an honest specialist whose answers differ is not; memory is
 bounded whatever a peer sends. Pure pieces with the real verifier, then the real participant's update
-path (``Participant._phrase_check``) on research-tiny's models."""
+path (the ``phrase`` check of ``receive/phrase.py`` in ``Participant.learn``) on research-tiny's models."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ drops the payload samples without touching its own or honest ones.
 
 Pure pieces on hand-made tensors and the real verifier; then the attack through the real receive
 path (real keys, wire, re-verification) on ``tiny-arith`` (SmolLM2's tokenizer, SFT'd on add1 to
-answer then stop), and a whole in-process federation with an attacker (``Participant._poisoner``)."""
+answer then stop), and a whole in-process federation with an attacker (``attacks.payload_poisoner``)."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def test_the_payload_passes_every_receiver_check_and_the_receivers_own_surprisal
 
     from ftis_fed.learn.training import samples_from_batches
     from ftis_fed.trust.inbox import Inbox, InboxConfig
-    from ftis_fed.trust.receive import ReceiverContext, receive
+    from ftis_fed.receive.frames import ReceiverContext, receive
     from ftis_fed.trust.signing import KeyDirectory, sign_batch
 
     fed = FederationConfig(run_name="run-p", group_size=4, max_new_tokens=12, attack_payload=" HAIL",

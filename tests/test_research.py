@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ftis_fed.grid import plan as gplan, records, report, run as grun
+from ftis_fed.commands import cells
+from ftis_fed.grid import plan as gplan, records, report
 from ftis_fed.grid import stats as gs
 from ftis_fed.grid.plan import Cell, plan
 from ftis_fed.grid.run import run_grid
@@ -203,8 +204,8 @@ def test_flwr_run_gives_the_in_process_metrics(tmp_path, mode):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     extra = ["eval-seed=0", "num-rounds=2"]
-    runs = {"flwr": grun.sim_runner(ROOT, "research-tiny", extra, ["--address", f"127.0.0.1:{port}"]),
-            "inprocess": grun.inprocess_runner(ROOT, "research-tiny", extra)}
+    runs = {"flwr": cells.sim_runner(ROOT, "research-tiny", extra, ["--address", f"127.0.0.1:{port}"]),
+            "inprocess": cells.inprocess_runner(ROOT, "research-tiny", extra)}
     got = {}
     for name, runner in runs.items():
         d = tmp_path / name

@@ -41,16 +41,30 @@ def test_running_mean_per_source_ignores_self_and_bad_values():
     assert a.weights()["near"] == pytest.approx(math.exp(-0.1))
 
 
-def test_apply_scales_only_peers_negative_advantages():
-    a = SourceAdapter(SourceAdaptConfig("kl", tau=10.0, decay=1.0), receiver="me")
-    a.observe({"far": 10.0})
+def test_the_source_adapt_check_scales_only_peers_negative_advantages_on_the_samples():
+    """``receive/source_adapt.py``, the registered check: under ``kl`` a peer's negative advantage is
+    multiplied by w_s on the sample itself (its ``weight`` too); positive ones, the receiver's own and
+    every sample under ``off`` are left alone."""
+    from ftis_fed.config.federation import FederationConfig
+    from ftis_fed.receive.checks import Receiver, Update
+    from ftis_fed.receive.source_adapt import SourceAdapt
+
+    def check(mode):
+        fed = FederationConfig(source_adapt=SourceAdaptConfig(mode, tau=10.0, decay=1.0))
+        c = SourceAdapt.build(Receiver("me", fed, None, None))
+        c.restore({"kl": {"far": 10.0}, "updates": {"far": 1}})
+        return c
+
     samples = [_s("far", -1.0), _s("far", 0.5), _s("me", -1.0, local=True), _s("other", -2.0)]
-    out = a.apply(samples)
-    assert [s.advantage for s in out] == pytest.approx([-math.exp(-1), 0.5, -1.0, -2.0])
-    assert samples[0].advantage == -1.0                     # inputs untouched
-    off = SourceAdapter(SourceAdaptConfig("off"), receiver="me", kl={"far": 100.0})
-    assert [s.advantage for s in off.apply(samples)] == [-1.0, 0.5, -1.0, -2.0]
-    assert off.weight("far") == 1.0
+    kl = check("kl")
+    assert kl(samples, Update(kl.receiver)) == {}
+    assert [s.advantage for s in samples] == pytest.approx([-math.exp(-1), 0.5, -1.0, -2.0])
+    assert samples[0].weight == pytest.approx(math.exp(-1)) and samples[1].weight == 1.0
+    fresh = [_s("far", -1.0), _s("other", -2.0)]
+    off = check("off")
+    off(fresh, Update(off.receiver))
+    assert [s.advantage for s in fresh] == [-1.0, -2.0]
+    assert off.adapter.weight("far") == 1.0
 
 
 def test_state_round_trips_for_resume():
@@ -92,4 +106,4 @@ def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):
     alice.generate(1, False)
     m = alice.learn(1, bob.generate(1, False)[0])
     assert m["offpolicy/accepted"] == 1 and set(alice.trainer.source_kl) == {"bob"}
-    assert alice.adapt.kl == {"bob": max(0.0, m["offpolicy/bob/kl_mean"])} == {"bob": m["adapt/bob/kl_ema"]}
+    assert next(c for c in alice.checks if c.alias == "source-adapt").adapter.kl == {"bob": max(0.0, m["offpolicy/bob/kl_mean"])} == {"bob": m["adapt/bob/kl_ema"]}

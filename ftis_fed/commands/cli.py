@@ -40,7 +40,8 @@ def _eval(sub) -> None:
     p.add_argument("--app", default=".", help="the app folder whose pyproject.toml declares the keys (default: .)")
 
     def run(a):
-        from ftis_fed.learn.evaluation import run_eval_cli, run_task_eval_cli
+        from ftis_fed.commands.task_eval import run_task_eval_cli
+        from ftis_fed.learn.evaluation import run_eval_cli
 
         if a.preset or a.run_config:
             from pathlib import Path

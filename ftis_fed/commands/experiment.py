@@ -41,7 +41,8 @@ from pathlib import Path
 
 from ftis_fed.grid.plan import VARIANTS, discover_cells, parse_variant, plan
 from ftis_fed.grid.report import write_summary
-from ftis_fed.grid.run import inprocess_runner, run_grid, sim_runner
+from ftis_fed.commands.cells import inprocess_runner, sim_runner
+from ftis_fed.grid.run import run_grid
 from ftis_fed.learn.modes import MODES
 
 # ----------------------------------------------------------------------------- CLI

@@ -3,7 +3,7 @@
 
 A participant given a hub id loads it with ``from_pretrained`` during ``hello``, inside the run's
 participant wait: a multi-GB first download there gets the participant dropped. So runs refuse a hub
-id that is not cached (``ftis_fed.config.federation.check_model``), and this command is the step before the
+id that is not cached (``ftis_fed.config.models_check.check_model``), and this command is the step before the
 run (simulation and deployment alike): it downloads with progress (huggingface_hub's bars on
 stderr) into the cache the participants read, or fails with one clear line.
 
@@ -36,7 +36,7 @@ class HubFetchError(RuntimeError):
 
 
 def _is_hub_id(value: str) -> bool:
-    from ftis_fed.config.federation import _HUB_ID
+    from ftis_fed.config.models_check import _HUB_ID
 
     return bool(_HUB_ID.match(value)) and not value.startswith(".") and not Path(value).expanduser().exists()
 
@@ -115,7 +115,8 @@ def add_cli(sub) -> None:
 
     def build(a) -> int:
         from ftis_fed.commands.sim import build_models
-        from ftis_fed.config.federation import models_to_build, offline_model_names
+        from ftis_fed.config.federation import models_to_build
+        from ftis_fed.config.models_check import offline_model_names
         from ftis_fed.policies.store import is_built
 
         try:

@@ -50,6 +50,7 @@ import threading
 import time
 import tomllib
 from pathlib import Path
+from typing import Any
 from urllib.error import URLError
 from urllib.request import urlopen
 
@@ -349,11 +350,13 @@ def run_status(connection: str, run_id: str, env: dict) -> dict:
     return json.loads(r.stdout)["runs"][0]
 
 
-def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
+def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int, Any]:
     """``overrides`` with output-dir (and relative p<i>-model folders) made absolute against this
-    directory, and the number of participants; the whole run config validated first (ValueError,
-    one line). Imports the config dataclasses, nothing heavier; builds and loads no model."""
+    directory, the number of participants and the parsed run config (the launcher's one parse); the
+    whole run config validated first (ValueError, one line). Imports the config dataclasses, nothing
+    heavier; builds and loads no model."""
     from ftis_fed.config.federation import MAX_PARTICIPANTS, absolute_paths, participant_names, validate_run_config
+    from ftis_fed.engine.schedules import get_schedule
 
     overrides = dict(overrides)                                  # what the user set (preset, --run-config)
     cfg = merged_run_config(app, overrides)
@@ -366,8 +369,9 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int]:
     overrides.update(absolute_paths({k: cfg[k] for k in ("task-data", "task-eval-data", "task-rewards")
                                      if cfg.get(k)}, {})[0])    # your own task's files, likewise
     cfg = merged_run_config(app, overrides)
-    validate_run_config(cfg, explicit=overrides)
-    return overrides, len(participant_names(cfg))
+    fed = validate_run_config(cfg, explicit=overrides)
+    get_schedule(fed.scheme)                                   # the engine's check of the scheme name, before starting
+    return overrides, len(participant_names(cfg)), fed
 
 
 def gpu_check_at_start(cfg: dict, n: int, problem: str | None, cuda_count: int = 0) -> None:
@@ -463,10 +467,8 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
                          f"{sorted(k for k in flower['superlink'] if k != 'default')}")
     if address:
         conn = {**conn, "address": address}
-    overrides, n = checked_run_config(app, overrides)
-    from ftis_fed.config.federation import federation_from_run_config
-
-    per = federation_from_run_config(merged_run_config(app, overrides)).participants_per_worker
+    overrides, n, fed = checked_run_config(app, overrides)    # the run config parsed once, here
+    per = fed.participants_per_worker
     actors = -(-n // per)                                        # one ClientApp actor per worker process
     out = overrides["output-dir"]
     home = Path(os.environ.get("FLWR_HOME", app / ".flwr")).resolve()
@@ -581,7 +583,7 @@ def simulate_inprocess(app: str | Path = ".", run_config: list[str] | None = Non
     if not logging.getLogger().handlers:            # the engine's round lines, as flwr run's log has them
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = Path(app).resolve()
-    overrides, _ = checked_run_config(app, layered_overrides(app, list(run_config or []), preset))
+    overrides, _, _ = checked_run_config(app, layered_overrides(app, list(run_config or []), preset))
     cfg = merged_run_config(app, overrides)
     print(f"[ftis-fed] in-process run: results in {overrides['output-dir']}", flush=True)
     from ftis_fed.engine.core import RewardFunctionFailed

@@ -1,11 +1,17 @@
 """Every knob of a run, built from the Flower run config (and a SuperNode's node config) in one place.
 
-Each run-config key is declared once, as a dataclass field made with ``ftis_fed.config.knobs.knob`` (key,
+Why ~740 lines: it holds the run's dataclass key declarations (each key declared once, where other
+engineers add theirs) and their whole-run checks; the docs generator (``reference.py``), the model
+check (``models_check.py``) and GPU shares (``gpu_shares.py``) are their own modules.
+
+Each run-config key is declared once, as a dataclass field made with ``ftis_fed.knobs.knob`` (key,
 default, help): ``FederationConfig`` below, ``ObjectiveConfig``, ``TaskSpec``, ``ReverifyConfig``,
 ``PolicyConfig`` and ``ParticipantSpec``. The key tables here, the error names, the reference in
-``docs/configuration.md`` (``python -m ftis_fed.config.federation``) and the check of ``pyproject.toml``'s
+``docs/configuration.md`` (``python -m ftis_fed.config.reference``) and the check of ``pyproject.toml``'s
 ``[tool.flwr.app.config]`` (``tests/test_config.py``: same keys, same defaults) derive from those
-declarations. Constructing a config does no I/O; ``validate_run_config`` checks a whole run config,
+declarations. This module declares and checks; the docs generator is ``config/reference.py``, the
+check that models resolve offline (HF cache probing) ``config/models_check.py``, a participant's GPU
+memory share ``config/gpu_shares.py``. Constructing a config does no I/O; ``validate_run_config`` checks a whole run config,
 the data it reads included (``FederationConfig.check_data``), before anything starts. Participants:
 
 - simulation: participant ``i`` (Flower partition id ``i``) reads ``p<i>-<key>`` (e.g. ``p2-quant``)
@@ -22,7 +28,6 @@ app bundle) has no cap and is read the same way in simulation and by a deploymen
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +35,9 @@ from typing import Any, Collection, Mapping
 
 from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.config import population
-from ftis_fed.config.knobs import Knob, knob, knobs
-from ftis_fed.config.trl_names import reference_section, trl_hint
+from ftis_fed.config.models_check import check_model
+from ftis_fed.knobs import Knob, knob, knobs
+from ftis_fed.config.trl_names import trl_hint
 from ftis_fed.learn.modes import MODES
 from ftis_fed.learn.objective_config import ObjectiveConfig
 from ftis_fed.metrics.sinks import parse_report_to
@@ -216,9 +222,9 @@ class FederationConfig:
         need(self.num_rounds >= 1, "num_rounds", "must be >= 1")
         need(isinstance(self.log_completions, int) and not isinstance(self.log_completions, bool)
              and self.log_completions >= 0, "log_completions", "must be an integer >= 0 (0 = off)")
-        from ftis_fed.engine.schedules import SCHEDULES          # registered round schedules (one file each)
-
-        need(self.scheme in SCHEDULES, "scheme", f"must be a registered schedule: {', '.join(sorted(SCHEDULES))}")
+        # ``scheme`` names a registered round schedule: checked by the engine (``engine.schedules.get_schedule``,
+        # at ``Engine`` construction and by the launcher), so that config/ imports nothing of the engine
+        need(isinstance(self.scheme, str) and bool(self.scheme), "scheme", "must be a schedule's name")
         need(self.min_participants >= 1, "min_participants", "must be >= 1")
         need(self.wait_for_participants_s > 0, "wait_for_participants_s", "must be > 0")
         need(self.round_timeout_s > 0, "round_timeout_s", "must be > 0")
@@ -639,19 +645,10 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
 
 # ----------------------------------------------------------------------------- validation before a run
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def offline_model_names() -> list[str]:
-    """The registered offline models (``policies.models.OFFLINE_MODELS``, derived ones included)."""
-    from ftis_fed.policies import models            # importing it registers the derived and sized builders
-
-    return sorted(models.OFFLINE_MODELS)
-
-
 def models_to_build(run_config: Mapping[str, Any]) -> dict[str, list[str]]:
     """Simulation: the registered offline models the run's participants use that are not in the
     cache yet (built on first use, which can take minutes), each with the participants using it."""
+    from ftis_fed.config.models_check import offline_model_names
     from ftis_fed.policies.store import is_built
 
     names = set(offline_model_names())
@@ -663,47 +660,6 @@ def models_to_build(run_config: Mapping[str, Any]) -> dict[str, list[str]]:
         if model in names and not is_built(model):
             todo.setdefault(model, []).append(who)
     return todo
-
-
-def check_model(value: str, key: str = "model", participant: str = "") -> None:
-    """Cheap check that a participant's ``model`` resolves without a hub: a registered offline name,
-    an existing local model folder, or a hub id already in the local Hugging Face cache. Nothing is
-    built or loaded. Raises ValueError, one line naming the key (e.g. ``p3-model``), the value, the
-    participant and the offline names."""
-    names = offline_model_names()
-    if value in names:
-        return
-    offline = f"offline models: {', '.join(names)}"
-    who = f"{key}={value!r}" + (f" (participant {participant})" if participant else "")
-    path = Path(value).expanduser()
-    if path.is_dir():
-        if (path / "config.json").exists() or (path / "adapter_config.json").exists():
-            return
-        raise ValueError(f"{who}: the folder has no config.json (not a model folder); {offline}")
-    if path.exists():
-        raise ValueError(f"{who}: not a model folder (a file); {offline}")
-    if _HUB_ID.match(value) and not value.startswith("."):
-        if _in_hub_cache(value):
-            return
-        offline_mode = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-        why = "HF_HUB_OFFLINE is set" if offline_mode else "this run checks models before it starts, offline"
-        raise ValueError(f"{who}: a hub id that is not in the local Hugging Face cache ({why}): "
-                         f"download it first (ftis-fed models fetch {value}) or give a local folder; {offline}")
-    if "/" in value or value.startswith(("~", ".")):
-        raise ValueError(f"{who}: no such model folder; {offline}")
-    raise ValueError(f"{who}: unknown model (not an offline model, a local folder or a hub id); {offline}")
-
-
-def _in_hub_cache(repo_id: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return False
-    try:
-        got = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:                                    # malformed id, unreadable cache: not there
-        return False
-    return isinstance(got, str)
 
 
 def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | None = None,
@@ -832,94 +788,3 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, float) and obj == float("inf"):
         return "inf"
     return obj
-
-
-# ----------------------------------------------------------------------------- reference (docs/configuration.md)
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-_SECTIONS = {"": "Schedule, generation, budgets, evaluation (`FederationConfig`, ftis_fed/config/federation.py)",
-             "objective": "Objective (`ObjectiveConfig`, ftis_fed/learn/objective_config.py)",
-             "task": "Tasks (`TaskSpec`, ftis_fed/tasks/suite.py)",
-             "reverify": "Re-verification of claimed rewards (`ReverifyConfig`, ftis_fed/trust/reverify.py)",
-             "source_adapt": "Per-source adaptation, beyond the paper (`SourceAdaptConfig`, ftis_fed/learn/source_weights.py)"}
-
-
-def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
-    """Markdown reference of every key, from the declarations alone (``run_config`` is ignored; kept
-    for callers). ``python -m ftis_fed.config.federation`` prints docs/configuration.md."""
-    lines = ["# Configuration reference", "",
-             "Generated by `python -m ftis_fed.config.federation > docs/configuration.md` from the declarations "
-             "(`knob(...)` fields of the config dataclasses); `tests/test_config.py` checks that this file "
-             "is current and that `pyproject.toml` `[tool.flwr.app.config]` declares every key below with "
-             "the same default. Override any key with `ftis-fed sim --run-config \"key=value ...\"` (or "
-             "`flwr run . --run-config ...`); the whole configuration is checked before a run starts.", ""]
-    fed_knobs = list(knobs(FederationConfig))
-    for section, title in _SECTIONS.items():
-        lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
-        lines += [f"| `{k.key}` | `{_toml(toml_default(k))}` | {_cell(k.help)} |"
-                  for k in fed_knobs if k.section == section and k.run]
-        lines.append("")
-    lines += ["## Every participant's policy (`PolicyConfig`, ftis_fed/policies/config.py)", "",
-              "Run-wide defaults; `p<i>-<key>` overrides them per participant where listed below.", "",
-              "| key | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{k.key}` | `{_toml(toml_default(k))}` | {_cell(k.help)} |" for k in knobs(PolicyConfig) if k.run]
-    per = [k for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig)) if k.per_participant]
-    lines += ["", "## Participants", "",
-              f"Simulation: up to {MAX_PARTICIPANTS} participants, `p0` ... `p{MAX_PARTICIPANTS - 1}` (all declared "
-              "in `pyproject.toml`: Flower rejects undeclared run-config keys), one simulated SuperNode each. "
-              "Participant i reads `p<i>-<key>` for the keys below (`\"\"` or `-1` = the run-wide value); "
-              "`p<i>-model = \"\"` ends the list, so number them without gaps. Before the run starts each "
-              "participant's settings are built and its `model` must resolve offline (a registered offline "
-              "model, a local model folder, or a hub id already in the local Hugging Face cache).", ""]
-    lines += [f"- `p<i>-{k.key}`: {k.help}" for k in per]
-    lines += ["", "Population (no cap but memory): `population = \"sims/populations/NAME.toml\"` (a .toml, .json or "
-              ".yaml file relative to the app folder, carried in the app bundle; or the same table as inline JSON) "
-              "declares the participants instead of the `p<i>-*` keys, which must then stay unset. Each "
-              "`[[participants]]` entry has a `name`, a `count` (default 1; with more, the participants are "
-              "`<name>-0` ... `<name>-<count-1>`), any participant key (the `p<i>-` keys above without the "
-              "prefix, and every policy key, e.g. `lr` or `micro-batch`), and `overrides` (index in the entry -> "
-              "keys of that one participant); a `[defaults]` table applies to every entry. Entry values win over "
-              "the run-wide keys. Errors name the file, the entry and the field (`participants[2].lr`). A "
-              "deployment node whose `participant` is in the population starts from its row (its node config "
-              "wins). Format and example: `ftis_fed/config/population.py`, `sims/populations/`."]
-    node_only = [k for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig)) if not k.run and not k.per_participant]
-    lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
-              "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]
-    lines += [f"- `{k.key}`: {k.help}" for k in node_only]
-    lines += ["", *reference_section({k: v.default for k, v in RUN_KNOBS.items()})]
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover - documentation generator
-    print(config_reference(), end="")
-
-
-def run_memory_share(run_config: Mapping[str, object], participant: str, cuda_count: int) -> float:
-    """``participant``'s share of its card in a simulation: every declared participant's ``device``
-    resolved against ``cuda_count`` cards (``auto`` spread by partition id), an explicit ``gpu-memory-share`` kept, the others sharing
-    what is left of their card (``memory_shares``); 0.0 on the CPU. Its vLLM engine gets
-    ``ENGINE_FRACTION`` of it."""
-    from ftis_fed.policies.devices import memory_shares, select_device
-
-    fed = federation_from_run_config(run_config)
-    names = participant_names(run_config)
-    devices, explicit, engines = {}, {}, []
-    for pid, name in enumerate(names):
-        spec = participant_spec(run_config, {"partition-id": pid, "num-partitions": len(names)}, fed)
-        devices[name] = select_device(spec.policy.device, cuda_count, key=f"p{pid}-device", index=pid)
-        explicit[name] = spec.policy.gpu_memory_share
-        if spec.policy.backend == "vllm":
-            engines.append(name)
-    shares = memory_shares(devices, explicit, engines)
-    return shares[participant].share if participant in shares else 0.0

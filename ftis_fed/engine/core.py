@@ -1,5 +1,9 @@
 """The round engine: admission, rounds, evaluation, metrics and resume; nothing of Flower.
 
+Why ~650 lines: the engine's state (members, pending frames, guard, stats) is one object that its
+phases share; the per-phase policy lives elsewhere (``schedules/``, ``relay.py``, ``membership.py``,
+``sampling.py``, ``validation.py``), what is left here is the state and its bookkeeping.
+
     Engine(fed, keys, out_dir, transport, declared=[...]).run()
 
 1. **Admission** (``hello``): wait until ``min-participants`` addresses are connected; send each a
@@ -42,11 +46,11 @@ from typing import Any, Callable, Mapping
 from ftis_fed.atomic import atomic_write
 from ftis_fed.wire.batch import BatchValidationError
 from ftis_fed.config.federation import FederationConfig, to_jsonable
-from ftis_fed.tasks.identity import signed_run_id
 from ftis_fed.tasks.reward_funcs import REWARD_ERROR
+from ftis_fed.trust.run_id import signed_run_id
 from ftis_fed.trust.bounds import ReceiveBounds
 from ftis_fed.trust.inbox import Inbox, InboxConfig
-from ftis_fed.trust.receive import resolve_task, run_tasks
+from ftis_fed.receive.frames import resolve_task, run_tasks
 from ftis_fed.metrics.writer import FEDERATION, MetricsWriter, phase_summary, summarize_sources
 from ftis_fed.metrics.sinks import open_sinks, parse_report_to
 from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_run_id, verify_challenge, verify_frame
@@ -178,6 +182,17 @@ def _loaded(info: Mapping[str, Any]) -> str:
     """`` (model loaded in X s)`` from a hello's ``load_seconds``, if it carries a number."""
     s = info.get("load_seconds")
     return f" (model loaded in {s:.1f} s)" if isinstance(s, (int, float)) and not isinstance(s, bool) else ""
+
+
+def budget_rejections(rows: list[dict]) -> dict[str, int]:
+    """Per participant of a round's rows: the peer batches it dropped past its time budget
+    (``offpolicy/rejected/time_budget``), those with any."""
+    out = {}
+    for r in rows:
+        n = r.get("offpolicy/rejected/time_budget", 0)
+        if isinstance(n, (int, float)) and n > 0:
+            out[str(r.get("participant"))] = int(n)
+    return out
 
 
 class Engine:
@@ -644,6 +659,11 @@ class Engine:
         self.log(INFO, "round %d/%d: %d replies, %d dropped, %d rejected, %.0f bytes relayed, %.1f s", rnd,
                  self.fed.num_rounds, int(fed_row.get("fed/replies", 0)), sum(stats.dropped.values()),
                  int(fed_row["fed/rejected"]), fed_row.get("fed/bytes_relayed", 0.0), fed_row["fed/round_seconds"])
+        late = budget_rejections(rows)
+        if late:
+            self.log(WARNING, "round %d: receivers dropped %d peer batches past their time budget "
+                     "(reverify-time-budget-s = %g s; slow reward functions?): %s", rnd, sum(late.values()),
+                     self.fed.reverify.time_budget_s, ", ".join(f"{p} {n}" for p, n in sorted(late.items())[:8]))
         if len(rows) > CONSOLE_ROWS:                     # many participants: aggregates and the extremes
             for key, label in (("reward/mean", "reward"), ("train/loss", "loss"), ("train/peer_samples", "peers"),
                                ("offpolicy/ratio_mean", "ratio")):

@@ -53,16 +53,6 @@ def select_for_receiver(frames: Sequence[VerifiedFrame], receiver: str, budget: 
     return out
 
 
-def texts_needed(mode: str, tokenizer_fps: Sequence[str]) -> bool:
-    """Whether batches must carry completion texts (``wire-texts``): always / never / auto =
-    only when the participants do not all share one tokenizer."""
-    if mode == "always":
-        return True
-    if mode == "never":
-        return False
-    return len(set(tokenizer_fps)) > 1
-
-
 def receiver_needs_texts(mode: str, sender_fp: str, receiver_fp: str) -> bool:
     """Whether ``receiver`` must get a sender's completion texts (``wire-texts``): always / never /
     auto = only when its tokenizer differs from the sender's."""

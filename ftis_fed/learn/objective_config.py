@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ftis_fed.config.knobs import knob
+from ftis_fed.knobs import knob
 from ftis_fed.learn.modes import MODES
 
 #: ``ratio-level`` values: per token; per completion, summed log-ratio; per completion, mean (GSPO).

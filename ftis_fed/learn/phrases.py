@@ -24,8 +24,8 @@ receiver's own 2 ratio / min_share (320 at ratio 8), and only the first ``MAX_CH
 a completion are read.
 
 Pure apart from the counters' state: ``ngrams``, ``LossyCounter``, ``PhraseMonitor.flagged``,
-``strip_phrase`` and ``unearned`` take texts and a reward function; ``check_batches`` is the update's
-step (``Participant.learn``): count, flag, and zero the weights of the unearned.
+``strip_phrase`` and ``unearned`` take texts and a reward function; the update's step (count, flag,
+drop the unearned) is the receiver check ``receive/phrase.py``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
-
-import numpy as np
 
 #: markers of a completion's start and end, so a phrase at either edge is its own n-gram
 START, END = "\x02", "\x03"
@@ -195,40 +193,3 @@ def rewarded(rewards: Sequence[float]) -> list[bool]:
         return []
     mean = sum(float(r) for r in rewards) / len(rewards)
     return [float(r) > mean + 1e-9 for r in rewards]
-
-
-def check_batches(mon: PhraseMonitor, batches: Sequence, receiver: str, weights: dict[tuple[int, int], np.ndarray],
-                  decode: Callable[[Sequence[int]], str], reward: Callable[[str, str, str, str], float]) -> dict[str, float]:
-    """One update's phrase check. ``batches``: the update's ``CompletionBatch``es (the receiver's own,
-    sender ``receiver``, and the accepted peers', rewards already the receiver's own); counts the own
-    completions and each peer's rewarded ones, then sets to 0 in ``weights`` (``samples_from_batches``'
-    per (batch, group) multipliers, created where missing) every rewarded peer completion that carries
-    a phrase flagged for its sender and ``unearned``. decode(ids) -> text where a group carries no
-    texts; reward(task_id, text, reference, prompt_text) -> the receiver's own score.
-    -> ``phrase/<sender>/flagged`` (phrases), ``.../dropped`` (completions), ``.../dropped_frac``."""
-    def texts(g) -> list[str]:
-        return list(g.completion_texts) if g.completion_texts else [decode(c.tolist()) for c in g.completion_ids]
-
-    peers = [(bi, b) for bi, b in enumerate(batches) if b.sender != receiver]
-    for b in batches:
-        if b.sender == receiver:
-            for g in b.groups:
-                mon.observe_own(texts(g))
-    read = {(bi, gi): (texts(g), rewarded(g.rewards.tolist())) for bi, b in peers for gi, g in enumerate(b.groups)}
-    for bi, b in peers:
-        for gi in range(len(b.groups)):
-            mon.observe_peer(b.sender, [t for t, up in zip(*read[(bi, gi)]) if up])
-    metrics: dict[str, float] = {}
-    for bi, b in peers:
-        flagged, dropped = mon.flagged(b.sender), 0
-        for gi, g in enumerate(b.groups) if flagged else ():
-            w = np.array(weights.get((bi, gi), np.ones(g.size)), dtype=np.float64)
-            for i, (t, up) in enumerate(zip(*read[(bi, gi)])):
-                if up and w[i] != 0 and unearned(t, flagged, float(g.rewards[i]), lambda s, g=g: reward(
-                        g.task_id, s, g.reference, g.prompt_text)) is not None:
-                    w[i], dropped = 0.0, dropped + 1
-            weights[(bi, gi)] = w
-        metrics[f"phrase/{b.sender}/flagged"] = float(len(flagged))
-        metrics[f"phrase/{b.sender}/dropped"] = float(dropped)
-        metrics[f"phrase/{b.sender}/dropped_frac"] = dropped / max(1, b.num_completions)
-    return metrics

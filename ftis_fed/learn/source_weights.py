@@ -25,18 +25,17 @@ paper has it. It acts on advantages *after* group normalisation (so group statis
 paper's), and uses only what the receiver measured itself: a peer cannot raise its own weight.
 
 Pure: ``SourceAdapter`` holds the state; ``observe(kl_means)`` folds in one update's measurements,
-``weights()`` gives w_s, ``apply(samples)`` returns re-weighted samples, and ``to_json`` /
-``from_json`` carry it across a resume.
+``weights()`` gives w_s, and ``to_json`` / ``from_json`` carry it across a resume; the receiver check
+``receive/source_adapt.py`` applies w_s to the samples.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping
 
-from ftis_fed.config.knobs import knob
+from ftis_fed.knobs import knob
 
 SOURCE_ADAPT_MODES = ("off", "kl", "guard")
 
@@ -106,17 +105,6 @@ class SourceAdapter:
 
     def weights(self) -> dict[str, float]:
         return {s: self.weight(s) for s in sorted(self.kl)}
-
-    def apply(self, samples: Sequence) -> list:
-        """Samples with each peer's negative advantages multiplied by its weight (others unchanged).
-        Works on any dataclass with ``advantage``, ``source`` and ``local`` fields (``TrainSample``)."""
-        if self.cfg.mode != "kl":
-            return list(samples)
-        out = []
-        for s in samples:
-            w = 1.0 if s.local or s.advantage >= 0 else self.weight(s.source)
-            out.append(s if w == 1.0 else dataclasses.replace(s, advantage=s.advantage * w))
-        return out
 
     def metrics(self) -> dict[str, float]:
         """``adapt/<source>/weight`` and ``adapt/<source>/kl_ema`` for the round's metrics row."""

@@ -19,7 +19,7 @@ micro-batch losses add up to the full-batch loss), accumulates gradients, clips,
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
@@ -48,7 +48,10 @@ class TrainSample:
     implausible: the generator's claimed per-token log-probs (in its own tokenizer) include a value
         that is not finite or below ``objective.LOGP_GEN_FLOOR`` (see docs/method.md).
     surprisal_exempt: ``peer-surprisal-max`` keeps it: its surprising tokens are needed for its
-        reward (``learn/surprisal.py``).
+        reward (``receive/surprisal.py``).
+    weight: the product of the receiver checks' weights so far (``reweight``; 0 once ``drop``ped);
+        ``advantage`` already carries it. dropped: the reason of the check that dropped it, or "".
+    batch, group_index, index: where it came from (the ``CompletionBatch``, its group, the completion).
     """
 
     prompt_ids: list[int]
@@ -62,6 +65,22 @@ class TrainSample:
     group: str = ""
     implausible: bool = False
     surprisal_exempt: bool = False
+    weight: float = 1.0
+    dropped: str = ""
+    batch: CompletionBatch | None = field(default=None, repr=False, compare=False)
+    group_index: int = -1
+    index: int = -1
+
+    def reweight(self, w: float) -> None:
+        """Multiply the advantage by ``w`` (a receiver check's weight, applied in the checks' order)."""
+        self.advantage = self.advantage * w
+        self.weight = self.weight * w
+
+    def drop(self, reason: str) -> None:
+        """Leave the sample out of the update's gradient (advantage 0; it still counts in the
+        denominators, as a zero-advantage row), naming the check that dropped it."""
+        self.reweight(0.0)
+        self.dropped = self.dropped or reason
 
 
 #: retokenize(prompt_text, completion_text, ended) -> (prompt_ids, completion_ids) in the receiver's
@@ -105,9 +124,7 @@ def generator_claims_plausible(logprobs: np.ndarray) -> bool:
 
 
 def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, tokenizer_fp: str,
-                         cfg: ObjectiveConfig, retokenize: Retokenize | None = None,
-                         sample_weights: dict[tuple[int, int], np.ndarray] | None = None,
-                         exempt: dict[tuple[int, int], Sequence[bool]] | None = None) -> list[TrainSample]:
+                         cfg: ObjectiveConfig, retokenize: Retokenize | None = None) -> list[TrainSample]:
     """Rows for ``ftis_step`` from all batches of one update.
 
     receiver: this participant's id (its own batches are ``local``). In a local-only mode
@@ -115,9 +132,8 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
     retokenize(prompt_text, completion_text, ended) -> (prompt_ids, completion_ids) in the
         receiver's tokenizer; needed for batches whose ``tokenizer_fp`` differs (they must carry
         texts). ``ended`` says whether the sender's completion ended with EOS (``completion_ended``).
-    sample_weights[(batch_index, group_index)]: per-completion multipliers of the advantage
-        (down-weighting after reward disagreement), applied after normalisation.
-    exempt[(batch_index, group_index)]: per completion, ``TrainSample.surprisal_exempt``.
+    Every sample starts with weight 1; the receiver's checks (``ftis_fed/receive/``) then reweight or
+    drop samples on the sample itself, after normalisation.
 
     Advantage groups: ``vertical``, each (batch, group); ``horizontal``, every completion of the
     same task id, across senders (the mixed group of the paper's horizontal mode: participants take
@@ -136,7 +152,6 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
         eos = (b.eos_id if b.eos_id is not None else sender_eos_id(b)) if cross else None
         for gi, g in enumerate(b.groups):
             rewards = g.rewards
-            weights = (sample_weights or {}).get((bi, gi), np.ones(g.size))
             if cross and (not g.completion_texts or not g.prompt_text):
                 raise ValueError(f"batch from {b.sender!r}: cross-tokenizer use needs prompt_text and "
                                  "completion_texts in the batch")
@@ -150,18 +165,17 @@ def samples_from_batches(batches: Sequence[CompletionBatch], receiver: str, toke
                 group_key = f"{bi}/{gi}" if cfg.advantage_groups == "vertical" else g.task_id
                 rows.append(dict(prompt_ids=p_ids, completion_ids=c_ids, logp_gen=lp,
                                  seq_logp_gen=float(np.sum(g.logprobs[i], dtype=np.float64)),
-                                 reward=float(rewards[i]), weight=float(weights[i]), group=group_key,
+                                 reward=float(rewards[i]), group=group_key, batch=b, gi=gi, i=i,
                                  source=b.sender, local=b.sender == receiver, seq_level=cross,
-                                 implausible=not generator_claims_plausible(g.logprobs[i]),
-                                 exempt=bool((exempt or {}).get((bi, gi), [False] * g.size)[i])))
+                                 implausible=not generator_claims_plausible(g.logprobs[i])))
     if not rows:
         return []
     keys = {k: j for j, k in enumerate(dict.fromkeys(r["group"] for r in rows))}
     adv = compute_advantages(torch.tensor([r["reward"] for r in rows], dtype=torch.float64),
                              torch.tensor([keys[r["group"]] for r in rows]), cfg.scale_rewards)
     return [TrainSample(r["prompt_ids"], r["completion_ids"], r["logp_gen"], r["seq_logp_gen"],
-                        float(a) * r["weight"], r["source"], r["local"], r["seq_level"], str(r["group"]),
-                        r["implausible"], r["exempt"])
+                        float(a), r["source"], r["local"], r["seq_level"], str(r["group"]),
+                        r["implausible"], batch=r["batch"], group_index=r["gi"], index=r["i"])
             for r, a in zip(rows, adv.tolist())]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftis_fed.config.knobs import knob
+from ftis_fed.knobs import knob
 
 
 #: ``weights-dtype`` values -> the torch dtype name the model is loaded in

@@ -126,16 +126,6 @@ def select_device(value: str, cuda_count: int, key: str = "device",
     return v
 
 
-def cuda_device_count() -> int:
-    """Visible CUDA devices in this process (0 without torch or CUDA). Initialises CUDA here, after
-    which this process's CUDA_VISIBLE_DEVICES no longer matters: use ``count_visible`` before pinning."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 _PROBE = ("import json, warnings\n"
           "with warnings.catch_warnings(record=True) as w:\n"
           "    warnings.simplefilter('always')\n"

@@ -41,7 +41,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ftis_fed.config.knobs import knob
+from ftis_fed.knobs import knob
 from ftis_fed.tasks.prompt import Prompt
 from ftis_fed.tasks.benchmarks import BENCHMARKS, train_pool
 from ftis_fed.tasks.families import ID_FAMILIES, OOD_FAMILIES, Problem, get_family
@@ -301,7 +301,7 @@ class TaskSpec:
         return Verifier({**default_rules(), USER: self.user})
 
     def digest(self) -> str:
-        """The task's identity where node-local files define it (``tasks.identity``): a user task's
+        """The task's identity where node-local files define it (``trust.run_id``): a user task's
         ``UserTask.digest``; a benchmark's train items; '' for procedural tasks (the run config alone)."""
         if self.source == "procedural":
             return ""

@@ -22,7 +22,7 @@ peer's train id only to its own row (``known_tasks``) and refuses eval ids (``ta
 ``digest()`` is the task's identity: the rows (canonical JSON of every column of every row, train
 file and eval file), split, columns, families and the reward functions with their source and
 version. Participants announce it in hello and sign their batches for the run id bound to it
-(``tasks.identity.signed_run_id``), so a peer that reads another file or scores with another function is refused
+(``trust.run_id.signed_run_id``), so a peer that reads another file or scores with another function is refused
 by the server and by every receiver, by name (``task_mismatch``).
 """
 

@@ -26,7 +26,8 @@ batch into what a registered attacker could send, keeping it a *valid* batch (it
 Receivers must bound all of these (docs/security.md); tests, ``sims/byzantine.py`` (the reward
 lies) and ``sims/poisoning.py`` (the payload) use this module to show that they do. ``all`` is the
 Byzantine experiment's set (forge, inflate, logprobs, flood); ``payload`` needs the participant's
-tokenizer, verifier and scorer (``Participant._poisoner``), so it is named explicitly.
+tokenizer, verifier and scorer (``payload_poisoner``), so it is named explicitly. ``Attacker`` is what a
+participant with ``byzantine`` set sends instead of its honest frames.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def poisoned_group(index: int, share: float) -> bool:
 
 @dataclass(frozen=True)
 class Poisoner:
-    """What the ``payload`` attack needs of the attacking participant (``Participant._poisoner``).
+    """What the ``payload`` attack needs of the attacking participant (``payload_poisoner``).
 
     payload_ids: the phrase in the attacker's tokenizer (the receivers' too: token level).
     share: share of groups poisoned (``poisoned_group``), in (0, 1].
@@ -180,3 +181,51 @@ def hostile_frames(batch: CompletionBatch, key, kinds: Iterable[str], flood: int
     bad = corrupt(batch, kinds, poisoner, first_group)
     copies = flood if "flood" in kinds else 1
     return [sign_batch(dataclasses.replace(bad, seq=bad.seq + i), key, options) for i in range(copies)]
+
+
+class Attacker:
+    """A participant's hostile side (``byzantine`` set, the security experiments): what it sends instead
+    of its honest signed batch. One frame per round of the corrupted batch; with ``flood`` every even
+    round is instead a flood of re-signed copies (which the server refuses whole: a reply carries one
+    frame), so the other attacks still reach the odd rounds. With ``payload`` the batch is poisoned
+    first (``poison``; ``attack/payload_completions`` counts the completions that carry the payload).
+
+    spec: the ``byzantine`` value; key: the participant's signing key; poisoner: () -> the ``payload``
+    attack's ``Poisoner`` (the participant's tokenizer, verifier and model; built on first use)."""
+
+    def __init__(self, spec: str, key, poisoner: Callable[[], Poisoner]):
+        self.kinds = parse_kinds(spec)
+        self.key = key
+        self._make_poisoner = poisoner
+        self._poisoner: Poisoner | None = None
+
+    def frames(self, batch: CompletionBatch, round: int, options: WireOptions,
+               metrics: dict[str, float]) -> list[bytes]:
+        """The frames sent for ``batch`` of ``round``; their sequence numbers run from ``batch.seq``."""
+        flood = "flood" in self.kinds and round % 2 == 0
+        lies = tuple(k for k in self.kinds if k not in ("flood", "payload")) + (("flood",) if flood else ())
+        if "payload" in self.kinds:
+            if self._poisoner is None:
+                self._poisoner = self._make_poisoner()
+            batch, n = poison(batch, self._poisoner, (round - 1) * len(batch.groups))
+            metrics["attack/payload_completions"] = float(n)
+        return hostile_frames(batch, self.key, lies, flood=200, options=options)
+
+
+def payload_poisoner(fed, policy, verifier, name: str) -> Poisoner:
+    """The ``payload`` attack of participant ``name`` with its ``policy`` (tokenizer, scoring) and
+    ``verifier``: the run's ``attack-payload`` in its tokens, its claims its own model's log-probs of the
+    new tokens. ValueError when the run sets no ``attack-payload``."""
+    tok = policy.tokenizer
+    if not fed.attack_payload:
+        raise ValueError(f"participant {name!r}: byzantine='payload' needs attack-payload (the phrase)")
+
+    def score(prompt_ids, completions):
+        out = policy.score_padded([prompt_ids] * len(completions), completions, fed.sampling, False)   # (b,T)
+        return [row[:len(c)] for row, c in zip(out.tolist(), completions)]
+
+    return Poisoner(tuple(tok(fed.attack_payload, add_special_tokens=False)["input_ids"]),
+                    fed.attack_payload_share, fed.max_new_tokens, getattr(tok, "eos_token_id", None),
+                    lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+                    lambda task, text, ref, prompt: bool(verifier.check(task, text, ref, prompt)[0]),
+                    score, fed.attack_payload_at)

@@ -45,8 +45,8 @@ class ReceiveBounds:
     max_string_chars: characters of a task id or reference.
     max_frames_per_sender: signed frames one sender may deliver per round (1); the rest are refused
         (``too_many_frames``) whether or not the first was accepted. 0: no limit.
-    time_budget_s: wall-clock budget for the content checks of one batch (re-scoring); a batch that
-        exceeds it is dropped (``time_budget``), never the round.
+    time_budget_s: wall-clock budget for the content checks of one batch (re-scoring), from
+        ``reverify-time-budget-s``; a batch that exceeds it is dropped (``time_budget``), never the round.
     sampling: the run's sampling distribution; a batch claiming another is refused
         (``wrong_sampling``). None: not checked.
     """
@@ -82,7 +82,8 @@ class ReceiveBounds:
         groups, g, mnt = fed.task.prompts_per_round, fed.group_size, fed.max_new_tokens
         kwargs = dict(vocab_size=vocab_size, max_new_tokens=mnt, max_groups=groups, max_group_size=g,
                       max_completion_tokens=min(groups * g * mnt, fed.max_batch_tokens),
-                      max_text_chars=mnt * CHARS_PER_TOKEN, sampling=fed.sampling)
+                      max_text_chars=mnt * CHARS_PER_TOKEN, sampling=fed.sampling,
+                      time_budget_s=fed.reverify.time_budget_s)
         kwargs.update(overrides)
         return cls(**kwargs)
 

@@ -20,7 +20,7 @@ format's own limits and ``max_tokens`` apply.
 Reasons (``REASONS``): from the header and signature ``missing_field`` (no frame), ``undecodable``,
 ``unsupported_version``, ``too_large``, ``unknown_sender``, ``bad_signature``; from the run state
 ``quarantined``, ``wrong_run``, ``task_mismatch`` (the same run, signed for another task digest:
-``tasks.identity``), ``wrong_round``, ``replay``, ``too_many_frames``; from the content
+``trust.run_id``), ``wrong_round``, ``replay``, ``too_many_frames``; from the content
 (``CompletionBatch.validate``) ``missing_field``, ``bad_header``, ``bad_sampling``, ``bad_ids``,
 ``id_out_of_range``, ``length_mismatch``, ``bad_reward``, ``nonfinite_logprob``,
 ``positive_logprob``, ``too_large``, ``text_too_long`` (also: more than ``CHARS_PER_TOKEN`` characters
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ftis_fed.tasks.identity import task_mismatch
+from ftis_fed.trust.run_id import task_mismatch
 from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
 from ftis_fed.trust.bounds import CHARS_PER_TOKEN, ReceiveBounds
 from ftis_fed.trust.signing import ReplayGuard, verify_frame

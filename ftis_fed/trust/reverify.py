@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ftis_fed.wire.batch import BatchValidationError, CompletionBatch, PromptGroup
-from ftis_fed.config.knobs import knob
+from ftis_fed.knobs import knob
 from ftis_fed.tasks.rewards import Verifier
 
 REVERIFY_ACTIONS = ("replace", "downweight", "drop", "off")
@@ -58,6 +58,11 @@ class ReverifyConfig:
         a receiver ignores a sender for the rest of the run once this many of its signed batches
         disagreed (a claimed reward or reference differed from the receiver's own, or the batch was
         refused for its content), >= 0 (0: never quarantine).""")
+    time_budget_s: float = knob("reverify-time-budget-s", 10.0, """
+        seconds, > 0: wall-clock budget of a receiver's content checks and re-scoring of one peer batch
+        (the receiver's reward functions included, and the phrase check's re-scoring of that batch); a
+        batch past it is dropped (``offpolicy/rejected/time_budget``, shown on the console), never the
+        round. Raise it for slow reward functions.""")
 
     def __post_init__(self) -> None:
         if self.action not in REVERIFY_ACTIONS:
@@ -70,6 +75,9 @@ class ReverifyConfig:
             raise ValueError(f"reverify.disagree_weight={self.disagree_weight!r}: must be in [0, 1]")
         if self.on_unverifiable not in ("reject", "trust"):
             raise ValueError(f"reverify.on_unverifiable={self.on_unverifiable!r}: must be 'reject' or 'trust'")
+        if not (isinstance(self.time_budget_s, (int, float)) and not isinstance(self.time_budget_s, bool)
+                and math.isfinite(self.time_budget_s) and self.time_budget_s > 0):
+            raise ValueError(f"reverify-time-budget-s={self.time_budget_s!r}: must be a finite number of seconds > 0")
         if isinstance(self.quarantine_after, bool) or int(self.quarantine_after) != self.quarantine_after \
                 or self.quarantine_after < 0:
             raise ValueError(f"reverify.quarantine_after={self.quarantine_after!r}: must be an integer >= 0")
@@ -112,20 +120,22 @@ def checkable(batch: CompletionBatch, verifier: Verifier,
 
 def recompute_rewards(batch: CompletionBatch, verifier: Verifier,
                       decode: Callable[[Sequence[int]], str] | None = None,
-                      deadline: float | None = None) -> tuple[np.ndarray, ...]:
+                      deadline: float | None = None, own_ids: Sequence | None = None) -> tuple[np.ndarray, ...]:
     """Per group, (G,) float32 rewards by ``verifier``; NaN where a completion cannot be checked
     (``checkable``) or where the task's reward functions gave it no reward (TRL's None).
 
     deadline: a ``time.monotonic()`` value; past it, BatchValidationError ``time_budget`` (checked
     after every group, so one batch's scoring can never hold a round for long).
+    own_ids: per group, None or the completions' ids in the receiver's tokenizer (another tokenizer's
+        batch), given to the reward functions as ``completion_ids`` instead of the sender's.
     """
     out = []
     for gi, (g, ok) in enumerate(zip(batch.groups, checkable(batch, verifier, decode))):
         if not ok:
             out.append(np.full(g.size, np.nan, dtype=np.float32))
             continue
-        rewards = verifier.group_rewards(g.task_id, group_texts(g, decode), g.reference, g.prompt_text,
-                                         g.completion_ids)
+        ids = own_ids[gi] if own_ids is not None and own_ids[gi] is not None else g.completion_ids
+        rewards = verifier.group_rewards(g.task_id, group_texts(g, decode), g.reference, g.prompt_text, ids)
         if deadline is not None and time.monotonic() > deadline:
             raise BatchValidationError("time_budget", f"groups[{gi}]: re-scoring the batch ran past its "
                                                       "time budget")
@@ -135,16 +145,17 @@ def recompute_rewards(batch: CompletionBatch, verifier: Verifier,
 
 def reverify(batch: CompletionBatch, verifier: Verifier, config: ReverifyConfig = ReverifyConfig(),
              decode: Callable[[Sequence[int]], str] | None = None,
-             tokenizer_fp: str | None = None, deadline: float | None = None) -> ReverifyResult:
+             tokenizer_fp: str | None = None, deadline: float | None = None,
+             own_ids: Sequence | None = None) -> ReverifyResult:
     """Recompute ``batch``'s rewards with ``verifier`` and apply ``config.action``.
 
     decode: ids -> text, used for groups without ``completion_texts``.
     tokenizer_fp: the receiver's tokenizer fingerprint; when given and different from the batch's,
         ``decode`` is not used (it would decode someone else's ids) and such groups are unverifiable.
-    deadline: see ``recompute_rewards``.
+    deadline, own_ids: see ``recompute_rewards``.
 
     The reference and texts scored are the batch's: a receiver passes its own copy, with its own
-    reference and prompt for each task id and the texts it will train on (``receive.py``), so
+    reference and prompt for each task id and the texts it will train on (``receive/frames.py``), so
     nothing a sender claims about the truth is used.
 
     Metrics: ``reward/checked`` (completions recomputed), ``reward/disagreements``,
@@ -155,7 +166,7 @@ def reverify(batch: CompletionBatch, verifier: Verifier, config: ReverifyConfig 
     """
     if decode is not None and tokenizer_fp is not None and tokenizer_fp != batch.tokenizer_fp:
         decode = None
-    recomputed = recompute_rewards(batch, verifier, decode, deadline)
+    recomputed = recompute_rewards(batch, verifier, decode, deadline, own_ids)
     claimed = tuple(np.asarray(g.rewards, dtype=np.float32) for g in batch.groups)
 
     checked_mask = tuple(np.full(g.size, ok) for g, ok in zip(batch.groups, checkable(batch, verifier, decode)))

@@ -100,9 +100,6 @@ class PromptGroup:
     def num_completion_tokens(self) -> int:
         return int(sum(len(c) for c in self.completion_ids))
 
-    def sequence_logprobs(self) -> np.ndarray:
-        """(G,) float64 total log-prob of each completion under its generator."""
-        return np.array([float(np.sum(lp, dtype=np.float64)) for lp in self.logprobs])
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """Completion batches <-> compact, versioned, strictly bounded bytes (wire format v2; v1 read).
 
+Why one module of ~900 lines: the byte layout of both versions, their bounds and both directions
+(encode, decode) must be read side by side; splitting them would put a format's writer and reader in
+two files that must change together.
+
 A *frame* is what travels: ``body || signature`` where ``body = header || payload`` and the
 64-byte Ed25519 signature is made and checked by :mod:`ftis_fed.trust.signing`. This module only lays
 the bytes out and reads them back; it never trusts a length it has not checked against

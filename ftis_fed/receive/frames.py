@@ -1,4 +1,5 @@
-"""A receiver's whole path from peers' signed frames to the batches it trains on.
+"""A receiver's path from peers' signed frames to the batches it trains on (the receiver room's first step;
+``ftis_fed/receive/checks.py`` then runs the registered checks on their samples).
 
 Trust nothing a peer says that the receiver can check itself; no peer's input can end or stall the
 round. For each frame, on its own (``receive``):
@@ -23,7 +24,10 @@ round. For each frame, on its own (``receive``):
    completion and ``max_retokenized_batch_tokens`` per batch in the receiver's tokenizer:
    ``retokenized_too_long``).
 4. Rewards recomputed on that copy (``reverify``: replace / downweight / drop / off), within the
-   batch's time budget (``time_budget``).
+   batch's time budget (``reverify-time-budget-s``: ``time_budget``). Reward functions that take
+   ``completion_ids`` get the ids of the text the receiver will train on: the sender's ids (same
+   tokenizer: the text is their decoding), or the receiver's own tokenization of the carried text
+   (another tokenizer; never that sender's ids, which nothing here trains on).
 
 Any failure drops that frame with a named reason (an unexpected exception: ``internal_error``);
 the other frames go on. Every outcome is recorded per sender under ``trust/<sender>/...``
@@ -109,6 +113,8 @@ class Received:
     batches: the receiver's own copies of the accepted batches (its references, prompts, texts and
         recomputed rewards), in arrival order, ready for ``training.samples_from_batches``.
     weights: per batch, None or per group (G,) completion weights (``reverify-action = downweight``).
+    seconds: per batch, the wall-clock seconds its checks here took (of ``time_budget_s``; the
+        receiver checks' re-scoring gets the rest, ``receive/phrase.py``).
     metrics: ``offpolicy/received``, ``offpolicy/accepted``, ``offpolicy/rejected/<reason>``,
         ``reward/peer_checked``, ``reward/peer_disagreements`` and the per-sender trust record
         ``trust/<sender>/{accepted, rejected/<reason>, rewards_corrected, disagreements,
@@ -118,11 +124,15 @@ class Received:
     batches: list[CompletionBatch] = field(default_factory=list)
     weights: list[tuple[np.ndarray, ...] | None] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    seconds: list[float] = field(default_factory=list)
 
-    def sample_weights(self, offset: int = 0) -> dict[tuple[int, int], np.ndarray]:
-        """``samples_from_batches``' ``sample_weights`` for these batches placed at ``offset`` onwards."""
-        return {(offset + bi, gi): w for bi, ws in enumerate(self.weights) if ws is not None
-                for gi, w in enumerate(ws)}
+    def seconds_of(self, batch: CompletionBatch) -> float:
+        """The part of ``batch``'s time budget its checks here spent (0 for a batch not received here)."""
+        return next((t for b, t in zip(self.batches, self.seconds) if b is batch), 0.0)
+
+    def weights_of(self, batch: CompletionBatch) -> tuple[np.ndarray, ...] | None:
+        """The re-verification weights of ``batch`` (one of ``batches``, by identity), or None."""
+        return next((w for b, w in zip(self.batches, self.weights) if b is batch), None)
 
 
 @dataclass
@@ -131,6 +141,7 @@ class _Truth:
 
     forged_references: int = 0
     texts_disagree: int = 0
+    own_ids: list = field(default_factory=list)     # per group: another tokenizer's texts in the receiver's ids, or None
 
 
 def run_tasks(fed, known_tasks=None) -> TaskResolver:
@@ -176,6 +187,7 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
                                                               f"of task {g.task_id!r} ({g.prompt_ids.size} ids, "
                                                               f"expected {own.size})")
             texts = tuple(ctx.decode(ids.tolist()) for ids in g.completion_ids)
+            truth.own_ids.append(None)
             if g.completion_texts:
                 truth.texts_disagree += sum(a != b for a, b in zip(texts, g.completion_texts))
             g = dataclasses.replace(g, prompt_ids=own)
@@ -184,8 +196,11 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
                 raise BatchValidationError("prompt_mismatch", f"{where}.prompt_text: not the text of task "
                                                               f"{g.task_id!r}")
             texts = tuple(g.completion_texts)
+            ids = None
             if ctx.encode is not None:
-                retokenized += _retokenized_within(texts, ctx, where, retokenized)
+                n, ids = _retokenized_within(texts, ctx, where, retokenized)
+                retokenized += n
+            truth.own_ids.append(ids)
         groups.append(dataclasses.replace(g, reference=task.reference, prompt_text=task.text, completion_texts=texts))
         if deadline is not None and time.monotonic() > deadline:
             raise BatchValidationError("time_budget", f"{where}: checking the batch ran past its time budget")
@@ -200,13 +215,16 @@ def receiver_copy(acc: Accepted, ctx: ReceiverContext, deadline: float | None = 
     return batch, truth
 
 
-def _retokenized_within(texts: Sequence[str], ctx: ReceiverContext, where: str, so_far: int) -> int:
-    """Tokens the receiver's tokenizer makes of one group's completion texts; BatchValidationError
+def _retokenized_within(texts: Sequence[str], ctx: ReceiverContext, where: str,
+                        so_far: int) -> tuple[int, tuple[list[int], ...]]:
+    """Tokens the receiver's tokenizer makes of one group's completion texts, and those ids per
+    completion (what its reward functions get as ``completion_ids``); BatchValidationError
     ``retokenized_too_long`` above ``max_retokenized_tokens`` per completion or, with ``so_far``
     (the batch's earlier groups), ``max_retokenized_batch_tokens`` per batch."""
-    b, n = ctx.bounds, 0
+    b, n, out = ctx.bounds, 0, []
     for i, t in enumerate(texts):
-        k = len(ctx.encode(t))
+        out.append([int(x) for x in ctx.encode(t)])
+        k = len(out[-1])
         if k > b.max_retokenized_tokens:
             raise BatchValidationError("retokenized_too_long", f"{where}.completion_texts[{i}]: {len(t)} characters "
                                                                f"re-tokenize to {k} tokens here: limit "
@@ -215,7 +233,7 @@ def _retokenized_within(texts: Sequence[str], ctx: ReceiverContext, where: str, 
         if so_far + n > b.max_retokenized_batch_tokens:
             raise BatchValidationError("retokenized_too_long", f"{where}: the batch's texts re-tokenize to more than "
                                                                f"{b.max_retokenized_batch_tokens} tokens here")
-    return n
+    return n, tuple(out)
 
 
 def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx: ReceiverContext) -> Received:
@@ -238,7 +256,7 @@ def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx
                 raise BatchValidationError("own_batch_relayed", "the receiver's own batch came back from the relay")
             deadline = t0 + ctx.bounds.time_budget_s
             local, truth = receiver_copy(acc, ctx, deadline)
-            res = reverify(local, ctx.verifier, ctx.reverify, deadline=deadline)
+            res = reverify(local, ctx.verifier, ctx.reverify, deadline=deadline, own_ids=truth.own_ids)
             dis = int(res.metrics["reward/disagreements"])
             m["reward/peer_checked"] += res.metrics["reward/checked"]
             m["reward/peer_disagreements"] += dis
@@ -254,6 +272,7 @@ def receive(frames: Iterable[bytes | None], round: int | None, inbox: Inbox, ctx
                                                                   "receiver's: batch dropped (reverify-action=drop)")
             out.batches.append(res.batch)
             out.weights.append(res.weights)
+            out.seconds.append(time.monotonic() - t0)
             m["offpolicy/accepted"] += 1
             m[f"trust/{sender}/accepted"] += 1
         except BatchValidationError as e:
