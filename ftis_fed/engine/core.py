@@ -51,6 +51,7 @@ from ftis_fed.metrics.sinks import open_sinks, parse_report_to
 from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_run_id, verify_challenge, verify_frame
 from ftis_fed.wire.codec import parse_header
 from ftis_fed.engine.boundary import Boundary
+from ftis_fed.engine.draw import Draws, commitment
 from ftis_fed.engine.membership import Membership
 from ftis_fed.engine.metric_names import MetricNames
 from ftis_fed.engine.progress import PhaseProgress, name_list, spread
@@ -128,6 +129,13 @@ def hello_too_long(info: Mapping[str, Any]) -> str:
     return ""
 
 
+def short_reach(got: Mapping[str, int], senders: list[str], receivers: list[str], k: int) -> list[str]:
+    """Senders whose frame reached fewer than min(k, the other receivers) receivers (k <= 0: all of them)."""
+    rset = set(receivers)
+    return sorted(s for s in senders
+                  if got.get(s, 0) < (len(rset - {s}) if k <= 0 else min(k, len(rset - {s}))))
+
+
 def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
@@ -161,7 +169,8 @@ class Engine:
     def __init__(self, fed: FederationConfig, keys: KeyDirectory, out_dir: str | Path, transport: Transport,
                  declared: list[str] | None = None, budgets: Mapping[str, int] | None = None,
                  limits: ReplyLimits | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, log: LogFn | None = None, plots: bool = True):
+                 sleep: Callable[[float], None] = time.sleep, log: LogFn | None = None, plots: bool = True,
+                 entropy: Callable[[int], bytes] = secrets.token_bytes):
         self.fed = fed
         self.keys = keys
         self.out_dir = Path(out_dir)
@@ -195,6 +204,8 @@ class Engine:
         self.plots = plots
         self.fps: dict[str, str] = {}                   # participant -> tokenizer fingerprint (admitted ones)
         self.members = Membership(self)                 # sampling, late joiners, rejoiners, retirement
+        self.draws = Draws(entropy)                     # the rounds' committed seeds (engine.draw)
+        self.draw = b""                                 # this round's seed (revealed in its row)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -210,6 +221,8 @@ class Engine:
             self.log(INFO, "output folder already held %s (no resume): moved it to %s", old.name, new.name)
         self.log(INFO, "ftis-fed engine: scheme=%s, rounds=%d, G=%d, loss=%s, output=%s", fed.scheme,
                  fed.num_rounds, fed.group_size, fed.objective.mode, self.out_dir)
+        self.log(INFO, "round %d's draw (participant and peer sampling) commits to %s", self.start_round,
+                 self.draws.committed)
         self.admit()
         self.members.start()
         try:
@@ -234,7 +247,8 @@ class Engine:
     def run_round(self, rnd: int) -> RoundStats:
         t0, cpu0 = self.clock(), time.process_time()
         stats = RoundStats(rnd)
-        stats.fed.update(self.members.begin_round(rnd, boundary=rnd > self.start_round))
+        self.draw = self.draws.take()
+        stats.fed.update(self.members.begin_round(rnd, boundary=rnd > self.start_round, draw=self.draw))
         self.schedule(self, rnd, stats)
         self.members.end_round()
         stats.fed.update({"fed/participants": float(len(self.nodes)),
@@ -244,7 +258,10 @@ class Engine:
                           "fed/complete": float(stats.fed.get("fed/replies", 0.0) >= self.fed.min_participants)})
         stats.fed.update({f"fed/rejected/{k}": float(v) for k, v in stats.rejected.items()})
         stats.fed.update({f"fed/dropped/{k}": float(v) for k, v in stats.dropped.items()})
-        fed_row = {"round": rnd, "participant": FEDERATION, "phase": "train", **stats.fed}
+        fed_row: dict[str, Any] = {"round": rnd, "participant": FEDERATION, "phase": "train", **stats.fed}
+        if self.fed.fraction_train < 1 or self.fed.peers_per_round > 0:    # the draw decides something: audit it
+            fed_row.update({"fed/draw_seed": self.draw.hex(), "fed/draw_commit": commitment(self.draw),
+                            "fed/draw_commit_next": self.draws.committed})
         rows = list(stats.rows.values())
         self.writer.write(rows + [fed_row])
         self._log_round(rnd, rows, fed_row, stats)
@@ -433,7 +450,8 @@ class Engine:
         by_sender: dict[str, list[VerifiedFrame]] = {}
         for f in frames:
             by_sender.setdefault(f.sender, []).append(f)
-        plan = peer_plan(list(by_sender), [self.name(a) for a in receivers], self.fed.peers_per_round, self.fed.seed, rnd)
+        k = self.fed.peers_per_round
+        plan = peer_plan(list(by_sender), [self.name(a) for a in receivers], k, self.fed.seed, rnd, draw=self.draw)
         for i, addr in enumerate(receivers):
             name = self.name(addr)
             chosen = select_for_receiver([f for s in plan[name] for f in by_sender[s]], name,
@@ -455,9 +473,14 @@ class Engine:
                           "fed/frames_relayed": float(sum(len(q["frames"]) for q in requests.values()))})
         stats.fed.update(wire_metrics(sent))
         got = reach(plan)
+        short = short_reach(got, list(by_sender), list(plan), k)
         stats.fed.update({"fed/peers_per_receiver": float(sum(map(len, plan.values())) / max(1, len(plan))),
                           "fed/sender_reach_min": float(min((got.get(s, 0) for s in by_sender), default=0)),
-                          "fed/sender_reach_max": float(max((got.get(s, 0) for s in by_sender), default=0))})
+                          "fed/sender_reach_max": float(max((got.get(s, 0) for s in by_sender), default=0)),
+                          "fed/sender_reach_short": float(len(short))})
+        if short:
+            self.log(WARNING, "round %d %s: %d verified frame(s) reached fewer receivers than peers-per-round=%d "
+                              "asks: %s", rnd, action, len(short), k, name_list(short))
         self._log_phase(rnd, action, replies)
         for addr, r in list(replies.items()):
             name = self.name(addr)
@@ -613,6 +636,7 @@ class Engine:
         state: dict[str, Any] = {
             "completed_round": rnd, "run_name": self.fed.run_name, "run_id": self.run_id,
             "guard": self.guard.to_json(),
+            "draw_next": self.draws.to_json(), "lags": self.members.lags,
             "pending": [{"sender": f.sender, "round": f.round, "completions": f.completions, "tokens": f.tokens,
                          "frame": base64.b64encode(f.frame).decode(),
                          "frame_texts": base64.b64encode(f.frame_texts).decode() if f.frame_texts else None}
@@ -633,6 +657,9 @@ class Engine:
         frames = [(base64.b64decode(p["frame"]), base64.b64decode(p["frame_texts"]) if p.get("frame_texts") else None)
                   for p in state["pending"]]
         self.pending = [VerifiedFrame(parse_header(f, self.inbox.config.limits), f, t) for f, t in frames]
+        if state.get("draw_next"):                      # the committed seed of the next round, kept (engine.draw)
+            self.draws = Draws.from_json(state["draw_next"], self.draws.entropy)
+        self.members.lags = {str(k): float(v) for k, v in (state.get("lags") or {}).items()}
         self.completed_round = int(state["completed_round"])
         self.start_round = self.completed_round + 1
         self.log(INFO, "resume: round %d done, continuing at round %d", self.start_round - 1, self.start_round)

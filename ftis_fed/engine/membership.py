@@ -17,8 +17,10 @@ boundary, :meth:`Membership.begin_round`:
    admitted anew the same way before it is asked anything: with SuperNode authentication Flower
    binds the node id to the SuperNode's key, so a SuperNode killed and restarted comes back with
    the *same* node id, as a new process that must prove its key again (a rejoiner);
-3. **samples** the round's participants (``fraction-train``, ``min-train-participants``;
-   :mod:`ftis_fed.engine.sampling`).
+3. **samples** the round's participants (``fraction-train``, ``min-train-participants``): the ones
+   with the largest lag (fair share minus asks), ties in the round's committed draw
+   (:mod:`ftis_fed.engine.sampling`, :mod:`ftis_fed.engine.draw`); the lags are saved in
+   ``server_state.json``.
 
 A rejoiner continues from its own saved state (``ftis_fed.participant_state``: its sequence number,
 replay guard and last trained round survive the restart), so it is neither trained twice on a round
@@ -34,7 +36,7 @@ from logging import INFO, WARNING
 from typing import Any, Hashable
 
 from ftis_fed.engine.progress import name_list
-from ftis_fed.engine.sampling import sample_participants
+from ftis_fed.engine.sampling import credit, sample_participants
 from ftis_fed.engine.transport import NODE_GONE
 
 Address = Hashable
@@ -59,6 +61,7 @@ class Membership:
         self.away: set[Address] = set()                  # admitted nodes that went away: hello again when back
         self.retired: dict[str, int] = {}                # participant -> round it was retired before
         self.retired_nodes: set[Address] = set()         # their nodes, not asked again while they stay connected
+        self.lags: dict[str, float] = {}                 # participant -> fair share minus asks (sampling)
 
     def start(self) -> None:
         """After the admission at the start."""
@@ -66,16 +69,18 @@ class Membership:
         self.round_nodes = sorted(self.engine.nodes, key=_order)
 
     # ------------------------------------------------------------------ per round
-    def begin_round(self, rnd: int, boundary: bool) -> dict[str, float]:
-        """Retire, admit newcomers (when ``boundary``: not the first round of this process), sample.
-        Returns the federation row's membership metrics."""
+    def begin_round(self, rnd: int, boundary: bool, draw: bytes = b"") -> dict[str, float]:
+        """Retire, admit newcomers (when ``boundary``: not the first round of this process), sample
+        with the round's ``draw``. Returns the federation row's membership metrics."""
         e, fed = self.engine, self.engine.fed
         events: Counter = Counter()
         self.gone = set()
         if boundary:
             self._boundary(rnd, events)
         names = {e.name(a): a for a in e.nodes if a not in self.gone}       # sampled from the connected ones
-        chosen = sample_participants(list(names), fed.fraction_train, fed.min_train_participants, fed.seed, rnd)
+        chosen = sample_participants(list(names), fed.fraction_train, fed.min_train_participants, self.lags, draw)
+        if len(chosen) < len(names):                     # sampling: the lags move (all asked: nothing to track)
+            self.lags = credit(self.lags, list(names), chosen)
         self.round_nodes = sorted((names[n] for n in chosen), key=_order)
         self.asked, self.failed = set(self.round_nodes), set()
         if len(self.round_nodes) < len(names):
