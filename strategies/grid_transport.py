@@ -64,7 +64,7 @@ class GridTransport:
             if rep.has_error():
                 # the SuperLink's own error reply when the node's heartbeat lapsed (killed, cut off)
                 reason = "node_unavailable" if rep.error.code == ErrorCode.NODE_UNAVAILABLE else "error"
-                return Failure(reason, f"error {rep.error.code}: {str(rep.error.reason)[-300:]}")
+                return Failure(reason, f"error {rep.error.code}: {str(rep.error.reason)[-4000:]}")   # the whole reason
             return Delivered(rep.metadata.src_node_id, content_to_reply(rep.content))
         except Exception as e:                                  # noqa: BLE001 - a reply never ends the run
             return Failure("internal_error", f"unpacking the reply: {type(e).__name__}: {e}")

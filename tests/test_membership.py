@@ -6,6 +6,7 @@ absent one is retired; everything counted in the federation row."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ftis_fed.bench.swarm import LightParticipant, light_federation
 from ftis_fed.config.federation import FederationConfig
-from ftis_fed.engine.core import Engine
+from ftis_fed.engine.core import AdmissionError, Engine
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.trust.signing import fingerprint, key_paths, load_key_directory, load_private_key
 
@@ -254,3 +255,122 @@ def test_256_light_participants_through_the_engine(tmp_path):
     state = json.loads((tmp_path / "server_state.json").read_text())
     assert len(json.loads(state["guard"])["entries"]) == n          # one replay-guard entry per sender
     assert (tmp_path / "reward.png").exists()
+
+
+class Silent:
+    """A connected node that never answers hello (it holds the call until the test ends)."""
+
+    def __init__(self):
+        import threading
+
+        self.calls: list[str] = []
+        self.release = threading.Event()
+
+    def handle(self, action, request):
+        self.calls.append(action)
+        self.release.wait(30)
+        raise RuntimeError("never answered")
+
+
+def test_a_never_answering_node_costs_its_own_admission_only(tmp_path):
+    """Connected from round 2's boundary on, it never answers hello: refused (counted) once, then not
+    said hello again while it stays connected, so no later boundary waits join-timeout-s for it (before:
+    one hello, one time-out per boundary). Gone and back, it is asked again after its back-off."""
+    parts, keys = light_federation(tmp_path, 2)
+    a, b = (parts[n] for n in sorted(parts))
+    transport = InProcessTransport({})
+    silent = Silent()
+
+    transport.connect("a", Scripted(a, after={("learn", 1): lambda: transport.connect("silent", silent),
+                                              ("learn", 4): lambda: transport.disconnect("silent"),
+                                              ("learn", 5): lambda: transport.connect("silent", silent)}))
+    transport.connect("b", Scripted(b))
+    fed = dataclasses.replace(_fed(tmp_path, 8), join_timeout_s=0.3)
+    eng = Engine(fed, keys, tmp_path, transport, plots=False)
+    try:
+        assert eng.run() == 8
+    finally:
+        silent.release.set()
+    rows = _fed_rows(tmp_path)
+    asked = [rows[r]["fed/refused_at_boundary"] for r in range(1, 9)]
+    # boundary 2: its hello times out (refused); never asked again while connected; gone at boundary 5,
+    # back at 6 (a new process): asked once more (back-off 2^0 = 1 round), refused again
+    assert asked == [0, 1, 0, 0, 0, 1, 0, 0], asked                 # (its second hello queued behind the hung one)
+    assert silent.calls.count("hello") == 1 and eng.members.silent["silent"] == 2
+    assert eng.refused["silent"] == "timeout" and "silent" not in eng.nodes
+    assert [r for r in range(1, 9) if rows[r]["fed/replies"] == 2] == list(range(1, 9))
+
+
+def test_every_node_refused_with_an_error_stops_the_run_at_once_with_each_whole_reason(tmp_path):
+    """#29: every connected node's hello raises (a model that cannot load on this device): the run
+    stops at the first hello, not after wait-for-participants-s, naming each node and its whole reason."""
+    parts, keys = light_federation(tmp_path, 2)
+    reason = "CUDA requested (device = 'cuda') but this machine has none: " + "x" * 900 + " END-OF-REASON"
+
+    class Broken:
+        def handle(self, action, request):
+            if action == "hello":
+                raise RuntimeError(reason)
+            return {}
+
+    slept: list[float] = []
+    transport = InProcessTransport({"n1": Broken(), "n2": Broken()})
+    fed = dataclasses.replace(_fed(tmp_path, 2), wait_for_participants_s=600)
+    eng = Engine(fed, keys, tmp_path, transport, plots=False, sleep=slept.append)
+    with pytest.raises(AdmissionError) as err:
+        eng.run()
+    msg = str(err.value)
+    assert "join: n1: error: RuntimeError: CUDA requested" in msg and "; n2: error: RuntimeError: CUDA requested" in msg
+    assert msg.count("x" * 900 + " END-OF-REASON") >= 2
+    assert "nobody else can join" in msg and slept == []             # no wait at all
+
+
+def test_a_timed_out_node_at_the_start_does_not_stop_the_run_and_is_not_asked_again(tmp_path):
+    parts, keys = light_federation(tmp_path, 2)
+    a, b = (parts[n] for n in sorted(parts))
+    silent = Silent()
+    transport = InProcessTransport({"a": Scripted(a), "b": Scripted(b), "silent": silent})
+    fed = dataclasses.replace(_fed(tmp_path, 3), min_participants=2, wait_for_participants_s=0.5)
+    eng = Engine(fed, keys, tmp_path, transport, plots=False, sleep=lambda s: None)
+    try:
+        assert eng.run() == 3
+    finally:
+        silent.release.set()
+    assert silent.calls.count("hello") == 1 and eng.refused["silent"] == "timeout"
+
+
+def test_admission_looks_participants_up_in_an_index_not_a_scan(tmp_path):
+    """#31: admitting N nodes visits O(N) hello infos in all (an index by name), not O(N^2): the
+    number visited grows by the same factor as N (60 -> 240), where a scan per hello grows 16-fold."""
+    from ftis_fed.engine.membership import Roster
+
+    class Counting(Roster):
+        visited = 0
+
+        def values(self):
+            for v in super().values():
+                Counting.visited += 1
+                yield v
+
+        def items(self):
+            for kv in super().items():
+                Counting.visited += 1
+                yield kv
+
+        def __iter__(self):
+            for k in super().__iter__():
+                Counting.visited += 1
+                yield k
+
+    visited = {}
+    for n in (60, 240):
+        out = tmp_path / str(n)
+        parts, keys = light_federation(out, n)
+        eng = Engine(dataclasses.replace(_fed(out, 1), min_participants=n), keys, out, InProcessTransport(parts),
+                     plots=False)
+        eng.nodes = Counting()
+        Counting.visited = 0
+        eng.admit()
+        assert len(eng.nodes) == n
+        visited[n] = Counting.visited
+    assert visited[240] / visited[60] < 6, visited                  # linear: ~4 (a scan per hello: ~16)

@@ -52,7 +52,7 @@ from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_r
 from ftis_fed.wire.codec import parse_header
 from ftis_fed.engine.boundary import Boundary
 from ftis_fed.engine.draw import Draws, commitment
-from ftis_fed.engine.membership import Membership
+from ftis_fed.engine.membership import PERMANENT, Membership, Roster
 from ftis_fed.engine.metric_names import MetricNames
 from ftis_fed.engine.progress import PhaseProgress, name_list, spread
 from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
@@ -129,6 +129,21 @@ def hello_too_long(info: Mapping[str, Any]) -> str:
     return ""
 
 
+#: refusals that no later hello changes while the node stays as it is: an error in its hello (a
+#: model that cannot load, a device it lacks) or its key
+FATAL = PERMANENT | {"error", "internal_error"}
+#: the longest refusal reason kept and printed (a traceback's head and tail)
+MAX_REASON = 4000
+
+
+def clip_reason(text: str, limit: int = MAX_REASON) -> str:
+    """``text`` whole when at most ``limit`` characters, else its head and tail around an ellipsis."""
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    return f"{text[:head]} ... [{len(text) - limit} characters] ... {text[-(limit - head):]}"
+
+
 def short_reach(got: Mapping[str, int], senders: list[str], receivers: list[str], k: int) -> list[str]:
     """Senders whose frame reached fewer than min(k, the other receivers) receivers (k <= 0: all of them)."""
     rset = set(receivers)
@@ -189,8 +204,10 @@ class Engine:
         # largest share any receiver takes): what every receiver would refuse is never relayed
         self.inbox = Inbox(keys, InboxConfig(run_id=self.run_id, max_tokens=fed.max_batch_tokens,
                                              bounds=ReceiveBounds.from_run(fed, None)), self.guard)
-        self.nodes: dict[Address, dict] = {}            # admitted address -> hello info
+        self.nodes: Roster = Roster()                   # admitted address -> hello info (indexed by name)
         self.refused: dict[Address, str] = {}           # address -> reason it was not admitted
+        self.refusals: dict[Address, str] = {}          # address -> the whole reason (bounded: MAX_REASON)
+        self.silent_at_start: set[Address] = set()      # no usable hello at the start (engine.membership)
         self.budgets = dict(budgets or {})
         self.metric_names = MetricNames()               # bounded metric names per participant
         self.tasks = run_tasks(fed)                     # the run's train tasks, as receivers resolve them
@@ -283,8 +300,7 @@ class Engine:
             if self.clock() > deadline:
                 raise AdmissionError(f"min-participants={self.fed.min_participants}: only {len(self.nodes)} "
                                      f"admitted of {len(addrs)} connected after wait-for-participants-s="
-                                     f"{self.fed.wait_for_participants_s:.0f}; refused: "
-                                     + (", ".join(f"{a}: {r}" for a, r in self.refused.items()) or "none"))
+                                     f"{self.fed.wait_for_participants_s:.0f}; refused: " + self.refusal_list())
             self.sleep(1.0)
 
     def admit(self) -> None:
@@ -299,6 +315,7 @@ class Engine:
             if new:
                 self._hello(new, max(1.0, deadline - self.clock()))
                 self._check_supernodes()
+                self._stop_if_all_refused(asked)
         self._check_partitions()
         self.roster_changed()
         for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"])[:16]:
@@ -310,6 +327,33 @@ class Engine:
         self.log(INFO, "completion texts (wire-texts=%s) only to receivers with another tokenizer: %s",
                  self.fed.wire_texts, name_list([f"{n} signs {'+'.join('texts' if t else 'no-texts' for t in v)}"
                                                  for n, v in sorted(self.variants.items())]))
+
+    def refusal_list(self) -> str:
+        """Every refused node with its whole reason ('none' when none)."""
+        return "; ".join(f"{a}: {self.refused[a]}: {self.refusals.get(a, '')}"
+                         for a in sorted(self.refused, key=_order)) or "none"
+
+    def _stop_if_all_refused(self, asked: set) -> None:
+        """Every connected node said hello to and refused with an error or for its key, none admitted
+        (or a simulation whose every SuperNode answered): nobody can still come, so the run stops now
+        with each node's whole reason instead of waiting out ``wait-for-participants-s``."""
+        try:
+            connected = set(self.transport.addresses())
+        except Exception:                                   # noqa: BLE001 - the wait goes on
+            return
+        refused = {a for a in connected if a not in self.nodes}
+        if not connected or not connected <= asked or len(self.nodes) >= self.fed.min_participants:
+            return
+        if any(self.refused.get(a) not in FATAL for a in refused):
+            return                                          # a time-out, a duplicate, ...: may still change
+        counts = [i["supernodes"] for i in self.nodes.values() if _int_or_none(i.get("supernodes")) is not None]
+        if self.nodes and not (counts and min(counts) <= len(connected)):
+            return                                          # others may still connect (deployment)
+        msg = (f"min-participants={self.fed.min_participants}: {len(refused)} of {len(connected)} connected node(s) "
+               f"refused ({len(self.nodes)} admitted), nobody else can join: " + self.refusal_list())
+        self.log(logging.ERROR, "%s", msg)
+        self.finish_nodes(list(self.nodes))
+        raise AdmissionError(msg)
 
     def roster_changed(self) -> None:
         """After admission (at the start or at a round boundary): peer budgets, tokenizers, text variants."""
@@ -340,6 +384,7 @@ class Engine:
             replies, dropped = self.io.send("hello", requests, timeout, on_reply=progress.replied)
         for a, why in dropped.items():
             self._refuse(a, why.reason, why.detail)
+            self.silent_at_start.add(a)
         for a in sorted(replies, key=_order):
             self._admit_one(a, replies[a].info, challenges[a])
 
@@ -387,7 +432,7 @@ class Engine:
                                 f"{str(info.get('task_digest', ''))[:16] or '(procedural)'}, this run's is "
                                 f"{self.task_digest[:16] or '(procedural)'}: another data file, split, column or "
                                 "reward function (docs/own-task.md)")
-        if any(i["participant"] == name for i in self.nodes.values()):
+        if self.nodes.address_of(name) is not None:
             return self._refuse(addr, "duplicate_participant", f"participant {name!r} is already connected")
         long = hello_too_long(info)
         if long:
@@ -395,7 +440,9 @@ class Engine:
         self.nodes[addr] = info
 
     def _refuse(self, addr: Address, reason: str, detail: str) -> None:
+        detail = clip_reason(str(detail))
         self.refused[addr] = reason
+        self.refusals[addr] = detail
         self.log(WARNING, "node %s not admitted (%s): %s", addr, reason, detail)
 
     # ------------------------------------------------------------------ steps the schedules use

@@ -12,6 +12,11 @@ boundary, :meth:`Membership.begin_round`:
    node id while its old node is gone) is admitted for this round; a node claiming a participant
    whose node is still connected is refused (``duplicate_participant``) and asked again at the next
    boundary; a node refused for its key (unknown, mismatching, revoked, bad proof) is not asked again.
+   A node that gives **no usable hello** (time-out, error, a bad reply) is refused (counted in
+   ``fed/refused_at_boundary``) and not said hello again while it stays connected: it costs its own
+   admission (one ``join-timeout-s`` at most) and no later round; when it goes away and connects
+   again (a new process) it is asked again, with back-off: after its f-th silent hello not before
+   2^(f-1) rounds have passed.
    An admitted node that **went away** (not connected at a boundary, or a phase failed because the
    transport reported the node itself gone: ``transport.NODE_GONE``) and is connected again is
    admitted anew the same way before it is asked anything: with SuperNode authentication Flower
@@ -32,6 +37,7 @@ is counted in the federation row (``fed/joined``, ``fed/rejoined``, ``fed/retire
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from logging import INFO, WARNING
 from typing import Any, Hashable
 
@@ -49,6 +55,45 @@ def _order(addr: Address) -> tuple[str, Any]:
     return (type(addr).__name__, addr)
 
 
+class Roster(dict):
+    """The admitted nodes: address -> hello info, with an index participant -> address, so that an
+    admission looks up a name in O(1) instead of scanning every admitted node (O(N) per hello)."""
+
+    def __init__(self, items: Mapping[Address, dict] | None = None):
+        super().__init__()
+        self.by_name: dict[str, Address] = {}
+        for a, info in (items or {}).items():
+            self[a] = info
+
+    def __setitem__(self, addr: Address, info: dict) -> None:
+        if addr in self:
+            self.by_name.pop(self[addr]["participant"], None)
+        super().__setitem__(addr, info)
+        self.by_name[info["participant"]] = addr
+
+    def __delitem__(self, addr: Address) -> None:
+        self.by_name.pop(self[addr]["participant"], None)
+        super().__delitem__(addr)
+
+    _MISSING = object()
+
+    def pop(self, addr: Address, default: Any = _MISSING) -> Any:
+        if addr in self:
+            self.by_name.pop(self[addr]["participant"], None)
+            return super().pop(addr)
+        if default is Roster._MISSING:
+            raise KeyError(addr)
+        return default
+
+    def clear(self) -> None:
+        self.by_name.clear()
+        super().clear()
+
+    def address_of(self, name: str) -> Address | None:
+        """The admitted node of participant ``name`` (None: not admitted)."""
+        return self.by_name.get(name)
+
+
 class Membership:
     def __init__(self, engine):                          # engine.core.Engine (not imported: core imports this)
         self.engine = engine
@@ -62,11 +107,17 @@ class Membership:
         self.retired: dict[str, int] = {}                # participant -> round it was retired before
         self.retired_nodes: set[Address] = set()         # their nodes, not asked again while they stay connected
         self.lags: dict[str, float] = {}                 # participant -> fair share minus asks (sampling)
+        self.silent: dict[Address, int] = {}             # node -> hellos it gave no usable answer to
+        self.muted: set[Address] = set()                 # silent nodes still connected: not asked again
+        self.not_before: dict[Address, int] = {}         # silent node reconnected: first round to ask it
 
     def start(self) -> None:
         """After the admission at the start."""
         self.seen = {i["participant"] for i in self.engine.nodes.values()}
         self.round_nodes = sorted(self.engine.nodes, key=_order)
+        for a in self.engine.silent_at_start:            # no usable hello at the start: costs no round
+            self.silent[a] = 1
+            self.muted.add(a)
 
     # ------------------------------------------------------------------ per round
     def begin_round(self, rnd: int, boundary: bool, draw: bytes = b"") -> dict[str, float]:
@@ -134,8 +185,12 @@ class Membership:
             e.nodes.pop(addr)
             self.away.discard(addr)
         self.retired_nodes &= connected                  # a retired node that went away may come back later
+        for a in self.muted - connected:                 # a silent node went away: back-off when it is back
+            self.not_before[a] = rnd + 2 ** (self.silent[a] - 1)
+        self.muted &= connected
         new = sorted((a for a in connected if a not in e.nodes and a not in self.retired_nodes
-                      and e.refused.get(a) not in PERMANENT), key=_order)
+                      and e.refused.get(a) not in PERMANENT and a not in self.muted
+                      and self.not_before.get(a, 0) <= rnd), key=_order)
         if new:
             self._hello(rnd, new, connected, events)
         if events["retired"] or new:
@@ -145,14 +200,17 @@ class Membership:
         e, fed = self.engine, self.engine.fed
         challenges, requests = e.hello_requests(addrs)
         replies, dropped = e.io.send("hello", requests, fed.join_timeout_s)
-        for a, why in dropped.items():
-            e.log(WARNING, "round %d: node %s did not answer hello (%s): %s", rnd, a, why.reason, why.detail[-200:])
+        for a, why in dropped.items():                   # refused; not asked again while connected
+            e._refuse(a, why.reason, f"round {rnd}: no usable hello ({why.detail}); not asked again while it "
+                                     "stays connected")
+            self.silent[a] = self.silent.get(a, 0) + 1
+            self.muted.add(a)
             events["refused"] += 1
         joined, rejoined = [], []
         for a in sorted(replies, key=_order):
             info = replies[a].info
             name = info.get("participant")
-            old = next((b for b, i in e.nodes.items() if i["participant"] == name), None)
+            old = e.nodes.address_of(name) if isinstance(name, str) else None
             if old is not None and old in connected:
                 e._refuse(a, "duplicate_participant", f"participant {name!r} is still connected at node {old}; "
                                                       "asked again at the next round boundary")
@@ -166,6 +224,8 @@ class Membership:
                 events["refused"] += 1
                 continue
             e.refused.pop(a, None)
+            self.silent.pop(a, None)
+            self.not_before.pop(a, None)
             self.misses[name] = 0
             self.retired.pop(name, None)
             trained = info.get("completed_round")
