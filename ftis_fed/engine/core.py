@@ -119,13 +119,24 @@ def wire_metrics(sent: Mapping[bool, list[tuple[int, int]]]) -> dict[str, float]
 #: Longest string (characters) or bytes value a hello may carry: its model id and tokenizer
 #: fingerprint go into every metrics row and log line (a frame's own header strings have the same limit).
 MAX_HELLO_VALUE = 256
+#: Most fields a hello may carry, and the longest field name (the engine reads about 16)
+MAX_HELLO_FIELDS = 64
+MAX_HELLO_NAME = 64
 
 
 def hello_too_long(info: Mapping[str, Any]) -> str:
-    """'' when every str/bytes value of a hello is at most ``MAX_HELLO_VALUE`` long, else what is not."""
+    """'' when a hello is within its bounds, else what is not: at most ``MAX_HELLO_FIELDS`` fields,
+    names of at most ``MAX_HELLO_NAME`` characters, str/bytes values of at most ``MAX_HELLO_VALUE``,
+    and every str value printable (no newline, no ANSI escape: they reach logs and metrics rows)."""
+    if len(info) > MAX_HELLO_FIELDS:
+        return f"hello info has {len(info)} fields: limit {MAX_HELLO_FIELDS}"
     for k, v in info.items():
+        if len(str(k)) > MAX_HELLO_NAME:
+            return f"hello info field name {str(k)[:64]!r}... has {len(str(k))} characters: limit {MAX_HELLO_NAME}"
         if isinstance(v, (str, bytes)) and len(v) > MAX_HELLO_VALUE:
             return f"hello info[{str(k)[:64]!r}] has {len(v)} characters: limit {MAX_HELLO_VALUE}"
+        if isinstance(v, str) and not v.isprintable():
+            return f"hello info[{str(k)[:64]!r}] = {v[:64]!r}: must be printable (no newline, tab or escape)"
     return ""
 
 
@@ -220,6 +231,8 @@ class Engine:
         self.writer: MetricsWriter | None = None
         self.plots = plots
         self.fps: dict[str, str] = {}                   # participant -> tokenizer fingerprint (admitted ones)
+        self.vocab_pinned: dict[str, int] = {}          # hello without vocab_size: its first verified frame's
+        self.num_partitions: int | None = None          # the participants' num-partitions (late joiners too)
         self.members = Membership(self)                 # sampling, late joiners, rejoiners, retirement
         self.draws = Draws(entropy)                     # the rounds' committed seeds (engine.draw)
         self.draw = b""                                 # this round's seed (revealed in its row)
@@ -368,7 +381,8 @@ class Engine:
         self.variants = {n: text_variants(self.fed.wire_texts, fp, [f for f in count if f != fp or count[f] > 1])
                          for n, fp in fps.items()}
         self.texts = any(True in v for v in self.variants.values())
-        said = {i["participant"]: (i["tokenizer_fp"], _int_or_none(i.get("vocab_size"))) for i in self.nodes.values()}
+        said = {i["participant"]: (i["tokenizer_fp"], _int_or_none(i.get("vocab_size"))
+                                   or self.vocab_pinned.get(i["participant"])) for i in self.nodes.values()}
         self.inbox.config = dataclasses.replace(self.inbox.config, tokenizers=said)
 
     def hello_requests(self, addrs: list[Address]) -> tuple[dict[Address, bytes], dict[Address, dict]]:
@@ -410,6 +424,8 @@ class Engine:
             raise AdmissionError("participants were configured with different num-partitions ("
                                  + ", ".join(f"{n}: {k}" for n, k in sorted(said.items()))
                                  + "): set the same num-partitions in every node config (default: min-participants)")
+        if said:
+            self.num_partitions = next(iter(said.values()))
         if said and self.fed.objective.advantage_groups == "horizontal":   # the receivers' share, and prompts
             self.partitions = next(iter(said.values()))
             bounds = dataclasses.replace(self.inbox.config.bounds,
@@ -437,6 +453,11 @@ class Engine:
         long = hello_too_long(info)
         if long:
             return self._refuse(addr, "bad_hello", long)
+        parts = _int_or_none(info.get("num_partitions"))
+        if self.num_partitions is not None and parts is not None and parts != self.num_partitions:
+            return self._refuse(addr, "num_partitions_mismatch", f"participant {name!r} was configured with "
+                                f"num-partitions={parts}, this run's participants with {self.num_partitions}: "
+                                "set the same num-partitions in every node config")
         self.nodes[addr] = info
 
     def _refuse(self, addr: Address, reason: str, detail: str) -> None:
@@ -582,10 +603,22 @@ class Engine:
                 except Exception as e:                          # noqa: BLE001 - never let a frame end the run
                     self._refused_frame(name, rnd, stats, e)
                     continue
+                self._pin_vocab(name, acc.header.vocab_size)
                 with_texts = self._verify_texts_variant(texts_variant, acc.batch, rnd, stats) if texts_variant else None
                 out.append(VerifiedFrame(acc.header, frame, with_texts))
         stats.fed["fed/quarantined"] = float(len(self.inbox.quarantined))
         return out
+
+    def _pin_vocab(self, name: str, vocab_size: int) -> None:
+        """A sender whose hello named no vocabulary size is held to its first verified frame's: a later
+        frame declaring another is refused (``wrong_tokenizer``), as with a hello that named one."""
+        said = (self.inbox.config.tokenizers or {}).get(name)
+        if said is None or said[1] is not None:
+            return
+        self.vocab_pinned[name] = vocab_size
+        tokenizers = dict(self.inbox.config.tokenizers)
+        tokenizers[name] = (said[0], vocab_size)
+        self.inbox.config = dataclasses.replace(self.inbox.config, tokenizers=tokenizers)
 
     def _check_tasks(self, batch) -> None:
         """Every group's task id names a train task of this run, once per batch (what every receiver

@@ -165,19 +165,8 @@ class Membership:
         except Exception as err:                         # noqa: BLE001 - the round goes on with who it has
             e.log(WARNING, "round %d: listing connected nodes failed: %s", rnd, err)
             return
-        if fed.retire_after_rounds > 0:
-            gone = [a for a in e.nodes if self.misses.get(e.name(a), 0) >= fed.retire_after_rounds]
-            names = []
-            for addr in gone:
-                name = e.nodes.pop(addr)["participant"]
-                self.retired[name] = rnd
-                self.retired_nodes.add(addr)
-                self.misses.pop(name, None)
-                events["retired"] += 1
-                names.append(name)
-            if names:
-                e.log(INFO, "round %d: retired %d (absent %d rounds in a row): %s", rnd, len(names),
-                      fed.retire_after_rounds, name_list(sorted(names)))
+        due = [a for a in e.nodes if fed.retire_after_rounds > 0
+               and self.misses.get(e.name(a), 0) >= fed.retire_after_rounds]
         self.gone = {a for a in e.nodes if a not in connected}      # not asked this round; absent
         self.away = (self.away | self.gone) & set(e.nodes)
         back = [a for a in self.away if a in connected]  # went away, connected again: a new process
@@ -191,12 +180,28 @@ class Membership:
         new = sorted((a for a in connected if a not in e.nodes and a not in self.retired_nodes
                       and e.refused.get(a) not in PERMANENT and a not in self.muted
                       and self.not_before.get(a, 0) <= rnd), key=_order)
-        if new:
-            self._hello(rnd, new, connected, events)
+        if new:                                          # before retiring: a participant restarted on a new
+            self._hello(rnd, new, connected, events, set(due))   # node is a rejoiner, not retired and rejoined
+        names = []
+        for addr in due:
+            if addr not in e.nodes or self.misses.get(e.name(addr), 0) < fed.retire_after_rounds:
+                continue                                 # came back in this boundary's hello
+            name = e.nodes.pop(addr)["participant"]
+            self.retired[name] = rnd
+            self.retired_nodes.add(addr)
+            self.misses.pop(name, None)
+            self.gone.discard(addr)
+            events["retired"] += 1
+            names.append(name)
+        if names:
+            e.log(INFO, "round %d: retired %d (absent %d rounds in a row): %s", rnd, len(names),
+                  fed.retire_after_rounds, name_list(sorted(names)))
         if events["retired"] or new:
             e.roster_changed()
 
-    def _hello(self, rnd: int, addrs: list[Address], connected: set, events: Counter) -> None:
+    def _hello(self, rnd: int, addrs: list[Address], connected: set, events: Counter, due: set = frozenset()) -> None:
+        """``due``: admitted nodes absent long enough to be retired: a new node of the same participant
+        replaces one (a restart) even while it is still connected, instead of being refused as a duplicate."""
         e, fed = self.engine, self.engine.fed
         challenges, requests = e.hello_requests(addrs)
         replies, dropped = e.io.send("hello", requests, fed.join_timeout_s)
@@ -211,18 +216,21 @@ class Membership:
             info = replies[a].info
             name = info.get("participant")
             old = e.nodes.address_of(name) if isinstance(name, str) else None
-            if old is not None and old in connected:
+            if old is not None and old in connected and old not in due:
                 e._refuse(a, "duplicate_participant", f"participant {name!r} is still connected at node {old}; "
                                                       "asked again at the next round boundary")
                 events["refused"] += 1
                 continue
-            kept = e.nodes.pop(old) if old is not None else None      # a restart: its old node is gone
+            kept = e.nodes.pop(old) if old is not None else None      # a restart: its old node is gone (or due)
             e._admit_one(a, info, challenges[a])
             if a not in e.nodes:
                 if kept is not None:
                     e.nodes[old] = kept
                 events["refused"] += 1
                 continue
+            if old is not None and old in connected:     # the replaced node, still connected: not asked again
+                self.retired_nodes.add(old)
+                self.gone.discard(old)
             e.refused.pop(a, None)
             self.silent.pop(a, None)
             self.not_before.pop(a, None)
