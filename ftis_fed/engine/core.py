@@ -8,7 +8,9 @@
    with that participant's key fingerprint, *and* a valid Ed25519 signature of its challenge by
    that key (proof of possession). A second node claiming an admitted participant is refused. Only
    admitted nodes count: while fewer than ``min-participants`` are, nodes that connect later are
-   said hello to, until ``wait-for-participants-s``. In a simulation (admitted nodes report how many
+   said hello to, until ``wait-for-participants-s``; when every connected node was refused with an
+   error or for its key and nobody else can join, the run stops at once with each node's whole
+   reason. In a simulation (admitted nodes report how many
    SuperNodes the simulation has) with fewer SuperNodes than declared participants the run stops
    (:class:`TooFewSupernodes`).
 2. **Rounds**: the schedule registered under ``scheme`` (``schedules/``) decides who is asked what;
