@@ -263,3 +263,36 @@ def test_resume_keeps_the_committed_draw_and_the_lags(tmp_path):
         assert row["fed/draw_commit"] == prev["fed/draw_commit_next"] and verify(row["fed/draw_seed"], row["fed/draw_commit"])
         assert row["fed/rejected"] == 0
     assert sorted(len(p.trained) for p in parts.values()) == [3] * n
+
+
+@pytest.mark.parametrize("scheme", ["sync", "pipelined"])
+def test_engine_reach_holds_under_churn(tmp_path, scheme):
+    """Sampling (6 of 12, then 6 of 11 and of 12 again) with a member leaving after round 2 and a late
+    joiner from round 4: every round, every verified frame that is relayed reaches k = 2 receivers
+    (pipelined: the leaver's last frame too) and every receiver gets 2."""
+    n, k = 12, 2
+    parts, keys = light_federation(tmp_path, n + 1)
+    names = sorted(parts)
+    late = parts.pop(names[-1])
+
+    class Churn(InProcessTransport):
+        def send(self, action, requests, timeout, on_reply=None):
+            out = super().send(action, requests, timeout, on_reply)
+            rnd = next((q.get("round") for q in requests.values()), None)
+            if action in ("learn", "exchange") and rnd == 2:
+                self.disconnect(names[1])
+            if action in ("learn", "exchange") and rnd == 3:
+                self.connect(late.name, late)
+            return out
+
+    transport = Churn(parts)
+    fed = FederationConfig(num_rounds=6, scheme=scheme, min_participants=n, run_name="swarm", output_dir=str(tmp_path),
+                           eval_every=0, peers_per_round=k, fraction_train=0.5, min_train_participants=2,
+                           progress_every_s=0)
+    Engine(fed, keys, tmp_path, transport, plots=False).run()
+    fed_rows = {r["round"]: r for r in _rows(tmp_path) if r["participant"] == "_federation"}
+    assert fed_rows[4]["fed/joined"] == 1
+    for rnd in range(1 + (scheme == "pipelined"), 7):
+        r = fed_rows[rnd]
+        assert r["fed/sender_reach_min"] >= k and r["fed/sender_reach_short"] == 0, (rnd, r)
+        assert r["fed/sender_reach_max"] - r["fed/sender_reach_min"] <= 1 and r["fed/peers_per_receiver"] >= k
