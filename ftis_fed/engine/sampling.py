@@ -82,9 +82,11 @@ def credit(lags: Mapping[str, float], present: Sequence[str], chosen: Sequence[s
 
 def sample_participants(names: Sequence[str], fraction: float, minimum: int, lags: Mapping[str, float],
                         draw: bytes) -> list[str]:
-    """The participants asked in a round (module docstring), in draw order."""
+    """The participants asked in a round (module docstring), in draw order (all of them, sorted, when
+    the sample is everyone)."""
     names = sorted(set(names))
-    return choose(names, sample_size(len(names), fraction, minimum), lags, draw)
+    m = sample_size(len(names), fraction, minimum)
+    return names if m >= len(names) else choose(names, m, lags, draw)
 
 
 def peer_plan(senders: Sequence[str], receivers: Sequence[str], k: int, seed: int, rnd: int,
