@@ -313,10 +313,16 @@ def test_every_node_refused_with_an_error_stops_the_run_at_once_with_each_whole_
                 raise RuntimeError(reason)
             return {}
 
-    slept: list[float] = []
+    slept: list[float] = []                                         # a fake clock: sleeping moves it on
+    now = [0.0]
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+
     transport = InProcessTransport({"n1": Broken(), "n2": Broken()})
     fed = dataclasses.replace(_fed(tmp_path, 2), wait_for_participants_s=600)
-    eng = Engine(fed, keys, tmp_path, transport, plots=False, sleep=slept.append)
+    eng = Engine(fed, keys, tmp_path, transport, plots=False, sleep=sleep, clock=lambda: now[0])
     with pytest.raises(AdmissionError) as err:
         eng.run()
     msg = str(err.value)
