@@ -134,6 +134,7 @@ class Participant:
         self.task_digest = fed.task.digest()                # announced in hello; batches are signed for it
         self.run_base = signed_run_id(fed.run_name, self.task_digest)   # run name (+ task digest), no nonce
         self.run_id = self._saved_run_id()                  # the run id hello named (run_base@nonce)
+        self.served_before = participant_state.served_runs(self.state_dir)   # runs served before this process
         self.seq = 0
         self.own: dict[int, CompletionBatch] = {}           # my batches by round, until trained on
         self.completed_round = 0
@@ -194,13 +195,19 @@ class Participant:
         server's run id, ``run_name@nonce``) is what this participant's frames are signed for and the
         only run whose frames it accepts from then on. A run of the same name on another task (another
         digest in ``run``) gets a reply, so that the server refuses this participant by name
-        (``task_mismatch``), but is not adopted."""
+        (``task_mismatch``), but is not adopted. A run id this participant served in an earlier Flower
+        run is refused unless it resumes (``participant_state.replayed_run``)."""
         if split_run_id(run_name_of(run))[0] != self.fed.run_name:
             raise ValueError(f"hello for run {run[:300]!r}: this participant belongs to run {self.run_base!r}")
+        replay = participant_state.replayed_run(run, self.served_before, self.run_key, self.fed.resume)
+        if replay:
+            raise ValueError(replay)
         if run_name_of(run) == self.run_base and run != self.run_id:
             self.run_id = run
             self.inbox.config = self._inbox_config()
             atomic_write(self.state_dir / RUN_ID_FILE, run)
+        if run_name_of(run) == self.run_base:
+            participant_state.record_served(self.state_dir, run, self.run_key)
         return {"participant": self.name, "model_id": self.policy.model_id,
                 "tokenizer_fp": self.policy.tokenizer_fp, "vocab_size": self.policy.vocab_size,
                 "key_fp": fingerprint(self.key), "model_loads": self.model_loads, "pid": os.getpid(),

@@ -13,6 +13,11 @@ weights):
 - ``run_key``: the run these belong to (the Flower run id), so a later run in the same state dir
   starts fresh.
 
+It also keeps ``runs_served.json``: every run id (``run-name@nonce``) it said hello to, with the
+Flower run it was served in. A participant that is not resuming refuses a hello naming a run it
+served in another Flower run (:func:`replayed_run`): an operator re-announcing an earlier run's id
+cannot make it accept, or sign for, that run's recorded frames again (docs/security.md).
+
 The model and optimizer come from its last checkpoint (``participant.json`` + ``policy.pt``,
 ``checkpoint-every``) when that checkpoint is of the same run: with ``checkpoint-every = 1`` a
 rejoiner loses nothing; with k > 1 the updates since its last checkpoint are lost, and the rounds
@@ -30,6 +35,9 @@ from ftis_fed.trust.signing import ReplayGuard
 
 FILE = "rejoin.json"
 FORMAT = "ftis-fed/rejoin/v1"
+SERVED = "runs_served.json"
+#: run ids kept in ``runs_served.json`` (the oldest forgotten first)
+MAX_SERVED = 4096
 
 
 @dataclass
@@ -59,3 +67,33 @@ def save(state_dir: str | Path, run_key: str, seq: int, trained_round: int, guar
     Path(state_dir).mkdir(parents=True, exist_ok=True)
     atomic_write(Path(state_dir) / FILE, json.dumps({"format": FORMAT, "run_key": run_key, "seq": seq,
                                                      "trained_round": trained_round, "guard": guard.to_json()}))
+
+
+def served_runs(state_dir: str | Path) -> dict[str, str]:
+    """run id -> the Flower run (``run_key``) it was served in, as saved in ``state_dir``."""
+    try:
+        data = json.loads((Path(state_dir) / SERVED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def record_served(state_dir: str | Path, run_id: str, run_key: str) -> None:
+    """Add ``run_id`` (served in Flower run ``run_key``) to ``runs_served.json``."""
+    served = served_runs(state_dir)
+    served.pop(run_id, None)
+    served[run_id] = run_key
+    kept = dict(list(served.items())[-MAX_SERVED:])
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(state_dir) / SERVED, json.dumps(kept))
+
+
+def replayed_run(run_id: str, served_before: dict[str, str], run_key: str, resume: bool) -> str:
+    """'' when a hello naming ``run_id`` may be answered, else why not: the participant served that
+    run before this process started, in another Flower run (or without one: ``run_key`` ''), and is
+    not resuming it. A worker restarted within the same Flower run, and a resumed run, are fine."""
+    if resume or run_id not in served_before or (run_key and served_before[run_id] == run_key):
+        return ""
+    return (f"hello for run {run_id[:300]!r}: this participant served that run before (Flower run "
+            f"{served_before[run_id][:64] or '(none)'}) and is not resuming it (resume = false): an earlier run's "
+            "id is refused, so its recorded frames cannot be replayed into a new run")

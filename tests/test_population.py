@@ -100,6 +100,10 @@ def _entry(**over):
 
 @pytest.mark.parametrize("table,message", [
     ({"participants": [_entry(count=0)]}, "participants[0].count=0: must be an integer >= 1"),
+    ({"participants": [_entry(count=10**9)]}, "participants[0].count=1000000000: the population would have "
+                                              "1000000000 participants, limit 16384"),
+    ({"participants": [_entry(count=16000), _entry(name="h", count=385)]},
+     "participants[1].count=385: the population would have 16385 participants, limit 16384"),
     ({"participants": [_entry(), _entry(name="h", lrr=1.0)]}, "participants[1].lrr: not a participant key"),
     ({"participants": [_entry(), _entry(name="h", lr="fast")]},
      "participants[1].lr='fast' (participant h-0): must be a number"),

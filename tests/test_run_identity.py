@@ -70,3 +70,43 @@ def test_a_frame_of_run_a_is_refused_in_run_b_and_a_resumed_run_accepts_its_own(
     assert bob_again.learn(3, later, peer_round=2)["offpolicy/accepted"] == 1   # the restarted worker's
     with pytest.raises(ValueError, match="belongs to run 'idrun'"):
         bob_again.hello(new_run_id("another"), "node", b"c" * 32)
+
+
+def test_a_fresh_participant_refuses_a_run_id_it_served_in_another_flower_run(tmp_path, monkeypatch):
+    """The operator's replay (issue 28): run A's id re-announced in a later, fresh run is refused; the
+    same Flower run (a worker restarted mid-run) and a resume are answered (participant_state)."""
+    from ftis_fed import participant_state as ps
+
+    run_a = new_run_id(NAME)
+    ps.record_served(tmp_path, run_a, "flower-run-1")
+    served = ps.served_runs(tmp_path)
+    assert served == {run_a: "flower-run-1"}
+    assert "is not resuming it" in ps.replayed_run(run_a, served, "flower-run-2", resume=False)
+    assert "is not resuming it" in ps.replayed_run(run_a, served, "", resume=False)      # no Flower run to tell
+    assert ps.replayed_run(run_a, served, "flower-run-1", resume=False) == ""            # restarted mid-run
+    assert ps.replayed_run(run_a, served, "flower-run-2", resume=True) == ""             # run A resumed
+    assert ps.replayed_run(new_run_id(NAME), served, "flower-run-2", resume=False) == ""  # a new run
+    monkeypatch.setattr(ps, "MAX_SERVED", 3)                                             # bounded: newest kept
+    ids = [new_run_id(NAME) for _ in range(4)]
+    for i in ids:
+        ps.record_served(tmp_path, i, "k")
+    assert list(ps.served_runs(tmp_path)) == ids[1:]
+
+
+@pytest.mark.slow
+def test_the_operators_replay_of_an_earlier_run_is_refused_at_hello(people):
+    """Real participants: alice served run A (Flower run 1); a fresh start (Flower run 2, resume off)
+    told run A's id again refuses to answer hello, so it neither signs for run A nor accepts run A's
+    recorded frames; told a new id it answers; resumed, it answers run A."""
+    run_a = new_run_id(NAME)
+    alice = people("alice", 0)
+    alice.run_key = "flower-1"
+    alice.hello(run_a, "node", b"c" * 32)
+    fresh = people("alice", 0)
+    fresh.run_key = "flower-2"
+    with pytest.raises(ValueError, match="served that run before"):
+        fresh.hello(run_a, "node", b"c" * 32)
+    assert fresh.hello(new_run_id(NAME), "node", b"c" * 32)["participant"] == "alice"
+    resumed = people("alice", 0, resume=True)
+    resumed.run_key = "flower-3"
+    assert resumed.hello(run_a, "node", b"c" * 32)["participant"] == "alice"

@@ -184,21 +184,22 @@ class FederationConfig:
     population: str = knob("population", "", """
         the participants as one table of participants or groups (``ftis_fed/config/population.py``):
         a .toml/.json/.yaml file relative to the app folder (carried in the app bundle) or absolute,
-        or the same table as inline JSON; '' = the numbered ``p<i>-*`` keys (at most 8). No cap but
-        memory; the ``p<i>-*`` keys must then stay unset.""")
+        or the same table as inline JSON; '' = the numbered ``p<i>-*`` keys (at most 8). At most
+        16,384 participants; the ``p<i>-*`` keys must then stay unset.""")
     fraction_train: float = knob("fraction-train", 1.0, """
         participant sampling (Flower's fraction-train): the share of the admitted participants asked
-        to generate and train each round, in (0, 1]; drawn afresh each round from seed and round.""")
+        to generate and train each round, in (0, 1]: the ones furthest below their fair share, ties by
+        the round's committed draw (docs/scale.md).""")
     min_train_participants: int = knob("min-train-participants", 2, """
         at least this many participants are sampled per round (every admitted one when fewer), >= 1.""")
     peers_per_round: int = knob("peers-per-round", 0, """
-        peer sampling: each receiver gets the frames of at most k peers per round, taken on a ring
-        ordered from seed that shifts every round, so every sender reaches receivers equally often
-        (exactly k receivers per round when every sampled participant's frame verified); relayed
-        bytes O(N k); applied before peer-budget. 0 = every peer.""")
+        peer sampling: each receiver gets the frames of k peers per round and each verified frame
+        reaches k receivers (one more on the side with fewer members), drawn per round from the
+        committed draw; relayed bytes O(N k); applied before peer-budget. 0 = every peer.""")
     join_timeout_s: float = knob("join-timeout-s", 120.0, """
         nodes that connect after the start (late joiners, restarted participants with a new node id)
-        answer hello at the next round boundary within this many seconds (the round waits), > 0.""")
+        answer hello at the next round boundary within this many seconds (the round waits), > 0; a
+        node that does not is refused and not asked again while it stays connected.""")
     retire_after_rounds: int = knob("retire-after-rounds", 0, """
         a participant that was asked and did not reply (or is no longer connected) this many rounds
         in a row is retired: no longer asked; it may come back with a new hello. >= 0; 0 = never.""")

@@ -45,6 +45,9 @@ from typing import Any, Collection, Mapping
 #: fields of an entry that are not participant keys
 ENTRY_FIELDS = ("name", "count", "overrides")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+#: the most participants a population may declare, over all its entries (every node expands the
+#: table: 10^6 took 10.8 s on each, 10^9 ran out of memory; docs/scale.md measures up to 4,096)
+MAX_POPULATION = 16384
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,9 @@ def _parse(text: str, kind: str, source: str, keys: tuple[str, ...]) -> tuple[Me
         count = entry.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise fail(f"{where}.count={count!r}: must be an integer >= 1")
+        if len(out) + count > MAX_POPULATION:
+            raise fail(f"{where}.count={count}: the population would have {len(out) + count} participants, "
+                       f"limit {MAX_POPULATION}")
         own = {k: v for k, v in entry.items() if k not in ENTRY_FIELDS}
         for k in own:
             _check_key(k, known, where, fail)

@@ -12,7 +12,9 @@ phases share; the per-phase policy lives elsewhere (``schedules/``, ``relay.py``
    with that participant's key fingerprint, *and* a valid Ed25519 signature of its challenge by
    that key (proof of possession). A second node claiming an admitted participant is refused. Only
    admitted nodes count: while fewer than ``min-participants`` are, nodes that connect later are
-   said hello to, until ``wait-for-participants-s``. In a simulation (admitted nodes report how many
+   said hello to, until ``wait-for-participants-s``; when every connected node was refused with an
+   error or for its key and nobody else can join, the run stops at once with each node's whole
+   reason. In a simulation (admitted nodes report how many
    SuperNodes the simulation has) with fewer SuperNodes than declared participants the run stops
    (:class:`TooFewSupernodes`).
 2. **Rounds**: the schedule registered under ``scheme`` (``schedules/``) decides who is asked what;
@@ -56,7 +58,8 @@ from ftis_fed.metrics.sinks import open_sinks, parse_report_to
 from ftis_fed.trust.signing import KeyDirectory, ReplayGuard, fingerprint, new_run_id, verify_challenge, verify_frame
 from ftis_fed.wire.codec import parse_header
 from ftis_fed.engine.boundary import Boundary
-from ftis_fed.engine.membership import Membership
+from ftis_fed.engine.draw import Draws, commitment
+from ftis_fed.engine.membership import PERMANENT, Membership, Roster
 from ftis_fed.engine.metric_names import MetricNames
 from ftis_fed.engine.progress import PhaseProgress, name_list, spread
 from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
@@ -155,14 +158,47 @@ def wire_metrics(sent: Mapping[bool, list[tuple[int, int]]]) -> dict[str, float]
 #: Longest string (characters) or bytes value a hello may carry: its model id and tokenizer
 #: fingerprint go into every metrics row and log line (a frame's own header strings have the same limit).
 MAX_HELLO_VALUE = 256
+#: Most fields a hello may carry, and the longest field name (the engine reads about 16)
+MAX_HELLO_FIELDS = 64
+MAX_HELLO_NAME = 64
 
 
 def hello_too_long(info: Mapping[str, Any]) -> str:
-    """'' when every str/bytes value of a hello is at most ``MAX_HELLO_VALUE`` long, else what is not."""
+    """'' when a hello is within its bounds, else what is not: at most ``MAX_HELLO_FIELDS`` fields,
+    names of at most ``MAX_HELLO_NAME`` characters, str/bytes values of at most ``MAX_HELLO_VALUE``,
+    and every str value printable (no newline, no ANSI escape: they reach logs and metrics rows)."""
+    if len(info) > MAX_HELLO_FIELDS:
+        return f"hello info has {len(info)} fields: limit {MAX_HELLO_FIELDS}"
     for k, v in info.items():
+        if len(str(k)) > MAX_HELLO_NAME:
+            return f"hello info field name {str(k)[:64]!r}... has {len(str(k))} characters: limit {MAX_HELLO_NAME}"
         if isinstance(v, (str, bytes)) and len(v) > MAX_HELLO_VALUE:
             return f"hello info[{str(k)[:64]!r}] has {len(v)} characters: limit {MAX_HELLO_VALUE}"
+        if isinstance(v, str) and not v.isprintable():
+            return f"hello info[{str(k)[:64]!r}] = {v[:64]!r}: must be printable (no newline, tab or escape)"
     return ""
+
+
+#: refusals that no later hello changes while the node stays as it is: an error in its hello (a
+#: model that cannot load, a device it lacks) or its key
+FATAL = PERMANENT | {"error", "internal_error"}
+#: the longest refusal reason kept and printed (a traceback's head and tail)
+MAX_REASON = 4000
+
+
+def clip_reason(text: str, limit: int = MAX_REASON) -> str:
+    """``text`` whole when at most ``limit`` characters, else its head and tail around an ellipsis."""
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    return f"{text[:head]} ... [{len(text) - limit} characters] ... {text[-(limit - head):]}"
+
+
+def short_reach(got: Mapping[str, int], senders: list[str], receivers: list[str], k: int) -> list[str]:
+    """Senders whose frame reached fewer than min(k, the other receivers) receivers (k <= 0: all of them)."""
+    rset = set(receivers)
+    return sorted(s for s in senders
+                  if got.get(s, 0) < (len(rset - {s}) if k <= 0 else min(k, len(rset - {s}))))
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -209,7 +245,8 @@ class Engine:
     def __init__(self, fed: FederationConfig, keys: KeyDirectory, out_dir: str | Path, transport: Transport,
                  declared: list[str] | None = None, budgets: Mapping[str, int] | None = None,
                  limits: ReplyLimits | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, log: LogFn | None = None, plots: bool = True):
+                 sleep: Callable[[float], None] = time.sleep, log: LogFn | None = None, plots: bool = True,
+                 entropy: Callable[[int], bytes] = secrets.token_bytes):
         self.fed = fed
         self.keys = keys
         self.out_dir = Path(out_dir)
@@ -221,15 +258,17 @@ class Engine:
         self.schedule = get_schedule(fed.scheme)
         self.state_path = self.out_dir / "server_state.json"
         self.guard = ReplayGuard()
-        self.task_digest = fed.task.digest()            # the task's identity (tasks.identity): hello must match
+        self.task_digest = fed.task.digest()            # the task's identity (trust.run_id): hello must match
         # this run's identity, bound to the task and to a fresh nonce; a resume reuses the saved one
         self.run_id = new_run_id(signed_run_id(fed.run_name, self.task_digest))
         # the run's own receive bounds (no vocabulary: the server scores nothing; G per group, the
         # largest share any receiver takes): what every receiver would refuse is never relayed
         self.inbox = Inbox(keys, InboxConfig(run_id=self.run_id, max_tokens=fed.max_batch_tokens,
                                              bounds=ReceiveBounds.from_run(fed, None)), self.guard)
-        self.nodes: dict[Address, dict] = {}            # admitted address -> hello info
+        self.nodes: Roster = Roster()                   # admitted address -> hello info (indexed by name)
         self.refused: dict[Address, str] = {}           # address -> reason it was not admitted
+        self.refusals: dict[Address, str] = {}          # address -> the whole reason (bounded: MAX_REASON)
+        self.silent_at_start: set[Address] = set()      # no usable hello at the start (engine.membership)
         self.budgets = dict(budgets or {})
         self.metric_names = MetricNames()               # bounded metric names per participant
         self.tasks = run_tasks(fed)                     # the run's train tasks, as receivers resolve them
@@ -242,7 +281,11 @@ class Engine:
         self.writer: MetricsWriter | None = None
         self.plots = plots
         self.fps: dict[str, str] = {}                   # participant -> tokenizer fingerprint (admitted ones)
+        self.vocab_pinned: dict[str, int] = {}          # hello without vocab_size: its first verified frame's
+        self.num_partitions: int | None = None          # the participants' num-partitions (late joiners too)
         self.members = Membership(self)                 # sampling, late joiners, rejoiners, retirement
+        self.draws = Draws(entropy)                     # the rounds' committed seeds (engine.draw)
+        self.draw = b""                                 # this round's seed (revealed in its row)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -258,6 +301,8 @@ class Engine:
             self.log(INFO, "output folder already held %s (no resume): moved it to %s", old.name, new.name)
         self.log(INFO, "ftis-fed engine: scheme=%s, rounds=%d, G=%d, loss=%s, output=%s", fed.scheme,
                  fed.num_rounds, fed.group_size, fed.objective.mode, self.out_dir)
+        self.log(INFO, "round %d's draw (participant and peer sampling) commits to %s", self.start_round,
+                 self.draws.committed)
         self.admit()
         self.members.start()
         try:
@@ -282,7 +327,8 @@ class Engine:
     def run_round(self, rnd: int) -> RoundStats:
         t0, cpu0 = self.clock(), time.process_time()
         stats = RoundStats(rnd)
-        stats.fed.update(self.members.begin_round(rnd, boundary=rnd > self.start_round))
+        self.draw = self.draws.take()
+        stats.fed.update(self.members.begin_round(rnd, boundary=rnd > self.start_round, draw=self.draw))
         self.schedule(self, rnd, stats)
         self.members.end_round()
         stats.fed.update({"fed/participants": float(len(self.nodes)),
@@ -292,7 +338,10 @@ class Engine:
                           "fed/complete": float(stats.fed.get("fed/replies", 0.0) >= self.fed.min_participants)})
         stats.fed.update({f"fed/rejected/{k}": float(v) for k, v in stats.rejected.items()})
         stats.fed.update({f"fed/dropped/{k}": float(v) for k, v in stats.dropped.items()})
-        fed_row = {"round": rnd, "participant": FEDERATION, "phase": "train", **stats.fed}
+        fed_row: dict[str, Any] = {"round": rnd, "participant": FEDERATION, "phase": "train", **stats.fed}
+        if self.fed.fraction_train < 1 or self.fed.peers_per_round > 0:    # the draw decides something: audit it
+            fed_row.update({"fed/draw_seed": self.draw.hex(), "fed/draw_commit": commitment(self.draw),
+                            "fed/draw_commit_next": self.draws.committed})
         rows = list(stats.rows.values())
         self.writer.write(rows + [fed_row])
         self._log_round(rnd, rows, fed_row, stats)
@@ -314,8 +363,7 @@ class Engine:
             if self.clock() > deadline:
                 raise AdmissionError(f"min-participants={self.fed.min_participants}: only {len(self.nodes)} "
                                      f"admitted of {len(addrs)} connected after wait-for-participants-s="
-                                     f"{self.fed.wait_for_participants_s:.0f}; refused: "
-                                     + (", ".join(f"{a}: {r}" for a, r in self.refused.items()) or "none"))
+                                     f"{self.fed.wait_for_participants_s:.0f}; refused: " + self.refusal_list())
             self.sleep(1.0)
 
     def admit(self) -> None:
@@ -330,6 +378,7 @@ class Engine:
             if new:
                 self._hello(new, max(1.0, deadline - self.clock()))
                 self._check_supernodes()
+                self._stop_if_all_refused(asked)
         self._check_partitions()
         self.roster_changed()
         for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"])[:16]:
@@ -341,6 +390,33 @@ class Engine:
         self.log(INFO, "completion texts (wire-texts=%s) only to receivers with another tokenizer: %s",
                  self.fed.wire_texts, name_list([f"{n} signs {'+'.join('texts' if t else 'no-texts' for t in v)}"
                                                  for n, v in sorted(self.variants.items())]))
+
+    def refusal_list(self) -> str:
+        """Every refused node with its whole reason ('none' when none)."""
+        return "; ".join(f"{a}: {self.refused[a]}: {self.refusals.get(a, '')}"
+                         for a in sorted(self.refused, key=_order)) or "none"
+
+    def _stop_if_all_refused(self, asked: set) -> None:
+        """Every connected node said hello to and refused with an error or for its key, none admitted
+        (or a simulation whose every SuperNode answered): nobody can still come, so the run stops now
+        with each node's whole reason instead of waiting out ``wait-for-participants-s``."""
+        try:
+            connected = set(self.transport.addresses())
+        except Exception:                                   # noqa: BLE001 - the wait goes on
+            return
+        refused = {a for a in connected if a not in self.nodes}
+        if not connected or not connected <= asked or len(self.nodes) >= self.fed.min_participants:
+            return
+        if any(self.refused.get(a) not in FATAL for a in refused):
+            return                                          # a time-out, a duplicate, ...: may still change
+        counts = [i["supernodes"] for i in self.nodes.values() if _int_or_none(i.get("supernodes")) is not None]
+        if self.nodes and not (counts and min(counts) <= len(connected)):
+            return                                          # others may still connect (deployment)
+        msg = (f"min-participants={self.fed.min_participants}: {len(refused)} of {len(connected)} connected node(s) "
+               f"refused ({len(self.nodes)} admitted), nobody else can join: " + self.refusal_list())
+        self.log(logging.ERROR, "%s", msg)
+        self.finish_nodes(list(self.nodes))
+        raise AdmissionError(msg)
 
     def roster_changed(self) -> None:
         """After admission (at the start or at a round boundary): peer budgets, tokenizers, text variants."""
@@ -355,7 +431,8 @@ class Engine:
         self.variants = {n: text_variants(self.fed.wire_texts, fp, [f for f in count if f != fp or count[f] > 1])
                          for n, fp in fps.items()}
         self.texts = any(True in v for v in self.variants.values())
-        said = {i["participant"]: (i["tokenizer_fp"], _int_or_none(i.get("vocab_size"))) for i in self.nodes.values()}
+        said = {i["participant"]: (i["tokenizer_fp"], _int_or_none(i.get("vocab_size"))
+                                   or self.vocab_pinned.get(i["participant"])) for i in self.nodes.values()}
         self.inbox.config = dataclasses.replace(self.inbox.config, tokenizers=said)
 
     def hello_requests(self, addrs: list[Address]) -> tuple[dict[Address, bytes], dict[Address, dict]]:
@@ -371,6 +448,7 @@ class Engine:
             replies, dropped = self.io.send("hello", requests, timeout, on_reply=progress.replied)
         for a, why in dropped.items():
             self._refuse(a, why.reason, why.detail)
+            self.silent_at_start.add(a)
         for a in sorted(replies, key=_order):
             self._admit_one(a, replies[a].info, challenges[a])
 
@@ -396,6 +474,8 @@ class Engine:
             raise AdmissionError("participants were configured with different num-partitions ("
                                  + ", ".join(f"{n}: {k}" for n, k in sorted(said.items()))
                                  + "): set the same num-partitions in every node config (default: min-participants)")
+        if said:
+            self.num_partitions = next(iter(said.values()))
         if said and self.fed.objective.advantage_groups == "horizontal":   # the receivers' share, and prompts
             self.partitions = next(iter(said.values()))
             bounds = dataclasses.replace(self.inbox.config.bounds,
@@ -418,15 +498,22 @@ class Engine:
                                 f"{str(info.get('task_digest', ''))[:16] or '(procedural)'}, this run's is "
                                 f"{self.task_digest[:16] or '(procedural)'}: another data file, split, column or "
                                 "reward function (docs/own-task.md)")
-        if any(i["participant"] == name for i in self.nodes.values()):
+        if self.nodes.address_of(name) is not None:
             return self._refuse(addr, "duplicate_participant", f"participant {name!r} is already connected")
         long = hello_too_long(info)
         if long:
             return self._refuse(addr, "bad_hello", long)
+        parts = _int_or_none(info.get("num_partitions"))
+        if self.num_partitions is not None and parts is not None and parts != self.num_partitions:
+            return self._refuse(addr, "num_partitions_mismatch", f"participant {name!r} was configured with "
+                                f"num-partitions={parts}, this run's participants with {self.num_partitions}: "
+                                "set the same num-partitions in every node config")
         self.nodes[addr] = info
 
     def _refuse(self, addr: Address, reason: str, detail: str) -> None:
+        detail = clip_reason(str(detail))
         self.refused[addr] = reason
+        self.refusals[addr] = detail
         self.log(WARNING, "node %s not admitted (%s): %s", addr, reason, detail)
 
     # ------------------------------------------------------------------ steps the schedules use
@@ -498,7 +585,8 @@ class Engine:
         by_sender: dict[str, list[VerifiedFrame]] = {}
         for f in frames:
             by_sender.setdefault(f.sender, []).append(f)
-        plan = peer_plan(list(by_sender), [self.name(a) for a in receivers], self.fed.peers_per_round, self.fed.seed, rnd)
+        k = self.fed.peers_per_round
+        plan = peer_plan(list(by_sender), [self.name(a) for a in receivers], k, self.fed.seed, rnd, draw=self.draw)
         for i, addr in enumerate(receivers):
             name = self.name(addr)
             chosen = select_for_receiver([f for s in plan[name] for f in by_sender[s]], name,
@@ -520,9 +608,14 @@ class Engine:
                           "fed/frames_relayed": float(sum(len(q["frames"]) for q in requests.values()))})
         stats.fed.update(wire_metrics(sent))
         got = reach(plan)
+        short = short_reach(got, list(by_sender), list(plan), k)
         stats.fed.update({"fed/peers_per_receiver": float(sum(map(len, plan.values())) / max(1, len(plan))),
                           "fed/sender_reach_min": float(min((got.get(s, 0) for s in by_sender), default=0)),
-                          "fed/sender_reach_max": float(max((got.get(s, 0) for s in by_sender), default=0))})
+                          "fed/sender_reach_max": float(max((got.get(s, 0) for s in by_sender), default=0)),
+                          "fed/sender_reach_short": float(len(short))})
+        if short:
+            self.log(WARNING, "round %d %s: %d verified frame(s) reached fewer receivers than peers-per-round=%d "
+                              "asks: %s", rnd, action, len(short), k, name_list(short))
         self._log_phase(rnd, action, replies)
         for addr, r in list(replies.items()):
             name = self.name(addr)
@@ -577,10 +670,22 @@ class Engine:
                 except Exception as e:                          # noqa: BLE001 - never let a frame end the run
                     self._refused_frame(name, rnd, stats, e)
                     continue
+                self._pin_vocab(name, acc.header.vocab_size)
                 with_texts = self._verify_texts_variant(texts_variant, acc.batch, rnd, stats) if texts_variant else None
                 out.append(VerifiedFrame(acc.header, frame, with_texts))
         stats.fed["fed/quarantined"] = float(len(self.inbox.quarantined))
         return out
+
+    def _pin_vocab(self, name: str, vocab_size: int) -> None:
+        """A sender whose hello named no vocabulary size is held to its first verified frame's: a later
+        frame declaring another is refused (``wrong_tokenizer``), as with a hello that named one."""
+        said = (self.inbox.config.tokenizers or {}).get(name)
+        if said is None or said[1] is not None:
+            return
+        self.vocab_pinned[name] = vocab_size
+        tokenizers = dict(self.inbox.config.tokenizers)
+        tokenizers[name] = (said[0], vocab_size)
+        self.inbox.config = dataclasses.replace(self.inbox.config, tokenizers=tokenizers)
 
     def _check_tasks(self, batch) -> None:
         """Every group's task id names a train task of this run, once per batch (what every receiver
@@ -683,6 +788,7 @@ class Engine:
         state: dict[str, Any] = {
             "completed_round": rnd, "run_name": self.fed.run_name, "run_id": self.run_id,
             "guard": self.guard.to_json(),
+            "draw_next": self.draws.to_json(), "lags": self.members.lags,
             "pending": [{"sender": f.sender, "round": f.round, "completions": f.completions, "tokens": f.tokens,
                          "frame": base64.b64encode(f.frame).decode(),
                          "frame_texts": base64.b64encode(f.frame_texts).decode() if f.frame_texts else None}
@@ -703,6 +809,9 @@ class Engine:
         frames = [(base64.b64decode(p["frame"]), base64.b64decode(p["frame_texts"]) if p.get("frame_texts") else None)
                   for p in state["pending"]]
         self.pending = [VerifiedFrame(parse_header(f, self.inbox.config.limits), f, t) for f, t in frames]
+        if state.get("draw_next"):                      # the committed seed of the next round, kept (engine.draw)
+            self.draws = Draws.from_json(state["draw_next"], self.draws.entropy)
+        self.members.lags = {str(k): float(v) for k, v in (state.get("lags") or {}).items()}
         self.completed_round = int(state["completed_round"])
         self.start_round = self.completed_round + 1
         self.log(INFO, "resume: round %d done, continuing at round %d", self.start_round - 1, self.start_round)
