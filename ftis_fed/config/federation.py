@@ -145,6 +145,11 @@ class FederationConfig:
     progress_every_s: float = knob("progress-every-s", 15.0, """
         while a phase runs, the server logs every this many seconds which participants replied and
         which it still waits for (one plain line, also fine in a log file), >= 0; 0 = off.""")
+    plot_every: int = knob("plot-every", 10, """
+        the server redraws the PNG plots every this many rounds and after the last round (or the
+        round a run stops at), >= 0; 0 = after the last only. Drawing reads the whole metrics.jsonl
+        (~1 s of server CPU at every N, docs/scale.md), so it is kept off most rounds; the JSONL and
+        CSV are written every round.""")
     report_to: str = knob("report-to", "none", """
         the server's metrics rows also to ``tensorboard`` (``<output-dir>/tensorboard``) and/or
         ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
@@ -217,6 +222,7 @@ class FederationConfig:
         need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.progress_every_s >= 0, "progress_every_s", "must be >= 0 (0 = off)")
+        need(self.plot_every >= 0, "plot_every", "must be >= 0 (0 = after the last round only)")
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
         need(0.0 < self.fraction_train <= 1.0, "fraction_train", "must be in (0, 1]")
         need(self.min_train_participants >= 1, "min_train_participants", "must be >= 1")

@@ -147,6 +147,12 @@ def _loaded(info: Mapping[str, Any]) -> str:
     return f" (model loaded in {s:.1f} s)" if isinstance(s, (int, float)) and not isinstance(s, bool) else ""
 
 
+def plot_due(round: int, num_rounds: int, every: int) -> bool:
+    """Redraw the plots after ``round``? Every ``every``-th round (``plot-every``) and after the last;
+    ``every`` = 0: after the last only."""
+    return round >= num_rounds or (every > 0 and round % every == 0)
+
+
 class Engine:
     """See the module docstring.
 
@@ -155,7 +161,7 @@ class Engine:
     config declares (simulation; [] = no check). budgets: per-participant peer-budget overrides.
     limits: reply limits (default: one frame per reply, frame size from max-batch-tokens).
     log: ``log(level, msg, *args)`` (the Flower adapter passes Flower's logger).
-    plots: redraw the PNG plots after every round (False: JSONL/CSV only, e.g. fast tests).
+    plots: draw the PNG plots, every ``plot-every`` rounds and at the end (False: JSONL/CSV only, e.g. fast tests).
     """
 
     def __init__(self, fed: FederationConfig, keys: KeyDirectory, out_dir: str | Path, transport: Transport,
@@ -220,16 +226,16 @@ class Engine:
                 if is_eval_round(rnd, fed.num_rounds, fed.eval_every):
                     self.evaluate(rnd)
                 self._save_state(rnd)
-                self._plot()
+                if self.plots and rnd < fed.num_rounds and plot_due(rnd, fed.num_rounds, fed.plot_every):
+                    self.writer.plot_in_background()    # off the rounds' path and out of the server's memory
+            self.writer.wait_plots()
+            if self.plots:                              # after the last round, in this process
+                self.writer.plot()
         finally:
             self.finish()
-            self.writer.close()
+            self.writer.close()                         # waits for a background redraw
         self.log(INFO, "Results: %s (metrics.jsonl, metrics.csv, *.png)", self.out_dir)
         return self.completed_round
-
-    def _plot(self) -> None:
-        if self.plots:
-            self.writer.plot()
 
     def run_round(self, rnd: int) -> RoundStats:
         t0, cpu0 = self.clock(), time.process_time()
