@@ -27,3 +27,31 @@ def test_server_rss_flat_over_50_rounds(tmp_path):
     growth = float(np.polyfit([x["round"] for x in late], [x["rss_mb"] for x in late], 1)[0])
     assert growth < 0.1, growth                            # MB per round: < 4 MB over the 40 rounds
     assert sorted(p.name for p in tmp_path.glob("*.png"))   # drawn (rounds 10 ... 40 in the background, 50 here)
+
+
+def test_fraction_evaluate_asks_a_sample_and_each_participant_equally_often(tmp_path):
+    """``fraction-evaluate`` (Flower's fraction_evaluate): an evaluation round asks ceil(f N) of the N
+    admitted participants (at least ``min-evaluate-participants``), a window moving every evaluation
+    round: 16 participants at 0.25, rounds 0-3, each evaluated exactly once."""
+    import json
+    from collections import Counter
+
+    from ftis_fed.bench.swarm import light_federation
+    from ftis_fed.config.federation import FederationConfig
+    from ftis_fed.engine.core import Engine
+    from ftis_fed.engine.inprocess import InProcessTransport
+
+    parts, keys = light_federation(tmp_path, 16)
+    fed = FederationConfig(num_rounds=3, min_participants=2, run_name="swarm", output_dir=str(tmp_path),
+                           eval_every=1, eval_initial=True, progress_every_s=0, fraction_evaluate=0.25,
+                           min_evaluate_participants=3, plot_every=0)
+    assert Engine(fed, keys, tmp_path, InProcessTransport(parts), plots=False, log=lambda *a, **k: None).run() == 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r.get("phase") == "eval"]
+    per_round = Counter(r["round"] for r in evals)
+    assert per_round == {0: 4, 1: 4, 2: 4, 3: 4}
+    assert Counter(r["participant"] for r in evals) == {n: 1 for n in parts}
+    trained = [r for r in rows if r.get("phase") == "train" and r["participant"] != "_federation"]
+    assert len(trained) == 3 * 16                                          # training still asks everyone
+    with pytest.raises(ValueError, match=r"fraction-evaluate=0.0: must be in \(0, 1\]"):
+        FederationConfig(fraction_evaluate=0.0)

@@ -165,6 +165,14 @@ class FederationConfig:
         to generate and train each round, in (0, 1]; drawn afresh each round from seed and round.""")
     min_train_participants: int = knob("min-train-participants", 2, """
         at least this many participants are sampled per round (every admitted one when fewer), >= 1.""")
+    fraction_evaluate: float = knob("fraction-evaluate", 1.0, """
+        evaluation sampling (Flower's fraction_evaluate): the share of the admitted participants asked
+        to evaluate in an evaluation round, in (0, 1]; a window of the same kind of ring as
+        fraction-train's (another order), moving every evaluation round, so each is evaluated equally
+        often. 1.0 = every admitted participant.""")
+    min_evaluate_participants: int = knob("min-evaluate-participants", 2, """
+        at least this many participants evaluate in an evaluation round (every admitted one when
+        fewer), >= 1 (Flower's min_evaluate_nodes).""")
     peers_per_round: int = knob("peers-per-round", 0, """
         peer sampling: each receiver gets the frames of at most k peers per round, taken on a ring
         ordered from seed that shifts every round, so every sender reaches receivers equally often
@@ -226,6 +234,8 @@ class FederationConfig:
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
         need(0.0 < self.fraction_train <= 1.0, "fraction_train", "must be in (0, 1]")
         need(self.min_train_participants >= 1, "min_train_participants", "must be >= 1")
+        need(0.0 < self.fraction_evaluate <= 1.0, "fraction_evaluate", "must be in (0, 1]")
+        need(self.min_evaluate_participants >= 1, "min_evaluate_participants", "must be >= 1")
         need(self.peers_per_round >= 0, "peers_per_round", "must be >= 0 (0 = every peer)")
         need(self.join_timeout_s > 0, "join_timeout_s", "must be > 0")
         need(self.participants_per_worker >= 1, "participants_per_worker", "must be >= 1")

@@ -56,7 +56,7 @@ from ftis_fed.engine.metric_names import MetricNames
 from ftis_fed.engine.progress import PhaseProgress, name_list, spread
 from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
                     texts_differ)
-from ftis_fed.engine.sampling import peer_plan, reach
+from ftis_fed.engine.sampling import peer_plan, reach, sample_participants
 from ftis_fed.engine.schedules import get_schedule
 from ftis_fed.engine.transport import Address, Failure, Transport
 from ftis_fed.engine.validation import Reply, ReplyLimits, max_frame_bytes_for
@@ -145,6 +145,10 @@ def _loaded(info: Mapping[str, Any]) -> str:
     """`` (model loaded in X s)`` from a hello's ``load_seconds``, if it carries a number."""
     s = info.get("load_seconds")
     return f" (model loaded in {s:.1f} s)" if isinstance(s, (int, float)) and not isinstance(s, bool) else ""
+
+
+#: added to the run seed for the evaluation sample's ring (another order than the training sample's)
+EVAL_SAMPLE_SALT = 0x65766C
 
 
 def plot_due(round: int, num_rounds: int, every: int) -> bool:
@@ -572,7 +576,16 @@ class Engine:
         return None
 
     def evaluate(self, rnd: int) -> None:
-        replies, _ = self.ask("evaluate", {a: {"round": rnd} for a in self.nodes}, None)
+        """Ask the evaluation round's sample (``fraction-evaluate``, ``min-evaluate-participants``;
+        every admitted participant at 1.0) to evaluate, and write their rows."""
+        fed = self.fed
+        chosen = set(sample_participants([self.name(a) for a in self.nodes], fed.fraction_evaluate,
+                                         fed.min_evaluate_participants, fed.seed + EVAL_SAMPLE_SALT, rnd))
+        asked = [a for a in self.nodes if self.name(a) in chosen]
+        if len(asked) < len(self.nodes):
+            self.log(INFO, "eval r%d: %d of %d participants sampled (fraction-evaluate=%g, min %d)", rnd, len(asked),
+                     len(self.nodes), fed.fraction_evaluate, fed.min_evaluate_participants)
+        replies, _ = self.ask("evaluate", {a: {"round": rnd} for a in asked}, None)
         rows = []
         for addr in sorted(replies, key=lambda a: self.name(a)):
             name, m = self.name(addr), self._kept_metrics(addr, replies[addr], None)
