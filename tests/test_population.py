@@ -70,6 +70,9 @@ def test_the_shipped_populations_validate_and_resolve_against_the_app_folder():
     preset = tomllib.loads((ROOT / "sims" / "presets" / "tiny64.toml").read_text())
     assert len(participant_names({**RUN_CONFIG, **preset})) == 64
     validate_run_config({**RUN_CONFIG, **preset})
+    lora = {**RUN_CONFIG, "population": "sims/populations/lora256.toml"}
+    assert len(participant_names(lora)) == 256
+    validate_run_config(lora)
 
 
 def test_no_participant_cap_but_memory():
