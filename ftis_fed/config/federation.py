@@ -146,10 +146,11 @@ class FederationConfig:
         while a phase runs, the server logs every this many seconds which participants replied and
         which it still waits for (one plain line, also fine in a log file), >= 0; 0 = off.""")
     plot_every: int = knob("plot-every", 10, """
-        the server redraws the PNG plots every this many rounds and after the last round (or the
-        round a run stops at), >= 0; 0 = after the last only. Drawing reads the whole metrics.jsonl
-        (~1 s of server CPU at every N, docs/scale.md), so it is kept off most rounds; the JSONL and
-        CSV are written every round.""")
+        the PNG plots are redrawn every this many rounds, in a child process (not the server's
+        round time or memory), and once more by the server after the last round, >= 0; 0 = after the
+        last only (a run stopped early keeps the plots of its last redraw). Drawing reads the whole
+        metrics.jsonl (~1-2 s of CPU at any N, docs/scale.md); the JSONL and CSV are written every
+        round.""")
     report_to: str = knob("report-to", "none", """
         the server's metrics rows also to ``tensorboard`` (``<output-dir>/tensorboard``) and/or
         ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
