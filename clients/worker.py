@@ -389,7 +389,24 @@ class Worker:
     def handle(self, req: dict[str, Any]) -> Any:
         participant = self._participant(req)
         inject_fault(participant.name, req["action"], int(req["request"].get("round", -1)))
-        return participant.handle(req["action"], req["request"])
+        with self._own_rng(participant.name):
+            return participant.handle(req["action"], req["request"])
+
+    @contextlib.contextmanager
+    def _own_rng(self, name: str):
+        """Each hosted participant draws from its own torch RNG stream, as in a process of its own
+        (LoRA dropout; ``share-base``): swapped in for its request, kept after it. A process-mate's
+        stream starts where a fresh process's does (``_participant``)."""
+        import torch
+
+        streams = self.__dict__.setdefault("rng_streams", {})
+        if name not in streams:                              # the first participant: this process's stream
+            streams[name] = torch.get_rng_state()
+        torch.set_rng_state(streams[name])
+        try:
+            yield
+        finally:
+            streams[name] = torch.get_rng_state()
 
     def _participant(self, req: dict[str, Any]):
         """The request's participant: the first one, or a process-mate built on its first request
@@ -403,7 +420,17 @@ class Worker:
             if pspec.name != name:
                 raise ValueError(f"request for participant {name!r} with the node config of {pspec.name!r}")
             t0 = time.perf_counter()
-            self.hosted[name] = Participant(pspec, self.fed, run_key=self.run_key)
+            import torch
+
+            from ftis_fed.policies.shared_base import TORCH_DEFAULT_SEED
+
+            outer = torch.get_rng_state()
+            torch.manual_seed(TORCH_DEFAULT_SEED)                # as a fresh process starts
+            try:
+                self.hosted[name] = Participant(pspec, self.fed, run_key=self.run_key)
+                self.__dict__.setdefault("rng_streams", {})[name] = torch.get_rng_state()
+            finally:
+                torch.set_rng_state(outer)
             print(f"[worker {self.participant.name}] also hosts {name} ({pspec.policy.label}, "
                   f"{time.perf_counter() - t0:.1f} s)", flush=True)
         return self.hosted[name]

@@ -70,6 +70,9 @@ def test_the_shipped_populations_validate_and_resolve_against_the_app_folder():
     preset = tomllib.loads((ROOT / "sims" / "presets" / "tiny64.toml").read_text())
     assert len(participant_names({**RUN_CONFIG, **preset})) == 64
     validate_run_config({**RUN_CONFIG, **preset})
+    lora = {**RUN_CONFIG, "population": "sims/populations/lora256.toml"}
+    assert len(participant_names(lora)) == 256
+    validate_run_config(lora)
 
 
 def test_no_participant_cap_but_memory():
@@ -120,6 +123,11 @@ def _entry(**over):
     ({"defaults": {"model": "./nowhere"}, "participants": [{"name": "d", "count": 2}]},
      "defaults.model='./nowhere' (participant d-0): no such model folder"),
     ({"participants": []}, "participants: must be a non-empty list"),
+    ({"participants": [_entry(draw={"lora-r": []})]}, "participants[0].draw.lora-r=[]: must be a non-empty list"),
+    ({"participants": [_entry(draw={"rank": [4]})]}, "participants[0].draw.rank: not a participant key"),
+    ({"participants": [_entry(adapter="lora", draw={"lora-r": [4, 0]})]}, "participants[0].draw.lora-r=0 (participant g-"),
+    ({"participants": [_entry(adapter="full", **{"share-base": True})]},
+     "participants[0].share-base=True (participant g-0): shares a base model between LoRA adapters"),
     ({"participants": [_entry()], "groups": []}, "'groups': unknown top-level field"),
 ])
 def test_errors_name_the_source_the_entry_and_the_field(tmp_path, table, message):
@@ -151,3 +159,20 @@ def test_file_errors_and_p_keys_beside_a_population(tmp_path):
 def test_the_numbered_keys_are_unchanged_without_a_population():
     assert participant_names(RUN_CONFIG) == participant_names({**RUN_CONFIG, "population": ""})
     assert [s.policy for s in _specs(RUN_CONFIG)] == [s.policy for s in _specs({**RUN_CONFIG, "population": ""})]
+
+
+def test_ranks_and_rates_drawn_per_participant_on_a_shared_base():
+    """``draw``: each of 256 LoRA participants on one base draws its rank and rate from the lists, by its
+    name (the same name, the same draw, in any population); an override still wins."""
+    entry = {"name": "lora", "count": 256, "model": "tiny-llama", "adapter": "lora", "share-base": True,
+             "draw": {"lora-r": [4, 8, 16], "lr": [5e-4, 1e-3]}, "overrides": {"7": {"lora-r": 2}}}
+    cfg = {**RUN_CONFIG, "population": json.dumps({"participants": [entry]})}
+    specs = _specs(cfg)
+    assert len(specs) == 256 and all(s.policy.share_base and s.policy.adapter == "lora" for s in specs)
+    ranks = [s.policy.lora_r for s in specs]
+    assert ranks[7] == 2 and set(ranks) == {2, 4, 8, 16}
+    counts = {r: ranks.count(r) for r in (4, 8, 16)}
+    assert all(60 <= c <= 110 for c in counts.values()), counts          # ~85 each of 255: drawn, not one value
+    assert {s.policy.lr for s in specs} == {5e-4, 1e-3}
+    few = _specs({**RUN_CONFIG, "population": json.dumps({"participants": [{**entry, "count": 20}]})})
+    assert [s.policy.lora_r for s in few] == ranks[:20]                   # by name, not by count

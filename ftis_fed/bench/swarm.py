@@ -148,14 +148,19 @@ def light_federation(out: Path, n: int, *, prefix: str = "p", run: str = "swarm"
     return parts, keys
 
 
-def measure(n: int, rounds: int, peers: int, fraction: float, out: Path, plots: bool = True) -> dict:
+def measure(n: int, rounds: int, peers: int, fraction: float, out: Path, plots: bool = True,
+            plot_every: int = 1) -> dict:
+    """One run of ``n`` light participants. ``plot_every`` = 1: the plots drawn in this process after
+    every round, their CPU measured (``plot_cpu_s``: what they cost where drawn in the round); any
+    other value: as the run-config key, the engine's own background redraws (``plot_cpu_s`` 0)."""
     import psutil
 
     parts, keys = light_federation(out, n)
+    t_admit = {}
     fed = FederationConfig(num_rounds=rounds, min_participants=min(n, 2), wait_for_participants_s=60,
                            round_timeout_s=600, run_name="swarm", output_dir=str(out), eval_every=0,
                            peers_per_round=peers, fraction_train=fraction, min_train_participants=2,
-                           progress_every_s=0)
+                           progress_every_s=0, plot_every=plot_every)
     proc = psutil.Process()
     per_round: list[dict] = []
     engine = Engine(fed, keys, out, InProcessTransport(parts), plots=plots, log=lambda *a, **k: None)
@@ -166,11 +171,13 @@ def measure(n: int, rounds: int, peers: int, fraction: float, out: Path, plots: 
     def save_and_mark(rnd: int) -> None:                 # after the round, its state and before plots
         orig_save(rnd)
         p0 = time.process_time()
-        if plots:
+        if plots and plot_every == 1:
             engine.writer.plot()
         plot_cpu = time.process_time() - p0
         cpu, wall, part = time.process_time(), time.perf_counter(), sum(p.cpu for p in parts.values())
         fed_row = [r for r in engine.writer.rows() if r["round"] == rnd and r["participant"] == "_federation"][-1]
+        if rnd == 1:
+            t_admit["cpu_s"] = admit_cpu["s"]
         per_round.append({"round": rnd, "server_cpu_s": (cpu - marks["cpu"]) - (part - marks["part"]),
                           "plot_cpu_s": plot_cpu,
                           "participants_cpu_s": part - marks["part"], "wall_s": wall - marks["wall"],
@@ -178,10 +185,22 @@ def measure(n: int, rounds: int, peers: int, fraction: float, out: Path, plots: 
                           "bytes_relayed": fed_row.get("fed/bytes_relayed", 0.0),
                           "frames_relayed": fed_row.get("fed/frames_relayed", 0.0),
                           "state_bytes": engine.state_path.stat().st_size})
-        marks.update(cpu=cpu, wall=wall, part=part)
+        marks.update(cpu=time.process_time(), wall=time.perf_counter(), part=part)   # the bench's reading: not the next round's
 
+    admit_cpu = {"s": 0.0}
+    orig_admit = engine.admit
+
+    def timed_admit(*args, **kwargs):
+        c0, p0 = time.process_time(), sum(p.cpu for p in parts.values())
+        try:
+            return orig_admit(*args, **kwargs)
+        finally:
+            admit_cpu["s"] = (time.process_time() - c0) - (sum(p.cpu for p in parts.values()) - p0)
+            marks.update(cpu=time.process_time(), wall=time.perf_counter(), part=sum(p.cpu for p in parts.values()))
+
+    engine.admit = timed_admit
     engine._save_state = save_and_mark
-    engine.plots = False                                 # plotted inside the measured round above
+    engine.plots = plots and plot_every != 1             # plot_every 1: plotted inside the measured round above
     engine.run()
     steady = per_round[1:] or per_round                  # round 1 also pays for the first plots/CSV
     mean = lambda k: float(np.mean([r[k] for r in steady]))  # noqa: E731
@@ -191,7 +210,10 @@ def measure(n: int, rounds: int, peers: int, fraction: float, out: Path, plots: 
             "wall_s_per_round": mean("wall_s"), "rss_mb_end": per_round[-1]["rss_mb"],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "bytes_relayed_per_round": mean("bytes_relayed"), "frames_relayed_per_round": mean("frames_relayed"),
-            "server_state_bytes": per_round[-1]["state_bytes"], "per_round": per_round}
+            "server_state_bytes": per_round[-1]["state_bytes"], "admission_server_cpu_s": t_admit.get("cpu_s"),
+            "rss_mb_growth_per_round": float(np.polyfit([r["round"] for r in steady], [r["rss_mb"] for r in steady], 1)[0])
+            if len(steady) > 1 else float("nan"), "plot_every": plot_every, "load": os.getloadavg(),
+            "per_round": per_round}
 
 
 def slope(results: list[dict], key: str) -> float:
@@ -208,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers-per-round", type=int, default=4)
     ap.add_argument("--fraction-train", type=float, default=1.0)
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--plot-every", type=int, default=1, help="as the run-config key (1: plots every round)")
     ap.add_argument("--out", default="", help="folder for the runs ('' = a temporary one)")
     ap.add_argument("--slope", nargs="+", default=[], help="only combine these files of JSON lines into the slope")
     a = ap.parse_args(argv)
@@ -219,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(a.out or tmp)
         for n in a.participants:
-            r = measure(n, a.rounds, a.peers_per_round, a.fraction_train, base / f"n{n}", plots=not a.no_plots)
+            r = measure(n, a.rounds, a.peers_per_round, a.fraction_train, base / f"n{n}", plots=not a.no_plots,
+                        plot_every=a.plot_every)
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "per_round"}), flush=True)
     if len(results) > 1:

@@ -39,10 +39,9 @@ from ftis_fed.config.federation import (absolute_paths, federation_from_run_conf
 from ftis_fed.engine.core import Engine
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.participant import Participant
+from ftis_fed.policies.shared_base import TORCH_DEFAULT_SEED
 from ftis_fed.trust.signing import generate_keypair, key_paths, load_key_directory
 
-#: torch's default CPU seed: the state of the global generator in a fresh process.
-TORCH_DEFAULT_SEED = 67280421310721
 
 
 class OwnProcessState:

@@ -171,6 +171,12 @@ class FederationConfig:
     progress_every_s: float = knob("progress-every-s", 15.0, """
         while a phase runs, the server logs every this many seconds which participants replied and
         which it still waits for (one plain line, also fine in a log file), >= 0; 0 = off.""")
+    plot_every: int = knob("plot-every", 10, """
+        the PNG plots are redrawn every this many rounds, in a child process (not the server's
+        round time or memory), and once more by the server after the last round, >= 0; 0 = after the
+        last only (a run stopped early keeps the plots of its last redraw). Drawing reads the whole
+        metrics.jsonl (~1-2 s of CPU at any N, docs/scale.md); the JSONL and CSV are written every
+        round.""")
     report_to: str = knob("report-to", "none", """
         the server's metrics rows also to ``tensorboard`` (``<output-dir>/tensorboard``) and/or
         ``wandb`` (offline unless WANDB_MODE / WANDB_API_KEY say otherwise), comma-separated, as in
@@ -192,6 +198,14 @@ class FederationConfig:
         the round's committed draw (docs/scale.md).""")
     min_train_participants: int = knob("min-train-participants", 2, """
         at least this many participants are sampled per round (every admitted one when fewer), >= 1.""")
+    fraction_evaluate: float = knob("fraction-evaluate", 1.0, """
+        evaluation sampling (Flower's fraction_evaluate): the share of the admitted participants asked
+        to evaluate in an evaluation round, in (0, 1]; a window of the same kind of ring as
+        fraction-train's (another order), moving every evaluation round, so each is evaluated equally
+        often. 1.0 = every admitted participant.""")
+    min_evaluate_participants: int = knob("min-evaluate-participants", 2, """
+        at least this many participants evaluate in an evaluation round (every admitted one when
+        fewer), >= 1 (Flower's min_evaluate_nodes).""")
     peers_per_round: int = knob("peers-per-round", 0, """
         peer sampling: each receiver gets the frames of k peers per round and each verified frame
         reaches k receivers (one more on the side with fewer members), drawn per round from the
@@ -252,9 +266,12 @@ class FederationConfig:
         need(self.worker_idle_timeout_s > 0, "worker_idle_timeout_s", "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.progress_every_s >= 0, "progress_every_s", "must be >= 0 (0 = off)")
+        need(self.plot_every >= 0, "plot_every", "must be >= 0 (0 = after the last round only)")
         parse_report_to(self.report_to)                  # ValueError naming report-to and the accepted values
         need(0.0 < self.fraction_train <= 1.0, "fraction_train", "must be in (0, 1]")
         need(self.min_train_participants >= 1, "min_train_participants", "must be >= 1")
+        need(0.0 < self.fraction_evaluate <= 1.0, "fraction_evaluate", "must be in (0, 1]")
+        need(self.min_evaluate_participants >= 1, "min_evaluate_participants", "must be >= 1")
         need(self.peers_per_round >= 0, "peers_per_round", "must be >= 0 (0 = every peer)")
         need(self.join_timeout_s > 0, "join_timeout_s", "must be > 0")
         need(self.participants_per_worker >= 1, "participants_per_worker", "must be >= 1")

@@ -16,6 +16,14 @@
     adapter = "lora"
     overrides = { "3" = { lr = 1e-4 } }  # per participant: its index in the entry -> its own keys
 
+    [[participants]]                     # 256 LoRA participants on one base, ranks and rates drawn
+    name = "lora"
+    count = 256
+    model = "micro-llama-s"
+    adapter = "lora"
+    share-base = true                    # one copy of the base per worker process
+    draw = { lora-r = [4, 8, 16], lr = [5e-4, 1e-3] }
+
     [[participants]]                     # count 1 (default): the name is the participant's id
     name = "smol"
     model = "smollm2"
@@ -30,10 +38,15 @@ folder). An entry's keys are any participant key (``participant_keys``: the per-
 policy key, e.g. ``lr``, ``micro-batch``), which win over the run-wide values. No cap on the
 number of participants but memory. Errors are one line naming the source, the entry (``participants[2]``)
 and the field. Nothing here imports the rest of the config (``federation.py`` passes the keys in).
+
+``draw`` gives keys a list of values each participant of the entry takes one of: the value at
+SHA-256(participant name, key) mod the list's length (so the same name always draws the same value,
+whatever the count or order). An override wins over a draw, a draw over the entry's own keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import tomllib
@@ -43,7 +56,7 @@ from pathlib import Path
 from typing import Any, Collection, Mapping
 
 #: fields of an entry that are not participant keys
-ENTRY_FIELDS = ("name", "count", "overrides")
+ENTRY_FIELDS = ("name", "count", "overrides", "draw")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 #: the most participants a population may declare, over all its entries (every node expands the
 #: table: 10^6 took 10.8 s on each, 10^9 ran out of memory; docs/scale.md measures up to 4,096)
@@ -156,6 +169,13 @@ def _parse(text: str, kind: str, source: str, keys: tuple[str, ...]) -> tuple[Me
                 raise fail(f"{where}.overrides.{j}: must be a table of participant keys")
             for k in ov:
                 _check_key(k, known, f"{where}.overrides.{j}", fail)
+        draw = entry.get("draw", {})
+        if not isinstance(draw, dict):
+            raise fail(f"{where}.draw: must be a table of participant key -> list of values")
+        for k, vals in draw.items():
+            _check_key(k, known, f"{where}.draw", fail)
+            if not isinstance(vals, list) or not vals:
+                raise fail(f"{where}.draw.{k}={vals!r}: must be a non-empty list of values to draw from")
         by_index = {int(str(j)): ov for j, ov in overrides.items()}
         for j in range(count):
             pname = name if count == 1 else f"{name}-{j}"
@@ -168,8 +188,10 @@ def _parse(text: str, kind: str, source: str, keys: tuple[str, ...]) -> tuple[Me
             ov = by_index.get(j, {})
             origin = {k: f"defaults.{k}" for k in defaults}
             origin.update({k: f"{where}.{k}" for k in own})
+            drawn = {k: vals[_draw_index(pname, k, len(vals))] for k, vals in draw.items()}
+            origin.update({k: f"{where}.draw.{k}" for k in drawn})
             origin.update({k: f"{where}.overrides.{j}.{k}" for k in ov})
-            values = {**defaults, **own, **ov}
+            values = {**defaults, **own, **drawn, **ov}
             for k, v in values.items():
                 if not isinstance(v, (bool, int, float, str)):
                     raise fail(f"{origin[k]}={v!r}: must be a string, number or boolean")
@@ -178,6 +200,11 @@ def _parse(text: str, kind: str, source: str, keys: tuple[str, ...]) -> tuple[Me
 
 
 _parse_cached = lru_cache(maxsize=16)(_parse)
+
+
+def _draw_index(participant: str, key: str, n: int) -> int:
+    """Which of ``n`` values participant ``participant`` draws for ``key`` (``draw``)."""
+    return int.from_bytes(hashlib.sha256(f"{participant}\0{key}".encode()).digest()[:8], "big") % n
 
 
 def _check_key(key: Any, known: set[str], where: str, fail) -> None:

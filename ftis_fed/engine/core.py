@@ -64,7 +64,7 @@ from ftis_fed.engine.metric_names import MetricNames
 from ftis_fed.engine.progress import PhaseProgress, name_list, spread
 from ftis_fed.engine.relay import (VerifiedFrame, is_eval_round, receiver_needs_texts, select_for_receiver, text_variants,
                     texts_differ)
-from ftis_fed.engine.sampling import peer_plan, reach
+from ftis_fed.engine.sampling import credit, peer_plan, reach, sample_participants, seed_draw
 from ftis_fed.engine.schedules import get_schedule
 from ftis_fed.engine.transport import Address, Failure, Transport
 from ftis_fed.engine.validation import Reply, ReplyLimits, max_frame_bytes_for
@@ -231,6 +231,17 @@ def budget_rejections(rows: list[dict]) -> dict[str, int]:
     return out
 
 
+#: added to the run seed for the evaluation sample's tie-breaking draw (another order than the training
+#: sample's; the evaluation sample need not be unsteerable: nothing a participant sends depends on it)
+EVAL_SAMPLE_SALT = 0x65766C
+
+
+def plot_due(round: int, num_rounds: int, every: int) -> bool:
+    """Redraw the plots after ``round``? Every ``every``-th round (``plot-every``) and after the last;
+    ``every`` = 0: after the last only."""
+    return round >= num_rounds or (every > 0 and round % every == 0)
+
+
 class Engine:
     """See the module docstring.
 
@@ -239,7 +250,7 @@ class Engine:
     config declares (simulation; [] = no check). budgets: per-participant peer-budget overrides.
     limits: reply limits (default: one frame per reply, frame size from max-batch-tokens).
     log: ``log(level, msg, *args)`` (the Flower adapter passes Flower's logger).
-    plots: redraw the PNG plots after every round (False: JSONL/CSV only, e.g. fast tests).
+    plots: draw the PNG plots, every ``plot-every`` rounds and at the end (False: JSONL/CSV only, e.g. fast tests).
     """
 
     def __init__(self, fed: FederationConfig, keys: KeyDirectory, out_dir: str | Path, transport: Transport,
@@ -284,6 +295,7 @@ class Engine:
         self.vocab_pinned: dict[str, int] = {}          # hello without vocab_size: its first verified frame's
         self.num_partitions: int | None = None          # the participants' num-partitions (late joiners too)
         self.members = Membership(self)                 # sampling, late joiners, rejoiners, retirement
+        self.eval_lags: dict[str, float] = {}              # evaluation sampling (fraction-evaluate): fair share minus asks
         self.draws = Draws(entropy)                     # the rounds' committed seeds (engine.draw)
         self.draw = b""                                 # this round's seed (revealed in its row)
 
@@ -313,16 +325,16 @@ class Engine:
                 if is_eval_round(rnd, fed.num_rounds, fed.eval_every):
                     self.evaluate(rnd)
                 self._save_state(rnd)
-                self._plot()
+                if self.plots and rnd < fed.num_rounds and plot_due(rnd, fed.num_rounds, fed.plot_every):
+                    self.writer.plot_in_background()    # off the rounds' path and out of the server's memory
+            self.writer.wait_plots()
+            if self.plots:                              # after the last round, in this process
+                self.writer.plot()
         finally:
             self.finish()
-            self.writer.close()
+            self.writer.close()                         # waits for a background redraw
         self.log(INFO, "Results: %s (metrics.jsonl, metrics.csv, *.png)", self.out_dir)
         return self.completed_round
-
-    def _plot(self) -> None:
-        if self.plots:
-            self.writer.plot()
 
     def run_round(self, rnd: int) -> RoundStats:
         t0, cpu0 = self.clock(), time.process_time()
@@ -736,7 +748,19 @@ class Engine:
         return None
 
     def evaluate(self, rnd: int) -> None:
-        replies, _ = self.ask("evaluate", {a: {"round": rnd} for a in self.nodes}, None)
+        """Ask the evaluation round's sample (``fraction-evaluate``, ``min-evaluate-participants``;
+        every admitted participant at 1.0) to evaluate, and write their rows."""
+        fed = self.fed
+        names = [self.name(a) for a in self.nodes]
+        chosen = set(sample_participants(names, fed.fraction_evaluate, fed.min_evaluate_participants, self.eval_lags,
+                                         seed_draw(fed.seed + EVAL_SAMPLE_SALT, rnd)))
+        if len(chosen) < len(names):                     # the evaluation's own fair shares (engine.sampling.credit)
+            self.eval_lags = credit(self.eval_lags, names, sorted(chosen))
+        asked = [a for a in self.nodes if self.name(a) in chosen]
+        if len(asked) < len(self.nodes):
+            self.log(INFO, "eval r%d: %d of %d participants sampled (fraction-evaluate=%g, min %d)", rnd, len(asked),
+                     len(self.nodes), fed.fraction_evaluate, fed.min_evaluate_participants)
+        replies, _ = self.ask("evaluate", {a: {"round": rnd} for a in asked}, None)
         rows = []
         for addr in sorted(replies, key=lambda a: self.name(a)):
             name, m = self.name(addr), self._kept_metrics(addr, replies[addr], None)

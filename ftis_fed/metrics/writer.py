@@ -11,6 +11,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
 from datetime import datetime, timezone
 from collections import defaultdict
 from pathlib import Path
@@ -93,6 +96,7 @@ class MetricsWriter:
         self.csv = self.dir / "metrics.csv"
         self.moved: list[tuple[Path, Path]] = [] if append else self._move_aside()
         self._csv_cols: list[str] | None = None        # the CSV's header, once read or written
+        self._plotter: subprocess.Popen | None = None   # the child process drawing the plots, if any
 
     def _move_aside(self) -> list[tuple[Path, Path]]:
         old = [p for p in (self.jsonl, self.csv) if p.exists()]
@@ -135,7 +139,8 @@ class MetricsWriter:
             sink.log(rows)
 
     def close(self) -> None:
-        """Close the report-to sinks (the JSONL/CSV files need nothing)."""
+        """Close the report-to sinks (the JSONL/CSV files need nothing); wait for a background redraw."""
+        self.wait_plots()
         for sink in self.sinks:
             sink.close()
         self.sinks = []
@@ -149,6 +154,30 @@ class MetricsWriter:
             for r in rows:
                 w.writerow({k: r.get(k, "") for k in cols})
         self._csv_cols = cols
+
+    def plot_in_background(self) -> bool:
+        """Redraw the plots in a child process (``python -m ftis_fed.metrics.writer <dir>``), so the
+        drawing costs the server neither its round's time nor memory (matplotlib's ~10-20 MB per redraw
+        stays in the child); skipped while the previous one still draws. True when one started."""
+        if self._plotter is not None and self._plotter.poll() is None:
+            return False
+        root = str(Path(__file__).resolve().parents[2])                 # the folder holding ftis_fed/
+        env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"]
+                                                   if os.environ.get("PYTHONPATH") else "")}
+        self._plotter = subprocess.Popen([sys.executable, "-m", "ftis_fed.metrics.writer", str(self.dir)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, env=env, cwd=root)
+        return True
+
+    def wait_plots(self, timeout: float = 120.0) -> None:
+        """Wait for a background redraw to end (killed after ``timeout`` seconds)."""
+        if self._plotter is not None:
+            try:
+                self._plotter.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._plotter.kill()
+                self._plotter.wait()
+            self._plotter = None
 
     def plot(self) -> list[Path]:
         """One PNG per entry of ``PLOTS`` (skipping metrics nobody reported) + fed.png; returns paths."""
@@ -217,3 +246,7 @@ def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v
+
+
+if __name__ == "__main__":                                # the background redraw (plot_in_background)
+    MetricsWriter(sys.argv[1], append=True).plot()

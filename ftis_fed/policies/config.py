@@ -113,6 +113,14 @@ class PolicyConfig:
         its weights and KV cache (vLLM ``gpu_memory_utilization``), in [0, 0.95]; 0 = derived: 0.4
         of the participant's gpu-memory-share (the rest is its trainer's). At most gpu-memory-share
         when that is set.""", per_participant=True)
+    share_base: bool = knob("share-base", False, """
+        LoRA participants (adapter = lora, backend = hf) hosted by one worker process
+        (``participants-per-worker``) share one copy of their base model: the first loads it, each
+        adds its own adapter (peft's multi-adapter API) and its own optimizer over it, and every
+        generation, scoring and training step switches to the participant's adapter. The same
+        samples, losses and adapter weights as a copy per participant (``tests/test_shared_base.py``);
+        memory per extra participant: its adapter, optimizer state and counters. Participants share
+        a base when model, weights-dtype and quant are the same.""")
     seed: int = knob("policy-seed", 0, "torch seed for the initialisation of adapters.")
     name: str = knob("model-id", "", """
         label recorded in batches as the generator's model id ('' = derived from model, quant and
@@ -141,6 +149,9 @@ class PolicyConfig:
         need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "must be 'auto', 'fp32' or 'bf16'")
         need(self.weights_dtype in WEIGHT_DTYPES, "weights_dtype", "must be 'fp32', 'bf16' or 'fp16'")
         need(self.optimizer in OPTIMIZERS, "optimizer", "must be 'adamw', 'adamw-8bit' or 'paged-adamw-8bit'")
+        need(not self.share_base or (self.adapter == "lora" and self.backend == "hf"), "share_base",
+             f"shares a base model between LoRA adapters: needs adapter='lora' and backend='hf' "
+             f"(adapter is {self.adapter!r}, backend {self.backend!r})")
         need(self.grad_checkpointing_tokens >= 0, "grad_checkpointing_tokens", "must be >= 0 (0 = off)")
         from ftis_fed.policies.devices import DeviceError, parse_device
 

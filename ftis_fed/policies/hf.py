@@ -37,6 +37,7 @@ from ftis_fed.policies.config import WEIGHT_DTYPES, PolicyConfig
 from ftis_fed.policies.models import load_tokenizer, resolve_model
 from ftis_fed.policies.logprobs import token_logprobs
 from ftis_fed.policies.scoring import unwrap_causal_lm
+from ftis_fed.policies.shared_base import adapter_parameters, attach, existing
 
 
 def cpu_has_bf16() -> bool:
@@ -177,10 +178,13 @@ class HFPolicy(Policy):
     def __init__(self, cfg: PolicyConfig):
         self.cfg = cfg
         path = resolve_model(cfg.model)                 # may build and warm up the model (its own seeds)
-        self.tokenizer = load_tokenizer(path)
+        base = existing(self._share_key(path)) if cfg.share_base else None
+        self.tokenizer = base.tokenizer if base is not None else load_tokenizer(path)   # share-base: one
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         torch.manual_seed(cfg.seed)                     # after any build: the adapter's init is the same
+        self.shared = None                              # share-base: the SharedBase holding the model
+        self.adapter_name = "default"                   # share-base: this policy's adapter in it
         self.model = self._load_model(path)             # whether the model cache was warm or not
         self.checkpointing = False
         if cfg.grad_checkpointing:                      # active in train() mode only: generation keeps its cache
@@ -188,11 +192,45 @@ class HFPolicy(Policy):
         self.model_id = cfg.label
         self.tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
         self.vocab_size = int(max(len(self.tokenizer), self.model.get_input_embeddings().weight.shape[0]))
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if self.shared is not None:                     # its own adapter's weights only, in model order
+            self.own_parameters = dict(adapter_parameters(self.model, self.adapter_name))
+            self.trainable = list(self.own_parameters.values())
+        else:
+            self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.autocast = self._autocast_dtype()
 
     # ------------------------------------------------------------------ loading
+    def _lora_config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha, lora_dropout=self.cfg.lora_dropout,
+                          target_modules="all-linear", task_type="CAUSAL_LM")
+
+    def _share_key(self, path: str) -> tuple:
+        """share-base: policies whose key is the same share one base model (and tokenizer)."""
+        return (str(Path(path).resolve()), self.cfg.weights_dtype, self.cfg.quant)
+
     def _load_model(self, path: str) -> torch.nn.Module:
+        if self.cfg.share_base:                         # one base per process, an adapter per participant
+            self.shared, self.adapter_name = attach(self._share_key(path), lambda: self._load_base(path), self._lora_config(),
+                                                    self.cfg.seed, lambda _: self.hub_generation_config)
+            self.hub_generation_config = self.shared.hub_generation_config
+            if self.shared.tokenizer is None:           # one tokenizer too (~18 MB for a 49k vocabulary)
+                self.shared.tokenizer = self.tokenizer
+            return self.shared.model
+        model = self._load_base(path)
+        if self.cfg.adapter == "lora":
+            from peft import get_peft_model
+
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model = get_peft_model(model, self._lora_config())
+        sparse_tied_embedding_gradient(unwrap_causal_lm(model))         # full fine-tuning on CPU only
+        return model
+
+    def _load_base(self, path: str) -> torch.nn.Module:
+        """The model as ``from_pretrained`` loads it, its generation config neutral (the hub's kept
+        as ``hub_generation_config``)."""
         kwargs: dict = {"dtype": getattr(torch, WEIGHT_DTYPES[self.cfg.weights_dtype])}
         if self.cfg.quant != "none":
             kwargs["quantization_config"] = quantization.bnb_config(self.cfg.quant)
@@ -204,17 +242,15 @@ class HFPolicy(Policy):
         model.generation_config = GenerationConfig()              # nothing of it leaks into sampling
         if self.cfg.quant != "none":
             quantization.disable_cpu_bf16_repacking(model)
-        if self.cfg.adapter == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            for p in model.parameters():
-                p.requires_grad_(False)
-            lora = LoraConfig(r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha,
-                              lora_dropout=self.cfg.lora_dropout, target_modules="all-linear",
-                              task_type="CAUSAL_LM")
-            model = get_peft_model(model, lora)
-        sparse_tied_embedding_gradient(unwrap_causal_lm(model))         # full fine-tuning on CPU only
         return model
+
+    def _activate(self) -> None:
+        """share-base: make this policy's adapter the model's active one, with its own gradient
+        checkpointing setting (a no-op for a policy with a model of its own)."""
+        if self.shared is not None:
+            self.shared.activate(self.adapter_name)
+            if self.shared.checkpointing != self.checkpointing:
+                self._apply_checkpointing(self.checkpointing)
 
     def _autocast_dtype(self) -> torch.dtype | None:
         if self.cfg.dtype == "fp32":
@@ -238,6 +274,7 @@ class HFPolicy(Policy):
         """G completions per prompt, all prompts in one left-padded batch."""
         if group_size < 1:
             raise ValueError(f"group_size={group_size}: must be >= 1")
+        self._activate()
         tok = self.tokenizer
         prompt_ids = [self.format_prompt(p.text) for p in prompts]
         rows = [ids for ids in prompt_ids for _ in range(group_size)]
@@ -307,6 +344,7 @@ class HFPolicy(Policy):
     def generate_greedy(self, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int = 64) -> list[str]:
         """Greedy replies, ``batch_size`` prompts per ``generate``. The rows' longest common token prefix
         (the chat template's system message) is prefilled once (``_common_prefix_rows``)."""
+        self._activate()
         tok = self.tokenizer
         self.model.eval()
         texts: list[str] = []
@@ -348,6 +386,7 @@ class HFPolicy(Policy):
 
     # ------------------------------------------------------------------ score
     def score(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool = False) -> list[torch.Tensor]:
+        self._activate()
         out: list[torch.Tensor] = []
         self.model.train(grad)
         for s in range(0, len(prompt_ids), self.cfg.micro_batch):
@@ -360,6 +399,7 @@ class HFPolicy(Policy):
         """(b,T) log-probs for one micro-batch (see logprobs.token_logprobs). With gradient and
         ``grad-checkpointing-tokens`` > 0, checkpointing is switched on for this micro-batch when its
         padded tokens exceed the threshold (``use_checkpointing``)."""
+        self._activate()
         if grad and self.cfg.grad_checkpointing_tokens > 0:
             self._set_checkpointing(use_checkpointing(self.cfg, prompt_ids, completion_ids))
         return token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
@@ -374,14 +414,19 @@ class HFPolicy(Policy):
         return self.format_prompt(prompt_text), (ids + [self.tokenizer.eos_token_id] if ended else ids)
 
     def _set_checkpointing(self, on: bool) -> None:
-        if on == self.checkpointing:
-            return
+        model_has = self.shared.checkpointing if self.shared is not None else self.checkpointing
+        self.checkpointing = on
+        if on != model_has:
+            self._apply_checkpointing(on)
+
+    def _apply_checkpointing(self, on: bool) -> None:
         lm = unwrap_causal_lm(self.model)
         if on:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             lm.gradient_checkpointing_disable()
-        self.checkpointing = on
+        if self.shared is not None:
+            self.shared.checkpointing = on
 
     # ------------------------------------------------------------------ export
     def export(self, path: str | Path) -> Path:
@@ -393,7 +438,13 @@ class HFPolicy(Policy):
         with atomic_dir(path) as tmp:
             neutral, lm.generation_config = lm.generation_config, self.hub_generation_config
             try:
-                self.model.save_pretrained(tmp)
+                if self.shared is not None:             # this adapter only, as its own model's export
+                    self.model.save_pretrained(tmp, selected_adapters=[self.adapter_name])
+                    for f in (Path(tmp) / self.adapter_name).iterdir():
+                        f.replace(Path(tmp) / f.name)
+                    (Path(tmp) / self.adapter_name).rmdir()
+                else:
+                    self.model.save_pretrained(tmp)
                 if self.cfg.adapter == "lora":
                     self.hub_generation_config.save_pretrained(tmp)
             finally:
@@ -406,13 +457,16 @@ class HFPolicy(Policy):
         return self.trainable
 
     def train_mode(self, training: bool) -> None:
+        self._activate()
         self.model.train(training)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
+        if self.shared is not None:
+            return {n: p.detach().cpu().clone() for n, p in self.own_parameters.items()}
         return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
     def load_trainable_state(self, state: dict[str, torch.Tensor], source: str = "state") -> None:
-        names = dict(self.model.named_parameters())
+        names = self.own_parameters if self.shared is not None else dict(self.model.named_parameters())
         with torch.no_grad():
             for n, t in state.items():
                 if n not in names:

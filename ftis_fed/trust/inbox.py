@@ -125,6 +125,8 @@ class Inbox:
         self.guard = guard if guard is not None else ReplayGuard()
         self.counts: Counter[str] = Counter()        # cumulative: "accepted", "rejected/<reason>"
         self.frames_seen: Counter[tuple[str, int]] = Counter()
+        self._floor: int | None = None               # frames_seen holds no entry of a round below it ...
+        self._late: set[tuple[str, int]] = set()     # ... but these, counted after it rose
         self.quarantined: set[str] = set()
         self.strikes: Counter[str] = Counter()       # signed batches per sender that disagreed (receive.py)
 
@@ -247,10 +249,22 @@ class Inbox:
         return True
 
     def _count_frame(self, sender: str, round: int) -> None:
+        """Count one fresh frame of ``sender`` for ``round``; keep only the entries of this round and the
+        previous one. A newer round drops the older entries in one pass; otherwise only entries counted
+        below that floor since (``_late``) can be stale: O(1) per frame, not O(entries) (4,096 senders:
+        a scan of ~8,000 entries per frame was the server's largest cost per round)."""
         self.frames_seen[(sender, round)] += 1
-        stale = [k for k in self.frames_seen if k[1] < round - 1]      # keep the current and previous round
+        floor = round - 1
+        if self._floor is None or floor > self._floor:
+            self._floor = floor
+            stale = [k for k in self.frames_seen if k[1] < floor]
+        else:
+            stale = [k for k in self._late if k[1] < floor]
         for k in stale:
             del self.frames_seen[k]
+            self._late.discard(k)
+        if round < self._floor:
+            self._late.add((sender, round))
 
 
 def check_vocab(batch: CompletionBatch, vocab_size: int) -> None:
