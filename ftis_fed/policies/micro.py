@@ -29,7 +29,7 @@ The two ``-w`` models (issue #27's learning tier, being calibrated: docs/results
 two-digit problems with their column steps (``worked``: "7+8=15; 4+3+1=8; so 85", ~22 tokens), from
 problem spaces of 8,100 / 4,095 problems that RL cannot memorise (add30/sub30 have ~670 / ~350 train
 problems, and a 100-round run at 16 prompts a round sees each ~2-5 times); 200 warm-up steps leave them
-at 28-31 % greedy (500 steps: 100 %).
+at 22-25 % greedy (500 steps: 100 %).
 
 The two ``-o`` models give 15 % of their warm-up to add3 and word_add (``MicroSpec.pretrain``): the
 "pretraining" knowledge of two OOD families, which a run never trains on, so OOD accuracy can move.
