@@ -31,8 +31,9 @@ def test_server_rss_flat_over_50_rounds(tmp_path):
 
 def test_fraction_evaluate_asks_a_sample_and_each_participant_equally_often(tmp_path):
     """``fraction-evaluate`` (Flower's fraction_evaluate): an evaluation round asks ceil(f N) of the N
-    admitted participants (at least ``min-evaluate-participants``), a window moving every evaluation
-    round: 16 participants at 0.25, rounds 0-3, each evaluated exactly once."""
+    admitted participants (at least ``min-evaluate-participants``), the ones furthest below their fair
+    share of evaluations (the evaluation's own lags): 16 participants at 0.25, rounds 0-3, each
+    evaluated exactly once."""
     import json
     from collections import Counter
 
