@@ -279,7 +279,7 @@ def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tm
     monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache" / "models").mkdir(parents=True)
     (tmp_path / "cache" / "models" / "smollm2").symlink_to(real)
-    overrides, _ = launch.checked_run_config(ROOT, {"p0-model": "tiny-llama", "p1-model": "tiny-llama-b",
+    overrides, _, _ = launch.checked_run_config(ROOT, {"p0-model": "tiny-llama", "p1-model": "tiny-llama-b",
                                                     "p2-model": "", "output-dir": str(tmp_path / "out")})
     cfg = launch.merged_run_config(ROOT, overrides)
     assert models_to_build(cfg) == {"tiny-llama": ["smol-full"], "tiny-llama-b": ["smol-lora"]}
@@ -294,3 +294,18 @@ def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tm
     assert models_to_build(cfg) == {}
     launch.build_first(cfg)
     assert capsys.readouterr().out == ""
+
+
+def test_models_build_with_a_preset_lists_the_run_s_missing_models(tmp_path, monkeypatch, capsys):
+    """``ftis-fed models build --preset research`` in an empty cache asks to build exactly the preset's
+    two micro models, each with the participant using it (the build itself is stubbed: this is the
+    command's reading of the run config, which once unpacked the launcher's parse wrongly)."""
+    import ftis_fed.commands.sim as sim_mod
+    from ftis_fed.commands.cli import main
+
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
+    asked: list[dict] = []
+    monkeypatch.setattr(sim_mod, "build_models", lambda todo, say=None, **kw: asked.append(todo) or {})
+    assert main(["models", "build", "--app", str(ROOT), "--preset", "research"]) == 0
+    assert asked == [{"micro-llama-s": ["base"], "micro-llama-s-sub": ["spec"]}]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"built": {}}

@@ -129,7 +129,7 @@ def add_cli(sub) -> None:
                 from ftis_fed.commands.sim import checked_run_config, layered_overrides, merged_run_config
 
                 app = Path(a.app).resolve()
-                overrides, _ = checked_run_config(app, layered_overrides(app, a.run_config, a.preset))
+                overrides, _, _ = checked_run_config(app, layered_overrides(app, a.run_config, a.preset))
                 todo = models_to_build(merged_run_config(app, overrides))
             built = build_models(todo, say=lambda line: print(line, file=sys.stderr, flush=True))
         except (ValueError, FileNotFoundError, RuntimeError) as e:
