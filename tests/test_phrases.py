@@ -122,6 +122,7 @@ def test_the_knobs_are_checked():
             ObjectiveConfig(**bad)
 
 
+@pytest.mark.slow                       # ~20 s: a flood of distinct phrases through the lossy counters
 def test_a_flood_of_distinct_phrases_costs_bounded_memory():
     """A peer sending completions of random text (every n-gram new) leaves its counter bounded and
     flags nothing (no phrase repeats)."""

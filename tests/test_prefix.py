@@ -83,8 +83,9 @@ def tiny(adapter: str, gc: bool):
     return pol
 
 
-@pytest.mark.parametrize("gc", [False, True])
-@pytest.mark.parametrize("adapter", ["full", "lora"])
+@pytest.mark.parametrize("adapter, gc", [("full", False), pytest.param("lora", True, marks=pytest.mark.slow),
+                                         pytest.param("full", True, marks=pytest.mark.slow),
+                                         pytest.param("lora", False, marks=pytest.mark.slow)])
 def test_shared_prefix_equals_unshared(adapter, gc):
     pol = tiny(adapter, gc)
     assert supports_shared_prefix(pol.model)
@@ -103,7 +104,7 @@ def test_shared_prefix_equals_unshared(adapter, gc):
         assert_same(ref, loss_and_grads(pol.model, pol.trainable, fn, P, C, pad, head_graph_mb=256.0))
 
 
-@pytest.mark.parametrize("adapter", ["full", "lora"])
+@pytest.mark.parametrize("adapter", ["full", pytest.param("lora", marks=pytest.mark.slow)])
 def test_sparse_tied_embedding_gradient_equals_the_dense_one(adapter):
     """The tied input embedding returns sparse row gradients (full fine-tuning on CPU); autograd sums them
     into the LM head's dense gradient: the same log-probs, loss and gradients as the dense embedding
