@@ -1,5 +1,8 @@
 """The long-lived participant process: one per (run, participant), model loaded once.
 
+Why ~550 lines: the server loop, its lifetime rules (idle time-out, parent gone, a newer run of the
+same state dir) and the client side that starts and reaches it must change together.
+
 Flower starts a new ClientApp process for every message in deployment (and runs ClientApps in
 shared Ray actors in simulation), so the model cannot live in the ClientApp. The ClientApp calls
 ``ensure_worker`` which connects to this participant's worker over a Unix socket in a private

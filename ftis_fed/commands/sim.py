@@ -1,5 +1,9 @@
 """``ftis-fed sim``: run the federation with ``flwr run``, using the connections in ``flower.toml``.
 
+Why one module of ~600 lines: the launch is one sequence (check, build models, start or reuse a
+SuperLink, run, supervise, clean up on a signal) whose steps share the processes they started; the
+steps are functions a reader follows top to bottom, the cleanup in one ``finally``.
+
 What it does, so the same can be done by hand:
 
 1. The run config (``pyproject.toml`` < ``--preset`` < ``--run-config``) is checked whole before

@@ -1,5 +1,5 @@
 """Which device a participant runs on, which GPUs its worker process sees, and how participants
-share one card. Pure functions of strings and numbers (no torch import), so they test anywhere; the
+share one card (~500 lines: selection, visibility and shares are one set of rules read together). Pure functions of strings and numbers (no torch import), so they test anywhere; the
 few that look at the machine (``nvidia_driver``, ``cuda_probe``, ``card_lock``) take what they read
 as arguments where a test needs to fake it.
 
