@@ -113,7 +113,9 @@ def test_a_worker_that_cannot_have_its_device_stops_with_one_line(tmp_path):
     app.wait(timeout=120)
     err = out["error"]
     name = participant_names(rc)[0]
-    assert err.startswith(f"participant '{name}': p0-device='cuda:3': not visible; visible CUDA devices: none"), err
+    assert err.startswith(f"participant '{name}': p0-device='cuda:3': names a CUDA device, but no CUDA device is "
+                          "visible on this machine (visible CUDA devices: none"), err
+    assert "set p0-device='cpu' to run on the CPU" in err
     assert "\n" not in err and "Traceback" not in err
 
 
