@@ -27,7 +27,7 @@ import numpy as np
 def probe(model: str, families: tuple[str, ...], n: int = 64, k: int = 8, max_new_tokens: int = 40,
           seed: int = 0) -> dict:
     """Greedy pass@1, pass@1 at T = 1 and pass@k per ID family on ``n`` held-out prompts (eval-seed ``seed``)."""
-    from ftis_fed.learn.evaluation import greedy_replies
+    from ftis_fed.learn.evaluation import greedy_replies, sampled_eval, solved
     from ftis_fed.policies import PolicyConfig, build_policy
     from ftis_fed.tasks.rewards import Verifier
     from ftis_fed.tasks.suite import eval_sets
@@ -37,21 +37,18 @@ def probe(model: str, families: tuple[str, ...], n: int = 64, k: int = 8, max_ne
     v = Verifier()
     prompts = eval_sets(n, seed, families, ())["id"]
     greedy = greedy_replies(pol, prompts, max_new_tokens)
-    ok_g = [bool(v.check(p.task_id, r, p.reference, p.text)[0]) for p, r in zip(prompts, greedy)]
-    ok_s = []
-    for i in range(0, len(prompts), 32):
-        chunk = prompts[i:i + 32]
-        rolls = pol.generate(chunk, k, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), seed=seed + i)
-        ok_s += [[bool(v.check(p.task_id, t, p.reference, p.text)[0]) for t in r.completion_texts]
-                 for p, r in zip(chunk, rolls)]
-    s = np.asarray(ok_s, dtype=bool)                                                  # (n, k)
+    ok_g = solved(prompts, greedy, v)
+    counts: dict[str, list[int]] = {}
+    sampled_eval(pol, {"id": prompts}, k, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), seed,
+                 verifier=v, per_prompt=counts)
+    c = np.asarray(counts["id"])                                                      # (n,) solved of k
     out = {"model": model, "n": len(prompts), "k": k, "max_new_tokens": max_new_tokens,
            "reply_tokens": float(np.mean([len(pol.tokenizer(x, add_special_tokens=False)["input_ids"]) for x in greedy])),
            "example": greedy[0]}
     for f in families:
         sel = [i for i, p in enumerate(prompts) if p.task_id.split("/")[0] == f]
-        out[f] = {"greedy": float(np.mean([ok_g[i] for i in sel])), "pass1_T1": float(s[sel].mean()),
-                  f"pass{k}": float(s[sel].any(axis=1).mean())}
+        out[f] = {"greedy": float(np.mean([ok_g[i] for i in sel])), "pass1_T1": float(c[sel].mean() / k),
+                  f"pass{k}": float((c[sel] > 0).mean())}
     return out
 
 
