@@ -112,6 +112,24 @@ def test_tiny_build_trains_full_and_lora(tiny_models):
             assert before and all("lora_" in k for k in before)
 
 
+def test_lr_warmup_ramps_the_rate_and_a_resumed_trainer_continues_it(tiny_models, tmp_path):
+    cfg = PolicyConfig(model=str(tiny_models["llama-bpe"]), micro_batch=4, lr=1e-3, lr_warmup_steps=4)
+    assert [cfg.lr_at(s) for s in (1, 2, 4, 9)] == [2.5e-4, 5e-4, 1e-3, 1e-3]
+    assert PolicyConfig(model="x", lr=1e-3).lr_at(1) == 1e-3                     # 0 = off
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        PolicyConfig(model="x", lr_warmup_steps=-1)
+    pol = build_policy(cfg)
+    samples = samples_from_batches([_batch(pol, pol.generate(PROMPTS, 4, SP, seed=3), "me")], "me",
+                                   pol.tokenizer_fp, ObjectiveConfig())
+    t = Trainer(pol, ObjectiveConfig())
+    lrs = [t.step(samples, SP)["train/lr"] for _ in range(2)]
+    assert lrs == [2.5e-4, 5e-4] and t.optimizer.param_groups[0]["lr"] == 5e-4
+    t.save(tmp_path / "ckpt.pt")
+    resumed = Trainer(build_policy(cfg), ObjectiveConfig())
+    resumed.load(tmp_path / "ckpt.pt")
+    assert resumed.step(samples, SP)["train/lr"] == 7.5e-4                       # update 3 of the warm-up
+
+
 def test_cross_tokenizer_exchange_between_char_and_bpe(tiny_models):
     bpe = build_policy(PolicyConfig(model=str(tiny_models["llama-bpe"]), micro_batch=4))
     char = build_policy(PolicyConfig(model=str(tiny_models["qwen-char"]), micro_batch=4))

@@ -366,6 +366,9 @@ class Trainer:
         Returns the metrics of ``ftis_step`` and ``advantage_group_metrics``; ``source_kl`` then holds
         each peer source's mean sample KL of this step (what ``source-adapt`` adapts to)."""
         pol = self.policy
+        lr = self.cfg.lr_at(self.steps + 1)                  # the warm-up follows the saved step count
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         pol.train_mode(True)
         try:
             metrics = ftis_step(lambda p, c, g: pol.score_padded(p, c, sampling, g), self.params, self.optimizer,
@@ -379,6 +382,7 @@ class Trainer:
         peers = dict.fromkeys(s.source for s in samples if not s.local)
         self.source_kl = {p: metrics[f"offpolicy/{p}/kl_mean"] for p in peers if f"offpolicy/{p}/kl_mean" in metrics}
         metrics.update(advantage_group_metrics(samples, self.objective))
+        metrics["train/lr"] = lr
         return metrics
 
     def save(self, path: str | os.PathLike) -> None:

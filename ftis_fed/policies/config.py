@@ -41,6 +41,13 @@ class PolicyConfig:
     lr: float = knob("lr", 0.0, """
         AdamW learning rate, >= 0. The paper uses 1e-6 for 1.5B-3B full fine-tuning; small models
         and LoRA need more (0 = auto: 1e-5 full, 2e-4 LoRA).""", per_participant=True)
+    lr_warmup_steps: int = knob("lr-warmup-steps", 0, """
+        linear warm-up of the learning rate over the first n updates (update s trains at
+        lr * min(1, s / n), s = 1, 2, ...; TRL's ``warmup_steps`` with a constant schedule after it),
+        >= 0; 0 = off (the full rate from the first update). Adam's first steps move every weight by
+        about the full rate whatever the gradient's size, which a policy gradient from few rewarded
+        samples turns into a collapse (docs/results/calibration/README.md); the step count is in
+        the checkpoint, so a resumed run continues the schedule.""", per_participant=True)
     weight_decay: float = knob("weight-decay", 0.0, "AdamW weight decay, >= 0.")
     max_grad_norm: float = knob("max-grad-norm", 1.0, "gradient clipping norm, > 0 (inf disables).")
     micro_batch: int = knob("micro-batch", 8, "completions per forward/backward, >= 1; memory scales with it.")
@@ -142,6 +149,8 @@ class PolicyConfig:
         need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
         need(self.lr >= 0, "lr", "must be >= 0 (0 = auto: 1e-5 full, 2e-4 LoRA)")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(int(self.lr_warmup_steps) == self.lr_warmup_steps and self.lr_warmup_steps >= 0, "lr_warmup_steps",
+             "must be an integer >= 0 (0 = off)")
         need(self.max_grad_norm > 0, "max_grad_norm", "must be > 0 (inf disables)")
         need(self.micro_batch >= 1, "micro_batch", "must be >= 1")
         need(self.logit_chunk >= 1, "logit_chunk", "must be >= 1")
@@ -175,6 +184,11 @@ class PolicyConfig:
         if self.lr > 0:
             return self.lr
         return 2e-4 if self.adapter == "lora" else 1e-5
+
+    def lr_at(self, update: int) -> float:
+        """The learning rate of update ``update`` (1-based): ``effective_lr`` after the linear warm-up."""
+        n = int(self.lr_warmup_steps)
+        return self.effective_lr * (min(1.0, update / n) if n > 0 else 1.0)
 
     @property
     def label(self) -> str:
