@@ -25,8 +25,9 @@ import numpy as np
 
 
 def probe(model: str, families: tuple[str, ...], n: int = 64, k: int = 8, max_new_tokens: int = 40,
-          seed: int = 0) -> dict:
-    """Greedy pass@1, pass@1 at T = 1 and pass@k per ID family on ``n`` held-out prompts (eval-seed ``seed``)."""
+          seed: int = 0, temperature: float = 1.0) -> dict:
+    """Greedy pass@1, pass@1 at ``temperature`` (key ``pass1_T1`` at 1, else ``pass1_T<t>``) and pass@k per
+    ID family on ``n`` held-out prompts (eval-seed ``seed``)."""
     from ftis_fed.learn.evaluation import greedy_replies, sampled_eval, solved
     from ftis_fed.policies import PolicyConfig, build_policy
     from ftis_fed.tasks.rewards import Verifier
@@ -39,7 +40,7 @@ def probe(model: str, families: tuple[str, ...], n: int = 64, k: int = 8, max_ne
     greedy = greedy_replies(pol, prompts, max_new_tokens)
     ok_g = solved(prompts, greedy, v)
     counts: dict[str, list[int]] = {}
-    sampled_eval(pol, {"id": prompts}, k, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), seed,
+    sampled_eval(pol, {"id": prompts}, k, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens), seed,
                  verifier=v, per_prompt=counts)
     c = np.asarray(counts["id"])                                                      # (n,) solved of k
     out = {"model": model, "n": len(prompts), "k": k, "max_new_tokens": max_new_tokens,
@@ -47,7 +48,7 @@ def probe(model: str, families: tuple[str, ...], n: int = 64, k: int = 8, max_ne
            "example": greedy[0]}
     for f in families:
         sel = [i for i, p in enumerate(prompts) if p.task_id.split("/")[0] == f]
-        out[f] = {"greedy": float(np.mean([ok_g[i] for i in sel])), "pass1_T1": float(c[sel].mean() / k),
+        out[f] = {"greedy": float(np.mean([ok_g[i] for i in sel])), f"pass1_T{temperature:g}": float(c[sel].mean() / k),
                   f"pass{k}": float((c[sel] > 0).mean())}
     return out
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=64, help="held-out prompts (ID set, families alternating)")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of pass@1 and pass@k")
     ap.add_argument("--out", default="", help="folder of the built model")
     ap.add_argument("--jsonl", default="", help="also append the line to this file")
     a = ap.parse_args(argv)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         built = {"size": a.size, "steps": a.steps, "lr": a.lr, "worked": a.worked,
                  "build_cpu_s": round(time.process_time() - t0, 1)}
         model = str(out)
-    line = json.dumps({**built, **probe(model, families, a.n, a.k, a.max_new_tokens)})
+    line = json.dumps({**built, **probe(model, families, a.n, a.k, a.max_new_tokens, temperature=a.temperature)})
     print(line, flush=True)
     if a.jsonl:
         with open(a.jsonl, "a") as f:

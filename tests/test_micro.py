@@ -130,6 +130,26 @@ def test_lr_warmup_ramps_the_rate_and_a_resumed_trainer_continues_it(tiny_models
     assert resumed.step(samples, SP)["train/lr"] == 7.5e-4                       # update 3 of the warm-up
 
 
+def test_updates_per_round_steps_again_on_the_same_samples_clipped_against_the_rounds_start(tiny_models):
+    def trained(n):
+        pol = build_policy(PolicyConfig(model=str(tiny_models["llama-bpe"]), micro_batch=4, lr=3e-3,
+                                        updates_per_round=n))
+        rolls = pol.generate(PROMPTS, 4, SP, seed=3)
+        samples = samples_from_batches([_batch(pol, rolls, "me")], "me", pol.tokenizer_fp, ObjectiveConfig())
+        t = Trainer(pol, ObjectiveConfig())
+        old = t.old_logprobs(samples, SP)                    # the PPO clip's reference: the round's start
+        recorded = [torch.as_tensor(s.logp_gen) for s in samples]
+        assert max((a - b).abs().max().item() for a, b in zip(old, recorded)) < 1e-4
+        m = t.step(samples, SP)
+        assert t.steps == n and m["train/updates"] == n
+        new = t.old_logprobs(samples, SP)
+        up = [(b - a).sum().item() for a, b, s in zip(old, new, samples) if s.advantage > 0]
+        return float(np.mean(up))
+    assert trained(3) > trained(1) > 0                       # rewarded completions gain more with more steps
+    with pytest.raises(ValueError, match="updates_per_round"):
+        PolicyConfig(model="x", updates_per_round=0)
+
+
 def test_cross_tokenizer_exchange_between_char_and_bpe(tiny_models):
     bpe = build_policy(PolicyConfig(model=str(tiny_models["llama-bpe"]), micro_batch=4))
     char = build_policy(PolicyConfig(model=str(tiny_models["qwen-char"]), micro_batch=4))

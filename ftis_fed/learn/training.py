@@ -362,9 +362,41 @@ class Trainer:
         self.source_kl: dict[str, float] = {}      # the last step's mean sample KL per peer source with samples
 
     def step(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> dict[str, float]:
-        """One F-TIS optimizer step on ``samples``; ``sampling`` defines pi_theta's distribution.
-        Returns the metrics of ``ftis_step`` and ``advantage_group_metrics``; ``source_kl`` then holds
-        each peer source's mean sample KL of this step (what ``source-adapt`` adapts to)."""
+        """The round's update on ``samples``: ``updates-per-round`` F-TIS optimizer steps (one by
+        default); ``sampling`` defines pi_theta's distribution. Returns the first step's metrics of
+        ``ftis_step`` (the off-policy diagnostics as the samples arrived) and ``advantage_group_metrics``,
+        with the last step's loss and gradient norm when there are several; ``source_kl`` then holds
+        each peer source's mean sample KL of the first step (what ``source-adapt`` adapts to)."""
+        n = int(self.cfg.updates_per_round)
+        old = self.old_logprobs(samples, sampling) if n > 1 else None
+        metrics = self.one_step(samples, sampling, None)
+        for _ in range(n - 1):
+            last = self.one_step(samples, sampling, old)
+            metrics.update({k: last[k] for k in ("train/loss", "train/grad_norm", "train/lr") if k in last})
+            metrics["train/skipped_nonfinite"] = metrics.get("train/skipped_nonfinite", 0.0) + \
+                last.get("train/skipped_nonfinite", 0.0)
+        metrics["train/updates"] = float(n)
+        peers = dict.fromkeys(s.source for s in samples if not s.local)
+        self.source_kl = {p: metrics[f"offpolicy/{p}/kl_mean"] for p in peers if f"offpolicy/{p}/kl_mean" in metrics}
+        metrics.update(advantage_group_metrics(samples, self.objective))
+        return metrics
+
+    def old_logprobs(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> list[torch.Tensor]:
+        """Each sample's (T_i,) log-probs under the weights before the round's first step (no gradient):
+        the PPO clip's reference for the round's further steps."""
+        pol, mb = self.policy, max(1, self.cfg.micro_batch)
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for start in range(0, len(samples), mb):
+                chunk = samples[start:start + mb]
+                logp = pol.score_padded([s.prompt_ids for s in chunk], [s.completion_ids for s in chunk],
+                                        sampling, False)
+                out += [logp[i, :len(s.completion_ids)].detach().clone() for i, s in enumerate(chunk)]
+        return out
+
+    def one_step(self, samples: Sequence[TrainSample], sampling: "SamplingParams",
+                 logp_old: Sequence[torch.Tensor] | None) -> dict[str, float]:
+        """One F-TIS optimizer step (``ftis_step``) at the warm-up's rate for this step."""
         pol = self.policy
         lr = self.cfg.lr_at(self.steps + 1)                  # the warm-up follows the saved step count
         for group in self.optimizer.param_groups:
@@ -373,15 +405,13 @@ class Trainer:
         try:
             metrics = ftis_step(lambda p, c, g: pol.score_padded(p, c, sampling, g), self.params, self.optimizer,
                                 samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm,
+                                logp_old=logp_old,
                                 group_prompts=self.cfg.share_prefix,   # a prompt's rows in one micro-batch
                                 score_zero_advantage=self.cfg.score_zero_advantage)
         finally:
             pol.train_mode(False)
         self.steps += 1
         pol.weights_changed()
-        peers = dict.fromkeys(s.source for s in samples if not s.local)
-        self.source_kl = {p: metrics[f"offpolicy/{p}/kl_mean"] for p in peers if f"offpolicy/{p}/kl_mean" in metrics}
-        metrics.update(advantage_group_metrics(samples, self.objective))
         metrics["train/lr"] = lr
         return metrics
 

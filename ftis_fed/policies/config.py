@@ -48,6 +48,11 @@ class PolicyConfig:
         about the full rate whatever the gradient's size, which a policy gradient from few rewarded
         samples turns into a collapse (docs/results/calibration/README.md); the step count is in
         the checkpoint, so a resumed run continues the schedule.""", per_participant=True)
+    updates_per_round: int = knob("updates-per-round", 1, """
+        optimizer steps on each round's samples, >= 1 (TRL's ``num_iterations``, PPO's epochs): the
+        first step is the usual one; each further step re-scores the same samples under the updated
+        weights, with the PPO clip taken against the log-probs of before the round's first step and
+        the importance weights against the generator's, as always. 1 (default) = one update per round.""")
     weight_decay: float = knob("weight-decay", 0.0, "AdamW weight decay, >= 0.")
     max_grad_norm: float = knob("max-grad-norm", 1.0, "gradient clipping norm, > 0 (inf disables).")
     micro_batch: int = knob("micro-batch", 8, "completions per forward/backward, >= 1; memory scales with it.")
@@ -149,6 +154,8 @@ class PolicyConfig:
         need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
         need(self.lr >= 0, "lr", "must be >= 0 (0 = auto: 1e-5 full, 2e-4 LoRA)")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(int(self.updates_per_round) == self.updates_per_round and self.updates_per_round >= 1,
+             "updates_per_round", "must be an integer >= 1")
         need(int(self.lr_warmup_steps) == self.lr_warmup_steps and self.lr_warmup_steps >= 0, "lr_warmup_steps",
              "must be an integer >= 0 (0 = off)")
         need(self.max_grad_norm > 0, "max_grad_norm", "must be > 0 (inf disables)")
