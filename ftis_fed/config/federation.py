@@ -42,10 +42,10 @@ from ftis_fed.learn.modes import MODES
 from ftis_fed.learn.objective_config import ObjectiveConfig
 from ftis_fed.metrics.sinks import parse_report_to
 from ftis_fed.policies.config import PolicyConfig
+from ftis_fed.receive.checks import check_knobs, checked_knobs, default_check_knobs
 from ftis_fed.trust.attacks import parse_kinds
 from ftis_fed.trust.reverify import ReverifyConfig
 from ftis_fed.trust.signing import check_participant
-from ftis_fed.learn.source_weights import SourceAdaptConfig
 from ftis_fed.tasks.benchmarks import eval_pool
 from ftis_fed.tasks.reward_funcs import absolute_spec, parse_specs
 from ftis_fed.tasks.suite import TaskSpec, eval_sets
@@ -55,7 +55,8 @@ from ftis_fed.tasks.symbolic import require_math_verify
 @dataclass(frozen=True)
 class FederationConfig:
     """The schedule and the shared settings of a run: every field a run-config key (``knob``), plus
-    the objective's, the task suite's and the re-verification's keys in their own dataclasses."""
+    the objective's, the task suite's and the re-verification's keys in their own dataclasses, and
+    each receiver check's in its own (``checks``)."""
 
     num_rounds: int = knob("num-rounds", 3, "rounds to run, >= 1.")
     scheme: str = knob("scheme", "sync", """
@@ -227,13 +228,17 @@ class FederationConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     task: TaskSpec = field(default_factory=TaskSpec)
     reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
-    source_adapt: SourceAdaptConfig = field(default_factory=SourceAdaptConfig)
+    #: alias -> the knobs of each registered receiver check that has knobs (``receive/checks.py``:
+    #: its ``knobs`` dataclass, e.g. ``checks["phrase"].ratio`` = ``peer-phrase-ratio``); the checks
+    #: not given take their defaults
+    checks: Mapping[str, Any] = field(default_factory=default_check_knobs)
 
     def __post_init__(self) -> None:
         def need(ok: bool, f: str, limit: str) -> None:
             if not ok:
                 raise ValueError(f"{_key_of(f)}={getattr(self, f)!r}: {limit}")
 
+        object.__setattr__(self, "checks", checked_knobs(self.checks))
         need(self.num_rounds >= 1, "num_rounds", "must be >= 1")
         need(isinstance(self.log_completions, int) and not isinstance(self.log_completions, bool)
              and self.log_completions >= 0, "log_completions", "must be an integer >= 0 (0 = off)")
@@ -412,8 +417,16 @@ class ParticipantSpec:
 #: participants a simulation can declare: p0 ... p{MAX_PARTICIPANTS - 1}, each declared in pyproject.toml
 MAX_PARTICIPANTS = 8
 
-#: run-config key -> (section, field). section '' = FederationConfig itself.
-KEYS: dict[str, tuple[str, str]] = {k.key: (k.section, k.field) for k in knobs(FederationConfig)}
+def federation_knobs() -> list[Knob]:
+    """Every key of a ``FederationConfig``: its own and its config dataclasses' (``knobs``), and each
+    registered receiver check's (section ``checks.<alias>``, ``receive/checks.check_knobs``)."""
+    return [*knobs(FederationConfig),
+            *(k for alias, cls in check_knobs().items() for k in knobs(cls, f"checks.{alias}"))]
+
+
+def run_keys() -> dict[str, tuple[str, str]]:
+    """run-config key -> (section, field). section '' = FederationConfig itself."""
+    return {k.key: (k.section, k.field) for k in federation_knobs()}
 #: participant key -> PolicyConfig field.
 POLICY_KEYS: dict[str, str] = {k.key: k.field for k in knobs(PolicyConfig)}
 #: every key a participant resolves (from p<i>-<key>, its node config or the run-wide value).
@@ -426,7 +439,7 @@ PER_PARTICIPANT_KEYS: tuple[str, ...] = tuple(k.key for k in (*knobs(Participant
 def run_knobs() -> dict[str, Knob]:
     """Every run-wide key (declared unprefixed in ``[tool.flwr.app.config]``) -> its declaration."""
     out: dict[str, Knob] = {}
-    for k in (*knobs(FederationConfig), *knobs(PolicyConfig), *knobs(ParticipantSpec)):
+    for k in (*federation_knobs(), *knobs(PolicyConfig), *knobs(ParticipantSpec)):
         if k.run:
             if k.key in out:
                 raise RuntimeError(f"run-config key {k.key!r} is declared twice: {out[k.key].cls.__name__}."
@@ -435,12 +448,10 @@ def run_knobs() -> dict[str, Knob]:
     return out
 
 
-RUN_KNOBS = run_knobs()
-
-
 def inherit_value(key: str) -> Any:
     """The ``p<i>-<key>`` value that means "the run-wide value": '' for strings, -1 for numbers."""
-    like = RUN_KNOBS[key].default if key in RUN_KNOBS else ""
+    declared = run_knobs()
+    like = declared[key].default if key in declared else ""
     if isinstance(like, bool) or not isinstance(like, (int, float)):
         return ""
     return -1.0 if isinstance(like, float) else -1
@@ -454,7 +465,7 @@ def toml_default(k: Knob) -> Any:
 
 def declared_keys() -> set[str]:
     """Every key ``[tool.flwr.app.config]`` must declare (and may: Flower rejects any other)."""
-    return set(RUN_KNOBS) | {f"p{i}-{k}" for i in range(MAX_PARTICIPANTS) for k in PER_PARTICIPANT_KEYS}
+    return set(run_knobs()) | {f"p{i}-{k}" for i in range(MAX_PARTICIPANTS) for k in PER_PARTICIPANT_KEYS}
 
 
 def pyproject_disagreements(app_config: Mapping[str, Any]) -> list[str]:
@@ -462,7 +473,7 @@ def pyproject_disagreements(app_config: Mapping[str, Any]) -> list[str]:
     missing, a key not declared, a default or a TOML type that differs, a participant slot beyond the
     default federation that does not mean "the run-wide value". Empty when they agree."""
     out = []
-    for key, k in RUN_KNOBS.items():
+    for key, k in run_knobs().items():
         want = toml_default(k)
         if key not in app_config:
             out.append(f"{key}: declared by {k.cls.__name__}.{k.field} (default {want!r}) but missing")
@@ -483,7 +494,7 @@ def pyproject_disagreements(app_config: Mapping[str, Any]) -> list[str]:
 
 
 def _key_of(field_name: str) -> str:
-    for k, (sec, f) in KEYS.items():
+    for k, (sec, f) in run_keys().items():
         if f == field_name and sec == "":
             return k
     return field_name
@@ -520,32 +531,30 @@ def _coerce(value: Any, like: Any, key: str) -> Any:
 def federation_from_run_config(run_config: Mapping[str, Any]) -> FederationConfig:
     """FederationConfig from a Flower run config; unknown keys are ignored here (participant keys,
     Flower's own), bad values raise ValueError naming the key and the limit."""
-    sections: dict[str, dict[str, Any]] = {"": {}, "objective": {}, "task": {}, "reverify": {}, "source_adapt": {}}
-    defaults = {"": FederationConfig(), "objective": ObjectiveConfig(), "task": TaskSpec(),
-                "reverify": ReverifyConfig(), "source_adapt": SourceAdaptConfig()}
+    declared = {k.key: k for k in federation_knobs()}
+    classes = {"objective": ObjectiveConfig, "task": TaskSpec, "reverify": ReverifyConfig,
+               **{f"checks.{alias}": cls for alias, cls in check_knobs().items()}}
+    sections: dict[str, dict[str, Any]] = {"": {}, **{sec: {} for sec in classes}}
     for key, value in run_config.items():
-        if key in KEYS:
-            sec, f = KEYS[key]
-            like = getattr(defaults[sec], f)
-            if isinstance(like, tuple) and not str(value).strip():
+        if key in declared:
+            k = declared[key]
+            if isinstance(k.default, tuple) and not str(value).strip():
                 continue                                    # "" = the default list
-            sections[sec][f] = _coerce(value, like, key)
+            sections[k.section][k.field] = _coerce(value, k.default, key)
     max_new = sections[""].get("max_new_tokens", FederationConfig.max_new_tokens)
     sections["objective"].setdefault("norm_constant", max_new)
     try:
-        objective = ObjectiveConfig(**sections["objective"])
-        task = TaskSpec(**sections["task"])
-        reverify = ReverifyConfig(**sections["reverify"])
-        source_adapt = SourceAdaptConfig(**sections["source_adapt"])
+        built = {sec: cls(**sections[sec]) for sec, cls in classes.items()}
     except ValueError as e:
         raise ValueError(_rename_fields(str(e))) from None
-    return FederationConfig(**sections[""], objective=objective, task=task, reverify=reverify,
-                            source_adapt=source_adapt)
+    return FederationConfig(**sections[""], objective=built["objective"], task=built["task"],
+                            reverify=built["reverify"],
+                            checks={sec.split(".", 1)[1]: v for sec, v in built.items() if sec.startswith("checks.")})
 
 
 def _rename_fields(msg: str) -> str:
     """'objective.trunc_c=...' -> 'trunc-c=...' so errors name the run-config key."""
-    for key, (sec, f) in KEYS.items():
+    for key, (sec, f) in run_keys().items():
         if sec:
             msg = msg.replace(f"{sec}.{f}=", f"{key}=")
     return msg
@@ -801,6 +810,8 @@ def to_jsonable(obj: Any) -> Any:
     """Dataclasses -> plain dicts (the resolved config saved with every result)."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
         return list(obj)
     if isinstance(obj, float) and obj == float("inf"):
