@@ -3,7 +3,7 @@
     lr: float = knob("lr", 0.0, "AdamW learning rate (> 0; 0 = auto).", per_participant=True)
 
 The field's metadata carries the Flower run-config key (kebab-case), its help text and where the key
-may be set; ``ftis_fed.config.federation`` derives from these declarations the key tables, the error names, the
+may be set; ``ftis_fed.config.keys`` derives from these declarations the key tables, the error names, the
 reference in ``docs/configuration.md`` and the check against ``pyproject.toml`` (whose
 ``[tool.flwr.app.config]`` must declare every run-wide key with the same default, because Flower
 rejects keys a run config does not declare). Standard library only: config classes import it.

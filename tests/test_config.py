@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config.federation import (MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS,
-                             federation_from_run_config, participant_names, participant_spec,
-                             pyproject_disagreements, run_keys, run_knobs, validate_run_config)
+from ftis_fed.config.federation import MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS
+from ftis_fed.config.keys import federation_from_run_config, run_keys, run_knobs
+from ftis_fed.config.participants import participant_names, participant_spec
+from ftis_fed.config.validation import pyproject_disagreements, validate_run_config
 from ftis_fed.config.models_check import check_model, offline_model_names
 from ftis_fed.config.reference import config_reference
 

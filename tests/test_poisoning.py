@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from ftis_fed.config.federation import FederationConfig, federation_from_run_config
+from ftis_fed.config.federation import FederationConfig
+from ftis_fed.config.keys import federation_from_run_config
 from ftis_fed.learn.evaluation import payload_shares
 from ftis_fed.learn.objective import (LOGP_GEN_FLOOR, LossInputs, ObjectiveConfig, count_denominators, ftis_loss,
                                       max_surprisal, surprising_rows)

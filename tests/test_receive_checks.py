@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from ftis_fed.config.federation import FederationConfig, ParticipantSpec, federation_from_run_config
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.config.keys import federation_from_run_config
 from ftis_fed.knobs import knob, need
 from ftis_fed.learn.objective_config import ObjectiveConfig
 from ftis_fed.learn.training import TrainSample
@@ -103,7 +104,7 @@ def test_a_check_in_one_file_runs_in_the_update_decides_on_the_sample_and_resume
 
 
 def test_a_checks_knobs_are_run_config_keys_with_their_errors_and_their_docs(toy_check):
-    from ftis_fed.config.federation import run_keys
+    from ftis_fed.config.keys import run_keys
     from ftis_fed.config.reference import config_reference
 
     assert run_keys()["toy-drop-from"] == ("checks.toy", "drop_from")
@@ -120,7 +121,7 @@ def test_a_checks_knobs_are_run_config_keys_with_their_errors_and_their_docs(toy
 
 
 def test_unregistered_a_checks_key_is_no_run_config_key():
-    from ftis_fed.config.federation import run_keys
+    from ftis_fed.config.keys import run_keys
 
     assert "toy-drop-from" not in run_keys() and "toy" not in FederationConfig().checks
 
@@ -295,7 +296,7 @@ def test_reward_functions_get_the_receivers_own_ids_of_another_tokenizers_text()
 
 
 def test_the_time_budget_is_a_run_config_key_and_its_rejections_reach_the_console():
-    from ftis_fed.config.federation import federation_from_run_config
+    from ftis_fed.config.keys import federation_from_run_config
     from ftis_fed.engine.core import budget_rejections
     from ftis_fed.trust.bounds import ReceiveBounds
 

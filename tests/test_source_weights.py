@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from ftis_fed.config.federation import FederationConfig, ParticipantSpec, federation_from_run_config
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.config.keys import federation_from_run_config
 from ftis_fed.learn.source_weights import SourceAdaptConfig, SourceAdapter, source_weight
 from ftis_fed.learn.training import TrainSample
 from ftis_fed.participant import Participant

@@ -8,7 +8,8 @@ import inspect
 from pathlib import Path
 from typing import Any, Mapping
 
-from ftis_fed.config.federation import MAX_PARTICIPANTS, ParticipantSpec, federation_knobs, toml_default
+from ftis_fed.config.federation import MAX_PARTICIPANTS, ParticipantSpec
+from ftis_fed.config.keys import federation_knobs, toml_default
 from ftis_fed.config.trl_names import reference_section
 from ftis_fed.knobs import knobs
 from ftis_fed.policies.config import PolicyConfig

@@ -1,5 +1,5 @@
 """The objective's knobs (``ObjectiveConfig``), apart from the torch code in ``objective.py``, so that
-reading a run config (``ftis_fed.config.federation``: the ClientApp, which Flower starts once per
+reading a run config (``ftis_fed.config.keys``: the ClientApp, which Flower starts once per
 message in deployment, and the ServerApp) does not import torch."""
 
 from __future__ import annotations
