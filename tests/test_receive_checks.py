@@ -71,14 +71,14 @@ def toy_check():
     CHECKS.pop("toy")
 
 
-def _pair(tmp_path, resume=False, **knobs):
+def _pair(tmp_path, resume=False, policy=(), **knobs):
     fed = FederationConfig(group_size=2, max_new_tokens=3, run_name="toy", output_dir=str(tmp_path), eval_every=0,
                            resume=resume, task=TaskSpec(families=("add1",), prompts_per_round=2), **knobs)
     out = []
     for name in ("alice", "bob") if not resume else ():
         generate_keypair(name, tmp_path / "keys")
     for i, name in enumerate(("alice", "bob")):
-        spec = ParticipantSpec(name, PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3, seed=i), i, 2,
+        spec = ParticipantSpec(name, PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3, seed=i, **dict(policy)), i, 2,
                                str(tmp_path / "keys"), str(tmp_path / name))
         out.append(Participant(spec, fed))
     return out
@@ -101,6 +101,28 @@ def test_a_check_in_one_file_runs_in_the_update_decides_on_the_sample_and_resume
     assert json.loads((tmp_path / "alice" / "participant.json").read_text())["checks"]["toy"] == {"updates": 1}
     again, _ = _pair(tmp_path, resume=True, checks={"toy": on["toy"]})   # a restart continues the check's own state
     assert next(c for c in again.checks if c.alias == "toy").updates == 1
+
+
+def test_the_built_in_checks_keep_their_state_across_a_resume(tmp_path):
+    """The phrase check's counters and source-adapt's per-peer KL go through ``participant.json``'s
+    ``checks`` (each under its alias) and come back in a resumed participant's checks."""
+    from ftis_fed.learn.source_weights import SourceAdaptConfig
+
+    knobs = {"checks": {"phrase": PhraseKnobs(ratio=4.0), "source-adapt": SourceAdaptConfig("kl")},
+             "policy": {"score_zero_advantage": True}}        # a random model's groups: advantage 0, scored all the same
+    alice, bob = _pair(tmp_path, **knobs)
+    assert [c.alias for c in alice.checks] == ["phrase", "source-adapt"]
+    alice.generate(1, False)
+    alice.learn(1, bob.generate(1, False)[0])
+    alice.save()
+    saved = json.loads((tmp_path / "alice" / "participant.json").read_text())["checks"]
+    phrase, adapt = (next(c for c in alice.checks if c.alias == a) for a in ("phrase", "source-adapt"))
+    assert saved["phrase"]["own"]["n"] == phrase.monitor.own.n > 0 and "bob" in saved["phrase"]["peers"]
+    assert saved["source-adapt"]["kl"] == adapt.adapter.kl and "bob" in adapt.adapter.kl
+    again, _ = _pair(tmp_path, resume=True, **knobs)
+    phrase2, adapt2 = (next(c for c in again.checks if c.alias == a) for a in ("phrase", "source-adapt"))
+    assert phrase2.monitor.to_json() == phrase.monitor.to_json()
+    assert adapt2.adapter.kl == adapt.adapter.kl and adapt2.adapter.updates == adapt.adapter.updates
 
 
 def test_a_checks_knobs_are_run_config_keys_with_their_errors_and_their_docs(toy_check):
