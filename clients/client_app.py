@@ -24,7 +24,9 @@ from flwr.clientapp import ClientApp
 
 from clients.worker import call, ensure_worker, existing_worker, kill_worker
 from ftis_fed.actions import ACTIONS, action_of
-from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec, to_jsonable
+from ftis_fed.config.federation import to_jsonable
+from ftis_fed.config.keys import federation_from_run_config
+from ftis_fed.config.participants import absolute_paths, participant_spec
 from ftis_fed.flower_io import content_to_request, reply_to_content
 
 app = ClientApp()

@@ -354,7 +354,8 @@ class Worker:
     def __init__(self, spec: dict[str, Any]):
         import torch
 
-        from ftis_fed.config.federation import federation_from_run_config, spec_from_jsonable
+        from ftis_fed.config.federation import spec_from_jsonable
+        from ftis_fed.config.keys import federation_from_run_config
         from ftis_fed.participant import Participant
 
         self.run_config, self.node_config = spec["run_config"], spec["node_config"]
@@ -416,7 +417,7 @@ class Worker:
         (same device as the first; its own spec, keys, state dir and counters)."""
         name = req.get("participant") or self.participant.name
         if name not in self.hosted:
-            from ftis_fed.config.federation import participant_spec
+            from ftis_fed.config.participants import participant_spec
             from ftis_fed.participant import Participant
 
             pspec = participant_spec(self.run_config, req["node_config"], self.fed)

@@ -3,7 +3,7 @@
     lr: float = knob("lr", 0.0, "AdamW learning rate (> 0; 0 = auto).", per_participant=True)
 
 The field's metadata carries the Flower run-config key (kebab-case), its help text and where the key
-may be set; ``ftis_fed.config.federation`` derives from these declarations the key tables, the error names, the
+may be set; ``ftis_fed.config.keys`` derives from these declarations the key tables, the error names, the
 reference in ``docs/configuration.md`` and the check against ``pyproject.toml`` (whose
 ``[tool.flwr.app.config]`` must declare every run-wide key with the same default, because Flower
 rejects keys a run config does not declare). Standard library only: config classes import it.
@@ -15,6 +15,10 @@ Where a key may be set:
   run-wide value), and unprefixed in a SuperNode's ``--node-config`` (deployment);
 - a knob of ``PolicyConfig`` / ``ParticipantSpec`` with ``run=False`` and no ``per_participant``
   is a node-config key only (deployment).
+
+A config dataclass checks its values in ``__post_init__`` with ``need``, whose error names the key:
+
+    need(self, self.lr >= 0, "lr", "must be >= 0")     # ValueError: lr=-1.0: must be >= 0
 """
 
 from __future__ import annotations
@@ -35,8 +39,20 @@ def knob(key: str, default: Any = MISSING, help: str = "", *, default_factory: C
     return dataclasses.field(default=default, metadata=meta)
 
 
+def need(obj: Any, ok: bool, field: str, limit: str) -> None:
+    """ValueError ``<key>=<value>: <limit>`` unless ``ok``; ``<key>``: the run-config key declared by
+    ``obj``'s ``field`` (its ``knob``), else the field's name."""
+    if ok:
+        return
+    f = next((f for f in dataclasses.fields(obj) if f.name == field), None)
+    key = f.metadata.get("key", field) if f is not None else field
+    raise ValueError(f"{key}={getattr(obj, field)!r}: {limit}")
+
+
 class Knob(NamedTuple):
-    """One declared key: where it lives (``cls.field`` inside ``section`` of FederationConfig)."""
+    """One declared key: where it lives (``cls.field`` inside ``section`` of FederationConfig: '' for
+    FederationConfig itself, ``objective`` / ``task`` / ``reverify`` for its config dataclasses,
+    ``checks.<alias>`` for a receiver check's knobs)."""
 
     key: str
     cls: type

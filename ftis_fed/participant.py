@@ -140,7 +140,7 @@ class Participant:
         self.completed_round = 0
         self.peer_models: dict[str, str] = {}               # peer -> model id of its accepted batches (card)
         self.heldout: dict[int, dict[str, float]] = {}      # round -> held-out accuracies (card)
-        self.guarded = self._guarded() if fed.source_adapt.mode == "guard" else None
+        self.guarded = self._guarded() if fed.checks["source-adapt"].mode == "guard" else None
         self.receiver = Receiver(self.name, fed, self.policy, self.verifier)   # what the receiver checks use
         self.checks = build_checks(self.receiver)            # receive/: the checks on in this run, in order
         self.attacker = (Attacker(spec.byzantine, self.key, lambda: payload_poisoner(fed, self.policy, self.verifier,
@@ -168,7 +168,7 @@ class Participant:
         """``source-adapt = guard``: the update weighted by validation-gradient alignment and kept
         only if no worse on this participant's own validation batch (``learn/guard.py``)."""
         val = validation_prompts(self.fed.task, self.spec.partition_id, self.spec.num_partitions,
-                                 self.fed.source_adapt.val_size)
+                                 self.fed.checks["source-adapt"].val_size)
         return GuardedUpdate(self.trainer, val, lambda: solved_share(
             val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier))
 

@@ -1,9 +1,10 @@
 """The poisoning experiment: a validly signing participant whose completions earn correct rewards
-
-Why ~530 lines: one experiment end to end (plan, run, summary, probes) in the file its docs name;
-its statistics and runner are ``commands/grid_stats.py`` and ``commands/experiment.py``'s.
 but carry a payload, against the honest receivers of the research tier, per method, with and without
 the receiver-side defence ``peer-surprisal-max`` (docs/security.md, "Poisoning with correct answers").
+
+Why ~530 lines: one experiment end to end (plan, run, summary, probes) in the file its docs name;
+its statistics and runner are the grid's (``ftis_fed/grid/stats.py``, ``ftis_fed/grid/run.py``,
+``ftis_fed/commands/cells.py``).
 
     python -m sims.poisoning --out docs/results/poisoning                 # every cell, then the summary
     python -m sims.poisoning --out docs/results/poisoning --summary-only  # the summary from the cells' files

@@ -10,7 +10,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from ftis_fed.config.federation import models_to_build, participant_names, validate_run_config
+from ftis_fed.config.participants import participant_names
+from ftis_fed.config.validation import models_to_build, validate_run_config
 from ftis_fed.engine.core import Engine
 from ftis_fed.trust.signing import generate_keypair, key_paths, load_key_directory
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config.federation import ParticipantSpec, federation_from_run_config, validate_run_config
+from ftis_fed.config.federation import ParticipantSpec
+from ftis_fed.config.keys import federation_from_run_config
+from ftis_fed.config.validation import validate_run_config
 from ftis_fed.participant import Participant
 from ftis_fed.policies.config import PolicyConfig
 from ftis_fed.tasks.rewards import Verifier, is_integer_answer

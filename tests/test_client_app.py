@@ -93,7 +93,8 @@ def test_the_clientapp_process_imports_no_torch():
 
     code = ("import sys, tomllib\n"
             "import clients.client_app as ca\n"
-            "from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec\n"
+            "from ftis_fed.config.keys import federation_from_run_config\n"
+            "from ftis_fed.config.participants import absolute_paths, participant_spec\n"
             "rc = dict(tomllib.loads(open('pyproject.toml').read())['tool']['flwr']['app']['config'])\n"
             "nc = {'participant': 'alice', 'model': 'tiny-llama', 'keys-dir': 'k', 'state-dir': 's',\n"
             "      'partition-id': 0, 'num-partitions': 2}\n"

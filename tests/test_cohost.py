@@ -12,7 +12,9 @@ import pytest
 
 from clients.client_app import worker_host
 from clients.worker import FAULT_ENV, WorkerError, call, ensure_worker, existing_worker
-from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec, to_jsonable
+from ftis_fed.config.federation import to_jsonable
+from ftis_fed.config.keys import federation_from_run_config
+from ftis_fed.config.participants import absolute_paths, participant_spec
 from ftis_fed.trust.signing import generate_keypair, load_key_directory, verify_challenge
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -71,7 +71,7 @@ def test_horizontal_cells_of_a_preset_with_another_partition_are_valid_runs(tmp_
     import tomllib
     from pathlib import Path
 
-    from ftis_fed.config.federation import validate_run_config
+    from ftis_fed.config.validation import validate_run_config
 
     root = Path(__file__).resolve().parents[1]
     defaults = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]

@@ -57,15 +57,19 @@ def test_checked_run_config_makes_paths_absolute_and_counts_participants(tmp_pat
     model = tmp_path / "models" / "mine"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
-    from ftis_fed.config import federation
+    from ftis_fed.config.federation import FederationConfig
 
-    parses = []
-    real = federation.federation_from_run_config
-    monkeypatch.setattr(federation, "federation_from_run_config", lambda rc: parses.append(1) or real(rc))
+    parses = []                                               # every FederationConfig made, whoever makes it
+    real = FederationConfig.__post_init__
+    monkeypatch.setattr(FederationConfig, "__post_init__", lambda self: parses.append(1) or real(self))
     overrides, n, fed = launch.checked_run_config(ROOT, {"output-dir": "out/x", "p1-model": "./models/mine"})
     assert n == 4 and overrides["output-dir"] == str(tmp_path / "out" / "x")
     assert overrides["p1-model"] == str(model)
     assert len(parses) == 1 and fed.output_dir == overrides["output-dir"]     # parsed once; the launcher reuses it
+    from ftis_fed.config.validation import models_to_build
+
+    models_to_build(launch.merged_run_config(ROOT, overrides))                # build_first: reads each model only
+    assert len(parses) == 1
 
 
 # ----------------------------------------------------------------------------- $FLWR_HOME/config.toml
@@ -272,7 +276,7 @@ def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tm
     """In a fresh cache (SmolLM2 linked in: the tiny models take its tokenizer), the models a run
     needs are listed, built with "building …" and the time, verified, and not built again."""
     from ftis_fed.commands.sim import build_models
-    from ftis_fed.config.federation import models_to_build
+    from ftis_fed.config.validation import models_to_build
     from ftis_fed.policies.models import resolve_model
 
     real = Path(resolve_model("smollm2"))

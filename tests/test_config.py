@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config.federation import (KEYS, MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS,
-                             RUN_KNOBS, federation_from_run_config, participant_names, participant_spec,
-                             pyproject_disagreements, validate_run_config)
+from ftis_fed.config.federation import MAX_PARTICIPANTS, PARTICIPANT_KEYS, PER_PARTICIPANT_KEYS, POLICY_KEYS
+from ftis_fed.config.keys import federation_from_run_config, run_keys, run_knobs
+from ftis_fed.config.participants import participant_names, participant_spec
+from ftis_fed.config.validation import pyproject_disagreements, validate_run_config
 from ftis_fed.config.models_check import check_model, offline_model_names
 from ftis_fed.config.reference import config_reference
 
@@ -23,7 +24,7 @@ def test_pyproject_declares_every_key_with_its_declared_default():
     assert pyproject_disagreements(RUN_CONFIG) == []
     for key in RUN_CONFIG:
         base = re.sub(r"^p\d+-", "", key)
-        assert key in KEYS or base in POLICY_KEYS or base in PARTICIPANT_KEYS, key
+        assert key in run_keys() or base in POLICY_KEYS or base in PARTICIPANT_KEYS, key
 
 
 @pytest.mark.parametrize("change,expected", [
@@ -45,7 +46,7 @@ def test_a_disagreement_between_pyproject_and_the_declarations_is_named(change, 
 def test_configuration_doc_is_current():
     doc = (ROOT / "docs" / "configuration.md").read_text()
     assert doc == config_reference(), "regenerate: python -m ftis_fed.config.reference > docs/configuration.md"
-    for key, k in RUN_KNOBS.items():
+    for key, k in run_knobs().items():
         assert f"| `{key}` |" in doc and k.help, key
     for key in PER_PARTICIPANT_KEYS:
         assert f"- `p<i>-{key}`:" in doc

@@ -163,14 +163,20 @@ def test_oversubscribed_cards_are_clear_errors():
     assert s["a"].share == s["b"].share == 0.6
 
 
-def test_run_memory_share_splits_a_card_between_the_run_s_participants():
+def test_run_memory_share_splits_a_card_between_the_run_s_participants(monkeypatch):
     """Three participants on one card, one with an explicit share: the others share what is left;
-    a CPU participant gets none; explicit shares that oversubscribe the card are an error."""
+    a CPU participant gets none; explicit shares that oversubscribe the card are an error. It reads
+    the keys it needs: no run config parsed, no spec built (the worker has its parse)."""
     import tomllib
     from pathlib import Path
 
+    from ftis_fed.config.federation import FederationConfig, ParticipantSpec
     from ftis_fed.config.gpu_shares import run_memory_share
     from ftis_fed.policies.devices import DeviceError
+
+    made = []
+    for cls in (FederationConfig, ParticipantSpec):
+        monkeypatch.setattr(cls, "__post_init__", lambda self, real=cls.__post_init__: made.append(1) or real(self))
 
     cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     rc = dict(cfg["tool"]["flwr"]["app"]["config"])
@@ -179,6 +185,7 @@ def test_run_memory_share_splits_a_card_between_the_run_s_participants():
     assert run_memory_share(rc, "smol-full", 1) == 0.3
     assert abs(run_memory_share(rc, "smol-lora", 1) - 0.3) < 1e-9          # (0.9 - 0.3) / 2
     assert run_memory_share(rc, "smol-bpe8k", 1) == 0.0
+    assert made == []
     rc.update({"p1-gpu-memory-share": 0.5, "p2-gpu-memory-share": 0.2})
     with pytest.raises(DeviceError, match="oversubscribes cuda:0"):
         run_memory_share(rc, "smol-full", 1)
@@ -202,7 +209,7 @@ def test_run_memory_share_follows_the_spreading():
     import tomllib
     from pathlib import Path
 
-    from ftis_fed.config.federation import participant_names
+    from ftis_fed.config.participants import participant_names
     from ftis_fed.config.gpu_shares import run_memory_share
 
     cfg = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())

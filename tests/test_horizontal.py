@@ -10,7 +10,9 @@ import json
 
 import pytest
 
-from ftis_fed.config.federation import FederationConfig, ParticipantSpec, federation_from_run_config, validate_run_config
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.config.keys import federation_from_run_config
+from ftis_fed.config.validation import validate_run_config
 from ftis_fed.engine.core import Engine
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.learn.objective import ObjectiveConfig
@@ -146,7 +148,7 @@ def test_deployment_node_configs_with_partition_id_but_no_num_partitions_agree_o
     """Issue 20: without ``num-partitions`` every node takes min-participants (never a value from its
     own partition-id), so all compute the same share ceil(G/N); a partition-id beyond it is a
     config error naming both keys, not a run whose participants refuse each other's groups."""
-    from ftis_fed.config.federation import participant_spec
+    from ftis_fed.config.participants import participant_spec
 
     fed = _fed(tmp_path, 3, 6)
     specs = [participant_spec({}, {"participant": n, "partition-id": i}, fed) for i, n in enumerate(("a", "b", "c"))]

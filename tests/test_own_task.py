@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ftis_fed.commands.sim import checked_run_config, layered_overrides
-from ftis_fed.config.federation import FederationConfig, ParticipantSpec, federation_from_run_config
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.config.keys import federation_from_run_config
 from ftis_fed.engine.core import AdmissionError, Engine
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.learn.objective import compute_advantages

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from ftis_fed.learn.objective_config import ObjectiveConfig
+from ftis_fed.receive.phrase import PhraseKnobs
 from ftis_fed.learn.phrases import (END, SIZES, START, LossyCounter, PhraseMonitor, contains, ngrams, rewarded,
                                     strip_phrase, unearned)
 from ftis_fed.tasks.rewards import Verifier
@@ -59,7 +59,7 @@ def test_a_repeated_leading_zero_is_flagged_and_an_honest_specialist_is_not():
     assert mon.flagged("nobody") == set()
     # the resume checkpoint keeps the counts (JSON, the edge markers included)
     import json
-    back = PhraseMonitor.from_json(ObjectiveConfig(peer_phrase_ratio=8.0), json.loads(json.dumps(mon.to_json())))
+    back = PhraseMonitor.from_json(PhraseKnobs(ratio=8.0), json.loads(json.dumps(mon.to_json())))
     assert back.flagged("mallory") == mon.flagged("mallory") and back.own.counts == mon.own.counts
     assert back.sticky == mon.sticky and back.own.eps == mon.own_eps and back.peers["spec"].eps == mon.peer_eps
 
@@ -112,14 +112,13 @@ def test_rewarded_is_above_the_group_mean():
 
 
 def test_the_knobs_are_checked():
-    assert PhraseMonitor.from_config(ObjectiveConfig()) is None
-    mon = PhraseMonitor.from_config(ObjectiveConfig(peer_phrase_ratio=8.0, peer_phrase_min_share=0.1,
-                                                    peer_phrase_min_count=3))
+    assert PhraseMonitor.from_config(PhraseKnobs()) is None
+    mon = PhraseMonitor.from_config(PhraseKnobs(ratio=8.0, min_share=0.1, min_count=3))
     assert (mon.ratio, mon.min_share, mon.min_count) == (8.0, 0.1, 3)
-    for bad in ({"peer_phrase_ratio": 0.5}, {"peer_phrase_min_share": 0.0}, {"peer_phrase_min_share": 1.0},
-                {"peer_phrase_min_count": 0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            ObjectiveConfig(**bad)
+    for key, bad in (("peer-phrase-ratio=0.5", {"ratio": 0.5}), ("peer-phrase-min-share=0.0", {"min_share": 0.0}),
+                     ("peer-phrase-min-share=1.0", {"min_share": 1.0}), ("peer-phrase-min-count=0", {"min_count": 0})):
+        with pytest.raises(ValueError, match=key):
+            PhraseKnobs(**bad)
 
 
 @pytest.mark.slow                       # ~20 s: a flood of distinct phrases through the lossy counters

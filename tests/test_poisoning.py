@@ -9,6 +9,7 @@ answer then stop), and a whole in-process federation with an attacker (``attacks
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -19,9 +20,11 @@ import pytest
 import torch
 
 from ftis_fed.config.federation import FederationConfig
+from ftis_fed.config.keys import federation_from_run_config
 from ftis_fed.learn.evaluation import payload_shares
 from ftis_fed.learn.objective import (LOGP_GEN_FLOOR, LossInputs, ObjectiveConfig, count_denominators, ftis_loss,
                                       max_surprisal, surprising_rows)
+from ftis_fed.receive.surprisal import SurprisalKnobs
 from ftis_fed.tasks.rewards import Verifier
 from ftis_fed.tasks.suite import TaskSpec, task_at
 from ftis_fed.trust.attacks import (LOW_LOGPROB, Poisoner, corrupt, parse_kinds, poison, poisoned_group)
@@ -125,8 +128,10 @@ def test_payload_config_is_checked():
     assert FederationConfig(attack_payload="0", attack_payload_at="start").attack_payload == "0"   # "017" reads 17
     with pytest.raises(ValueError, match="attack-payload-share"):
         FederationConfig(attack_payload_share=0.0)
-    with pytest.raises(ValueError, match="peer_surprisal_max"):
-        ObjectiveConfig(peer_surprisal_max=-1.0)
+    with pytest.raises(ValueError, match="peer-surprisal-max=-1.0"):
+        SurprisalKnobs(max_nats=-1.0)
+    with pytest.raises(ValueError, match="peer-surprisal-max=-1.0"):
+        federation_from_run_config({"peer-surprisal-max": -1.0})
 
 
 def test_payload_shares_of_greedy_replies():
@@ -141,6 +146,11 @@ def test_payload_shares_of_greedy_replies():
 
 
 # ----------------------------------------------------------------------------- the defence
+
+def _limited(x, *limits):
+    """``x`` with the per-row ``surprisal_limit`` the surprisal check sets (one number: every row)."""
+    return dataclasses.replace(x, surprisal_limit=torch.tensor(limits if len(limits) > 1 else limits * len(x.local)))
+
 
 def _payload_inputs():
     """Rows: [own, honest peer, payload peer, log-prob-lying payload peer]; the payload's 3rd token is
@@ -175,7 +185,7 @@ def test_the_filter_keeps_the_payload_and_the_surprisal_check_drops_it(mode):
     assert bool((g_off[2:].abs().sum(-1) > 0).all())                        # positive advantage: kept
     if mode == "F-TIS":                                                      # the liar gets C on every token
         assert torch.allclose(g_off[3, 0], 2.0 * g_off[0, 0]) and off.metrics["offpolicy/mallory/filtered_frac"] == 0
-    on = ftis_loss(x, ObjectiveConfig(mode=mode, peer_surprisal_max=12.0))
+    on = ftis_loss(_limited(x, 12.0), ObjectiveConfig(mode=mode))
     (g_on,) = torch.autograd.grad(on.loss, logp)
     assert torch.equal(g_on[2:], torch.zeros_like(g_on[2:]))
     assert torch.allclose(g_on[:2], g_off[:2])                              # own and honest rows untouched
@@ -186,13 +196,15 @@ def test_the_filter_keeps_the_payload_and_the_surprisal_check_drops_it(mode):
 
 def test_the_surprisal_check_is_row_wise_so_micro_batches_add_up():
     logp, x = _payload_inputs()
-    cfg = ObjectiveConfig(mode="F-TIS", peer_surprisal_max=12.0)
+    cfg = ObjectiveConfig(mode="F-TIS")
+    x = _limited(x, 12.0)
     whole = ftis_loss(x, cfg).loss
     den = count_denominators(x.mask, torch.ones(4, dtype=torch.bool))
     parts = 0.0
     for sel in (slice(0, 1), slice(1, 3), slice(3, 4)):
         part = LossInputs(logp=x.logp[sel], logp_gen=x.logp_gen[sel], mask=x.mask[sel], advantages=x.advantages[sel],
-                          source=x.source[sel], local=x.local[sel], source_names=x.source_names)
+                          source=x.source[sel], local=x.local[sel], source_names=x.source_names,
+                          surprisal_limit=x.surprisal_limit[sel])
         parts = parts + ftis_loss(part, cfg, den).loss
     assert torch.allclose(whole, parts)
 
@@ -362,8 +374,7 @@ def test_surprising_tokens_the_reward_needs_keep_their_sample():
 
 def test_an_exempt_row_is_kept_by_the_surprisal_check():
     logp, x = _payload_inputs()
-    x.surprisal_exempt = torch.tensor([False, False, True, False])
-    out = ftis_loss(x, ObjectiveConfig(mode="F-TIS", peer_surprisal_max=12.0))
+    out = ftis_loss(_limited(x, 12.0, 12.0, math.inf, 12.0), ObjectiveConfig(mode="F-TIS"))
     (g,) = torch.autograd.grad(out.loss, logp)
     assert bool(g[2].abs().sum() > 0) and torch.equal(g[3], torch.zeros_like(g[3]))
 

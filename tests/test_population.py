@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config.federation import (federation_from_run_config, participant_names, participant_spec,
-                                        validate_run_config)
+from ftis_fed.config.keys import federation_from_run_config
+from ftis_fed.config.participants import participant_names, participant_spec
+from ftis_fed.config.validation import validate_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]

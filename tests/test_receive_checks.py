@@ -5,15 +5,20 @@ keeps its state across a resume; and the built-in checks are the run's defences,
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.config.keys import federation_from_run_config
+from ftis_fed.knobs import knob, need
 from ftis_fed.learn.objective_config import ObjectiveConfig
 from ftis_fed.learn.training import TrainSample
 from ftis_fed.participant import Participant
 from ftis_fed.policies.config import PolicyConfig
 from ftis_fed.receive.checks import CHECKS, Check, Receiver, Update, build_checks, register_check
+from ftis_fed.receive.phrase import PhraseKnobs
+from ftis_fed.receive.surprisal import SurprisalKnobs
 from ftis_fed.tasks.suite import TaskSpec
 from ftis_fed.trust.reverify import ReverifyConfig
 from ftis_fed.trust.signing import generate_keypair
@@ -21,22 +26,38 @@ from ftis_fed.trust.signing import generate_keypair
 
 @pytest.fixture
 def toy_check():
-    """A toy check, all of it in this file: drops every peer sample, counts what it saw, and keeps the
-    count across a resume."""
+    """A toy check, all of it in this file: its own knob (``toy-drop-from``, a run-config key of its own
+    dataclass), drops every peer sample from that round on, counts what it saw, and keeps the count
+    across a resume."""
+
+    @dataclass(frozen=True)
+    class ToyKnobs:
+        """Receiver check `toy`: a test's check."""
+
+        drop_from: int = knob("toy-drop-from", 0, "drop every peer sample from this round on, >= 0; 0 = off.")
+
+        def __post_init__(self):
+            need(self, self.drop_from >= 0, "drop_from", "must be >= 0 (0 = off)")
 
     @register_check("toy")
     class Toy(Check):
         order = 50
+        knobs = ToyKnobs
         seen: list[TrainSample] = []
 
-        def __init__(self):
-            self.updates = 0
+        def __init__(self, drop_from):
+            self.updates, self.drop_from = 0, drop_from
+
+        @classmethod
+        def build(cls, receiver):
+            drop_from = cls.knobs_of(receiver).drop_from
+            return cls(drop_from) if drop_from > 0 else None
 
         def __call__(self, samples, update):
             self.updates += 1
             Toy.seen = list(samples)
             peers = [s for s in samples if not s.local]
-            for s in peers:
+            for s in peers if self.updates >= self.drop_from else ():
                 s.drop("toy")
             return {"toy/peer_samples": float(len(peers)), "toy/updates": float(self.updates)}
 
@@ -50,21 +71,24 @@ def toy_check():
     CHECKS.pop("toy")
 
 
-def _pair(tmp_path, resume=False):
+def _pair(tmp_path, resume=False, policy=(), **knobs):
     fed = FederationConfig(group_size=2, max_new_tokens=3, run_name="toy", output_dir=str(tmp_path), eval_every=0,
-                           resume=resume, task=TaskSpec(families=("add1",), prompts_per_round=2))
+                           resume=resume, task=TaskSpec(families=("add1",), prompts_per_round=2), **knobs)
     out = []
     for name in ("alice", "bob") if not resume else ():
         generate_keypair(name, tmp_path / "keys")
     for i, name in enumerate(("alice", "bob")):
-        spec = ParticipantSpec(name, PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3, seed=i), i, 2,
+        spec = ParticipantSpec(name, PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3, seed=i, **dict(policy)), i, 2,
                                str(tmp_path / "keys"), str(tmp_path / name))
         out.append(Participant(spec, fed))
     return out
 
 
 def test_a_check_in_one_file_runs_in_the_update_decides_on_the_sample_and_resumes(tmp_path, toy_check):
-    alice, bob = _pair(tmp_path)
+    on = federation_from_run_config({"toy-drop-from": 1}).checks       # its knob, read from the run config
+    assert on["toy"] == toy_check.knobs(drop_from=1)
+    assert [c.alias for c in _pair(tmp_path / "off")[0].checks] == ["source-adapt"]   # off: not built
+    alice, bob = _pair(tmp_path, checks={"toy": on["toy"]})
     assert [c.alias for c in alice.checks] == ["source-adapt", "toy"]     # the defences that are off are not built
     alice.generate(1, False)
     m = alice.learn(1, bob.generate(1, False)[0])
@@ -75,8 +99,53 @@ def test_a_check_in_one_file_runs_in_the_update_decides_on_the_sample_and_resume
     assert {(s.group_index, s.index) for s in peers} == {(g, i) for g in range(2) for i in range(2)}
     alice.save()
     assert json.loads((tmp_path / "alice" / "participant.json").read_text())["checks"]["toy"] == {"updates": 1}
-    again, _ = _pair(tmp_path, resume=True)                  # a restart continues the check's own state
+    again, _ = _pair(tmp_path, resume=True, checks={"toy": on["toy"]})   # a restart continues the check's own state
     assert next(c for c in again.checks if c.alias == "toy").updates == 1
+
+
+def test_the_built_in_checks_keep_their_state_across_a_resume(tmp_path):
+    """The phrase check's counters and source-adapt's per-peer KL go through ``participant.json``'s
+    ``checks`` (each under its alias) and come back in a resumed participant's checks."""
+    from ftis_fed.learn.source_weights import SourceAdaptConfig
+
+    knobs = {"checks": {"phrase": PhraseKnobs(ratio=4.0), "source-adapt": SourceAdaptConfig("kl")},
+             "policy": {"score_zero_advantage": True}}        # a random model's groups: advantage 0, scored all the same
+    alice, bob = _pair(tmp_path, **knobs)
+    assert [c.alias for c in alice.checks] == ["phrase", "source-adapt"]
+    alice.generate(1, False)
+    alice.learn(1, bob.generate(1, False)[0])
+    alice.save()
+    saved = json.loads((tmp_path / "alice" / "participant.json").read_text())["checks"]
+    phrase, adapt = (next(c for c in alice.checks if c.alias == a) for a in ("phrase", "source-adapt"))
+    assert saved["phrase"]["own"]["n"] == phrase.monitor.own.n > 0 and "bob" in saved["phrase"]["peers"]
+    assert saved["source-adapt"]["kl"] == adapt.adapter.kl and "bob" in adapt.adapter.kl
+    again, _ = _pair(tmp_path, resume=True, **knobs)
+    phrase2, adapt2 = (next(c for c in again.checks if c.alias == a) for a in ("phrase", "source-adapt"))
+    assert phrase2.monitor.to_json() == phrase.monitor.to_json()
+    assert adapt2.adapter.kl == adapt.adapter.kl and adapt2.adapter.updates == adapt.adapter.updates
+
+
+def test_a_checks_knobs_are_run_config_keys_with_their_errors_and_their_docs(toy_check):
+    from ftis_fed.config.keys import run_keys
+    from ftis_fed.config.reference import config_reference
+
+    assert run_keys()["toy-drop-from"] == ("checks.toy", "drop_from")
+    assert federation_from_run_config({}).checks["toy"].drop_from == 0
+    with pytest.raises(ValueError, match=r"^toy-drop-from=-1: must be >= 0 \(0 = off\)$"):
+        federation_from_run_config({"toy-drop-from": -1})
+    with pytest.raises(ValueError, match="toy-drop-from='x': must be an integer"):
+        federation_from_run_config({"toy-drop-from": "x"})
+    doc = config_reference()
+    assert "## Receiver check `toy`: a test's check (`ToyKnobs`, tests/test_receive_checks.py)" in doc
+    assert "| `toy-drop-from` | `0` | drop every peer sample from this round on, >= 0; 0 = off. |" in doc
+    with pytest.raises(ValueError, match="checks\\['nope'\\]: no registered receiver check"):
+        FederationConfig(checks={"nope": toy_check.knobs()})
+
+
+def test_unregistered_a_checks_key_is_no_run_config_key():
+    from ftis_fed.config.keys import run_keys
+
+    assert "toy-drop-from" not in run_keys() and "toy" not in FederationConfig().checks
 
 
 def test_an_alias_is_registered_once(toy_check):
@@ -90,10 +159,10 @@ def test_the_built_in_checks_follow_the_run_config_in_order():
         return [c.alias for c in build_checks(Receiver("me", fed, None, None))]
 
     assert aliases() == ["source-adapt"]
-    on = dict(objective=ObjectiveConfig(peer_phrase_ratio=4.0, peer_surprisal_max=12.0),
+    on = dict(checks={"phrase": PhraseKnobs(ratio=4.0), "surprisal": SurprisalKnobs(max_nats=12.0)},
               reverify=ReverifyConfig(action="downweight"))
-    assert aliases(**on) == ["reverify", "phrase", "surprisal-keep-needed", "source-adapt"]
-    alone = dict(on, objective=ObjectiveConfig(mode="alone", peer_phrase_ratio=4.0))
+    assert aliases(**on) == ["reverify", "phrase", "surprisal", "source-adapt"]
+    alone = dict(on, objective=ObjectiveConfig(mode="alone"))
     assert "phrase" not in aliases(**alone)                 # nothing of a peer is trained on
 
 
@@ -117,8 +186,8 @@ def test_reverify_downweight_lands_on_the_samples_of_that_batch():
 # ----------------------------------------------------------------------------- the phrase check's groups and budget
 
 def _phrase_fed(groups: str = "vertical", **kw) -> FederationConfig:
-    return FederationConfig(objective=ObjectiveConfig(peer_phrase_ratio=4.0, peer_phrase_min_count=2,
-                                                      advantage_groups=groups), **kw)
+    return FederationConfig(objective=ObjectiveConfig(advantage_groups=groups),
+                            checks={"phrase": PhraseKnobs(ratio=4.0, min_count=2)}, **kw)
 
 
 def _batch(sender, texts_per_task, verifier, tasks, round=1):
@@ -249,7 +318,7 @@ def test_reward_functions_get_the_receivers_own_ids_of_another_tokenizers_text()
 
 
 def test_the_time_budget_is_a_run_config_key_and_its_rejections_reach_the_console():
-    from ftis_fed.config.federation import federation_from_run_config
+    from ftis_fed.config.keys import federation_from_run_config
     from ftis_fed.engine.core import budget_rejections
     from ftis_fed.trust.bounds import ReceiveBounds
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ftis_fed.config.federation import ParticipantSpec, federation_from_run_config
+from ftis_fed.config.federation import ParticipantSpec
+from ftis_fed.config.keys import federation_from_run_config
 from ftis_fed.engine.core import Engine, RewardFunctionFailed, eval_line, per_function_line, reward_error_of
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.learn.evaluation import evaluate

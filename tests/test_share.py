@@ -192,7 +192,7 @@ def test_the_card_header_is_huggingface_hub_s_and_push_refuses_offline(tmp_path,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match=r"push-to-hub='me/ftis': the Hugging Face hub is offline here"):
         share.push_export(tmp_path, "me/ftis", "alice")
-    from ftis_fed.config.federation import federation_from_run_config
+    from ftis_fed.config.keys import federation_from_run_config
     with pytest.raises(ValueError, match=r"push-to-hub='me/ftis': the Hugging Face hub is offline here"):
         federation_from_run_config({"push-to-hub": "me/ftis", "eval-every": 0}).check_data()   # at start
     with pytest.raises(ValueError, match=r"push-to-hub='not a repo': a hub repo id 'owner/name'"):

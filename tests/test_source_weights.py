@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from ftis_fed.config.federation import FederationConfig, ParticipantSpec, federation_from_run_config
+from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+from ftis_fed.config.keys import federation_from_run_config
 from ftis_fed.learn.source_weights import SourceAdaptConfig, SourceAdapter, source_weight
 from ftis_fed.learn.training import TrainSample
 from ftis_fed.participant import Participant
@@ -50,7 +51,7 @@ def test_the_source_adapt_check_scales_only_peers_negative_advantages_on_the_sam
     from ftis_fed.receive.source_adapt import SourceAdapt
 
     def check(mode):
-        fed = FederationConfig(source_adapt=SourceAdaptConfig(mode, tau=10.0, decay=1.0))
+        fed = FederationConfig(checks={"source-adapt": SourceAdaptConfig(mode, tau=10.0, decay=1.0)})
         c = SourceAdapt.build(Receiver("me", fed, None, None))
         c.restore({"kl": {"far": 10.0}, "updates": {"far": 1}})
         return c
@@ -78,8 +79,8 @@ def test_state_round_trips_for_resume():
 
 def test_run_config_keys_and_their_errors():
     fed = federation_from_run_config({"source-adapt": "kl", "source-adapt-tau": 4, "source-adapt-decay": 0.25})
-    assert fed.source_adapt == SourceAdaptConfig("kl", 4.0, 0.25)
-    assert federation_from_run_config({}).source_adapt.mode == "off"
+    assert fed.checks["source-adapt"] == SourceAdaptConfig("kl", 4.0, 0.25)
+    assert federation_from_run_config({}).checks["source-adapt"].mode == "off"
     with pytest.raises(ValueError, match="source-adapt='KL'"):
         federation_from_run_config({"source-adapt": "KL"})
     with pytest.raises(ValueError, match="source-adapt-tau=0.0"):
@@ -93,7 +94,7 @@ def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):
     trainer's own per-source measurement, the one its metrics report (score-zero-advantage: a random
     model solves nothing, so every group's advantage is 0 and only then are its rows scored)."""
     fed = FederationConfig(group_size=2, max_new_tokens=3, run_name="adapt", output_dir=str(tmp_path), eval_every=0,
-                           source_adapt=SourceAdaptConfig("kl"), task=TaskSpec(families=("add1",), prompts_per_round=2))
+                           checks={"source-adapt": SourceAdaptConfig("kl")}, task=TaskSpec(families=("add1",), prompts_per_round=2))
     parts = []
     for name in ("alice", "bob"):
         generate_keypair(name, tmp_path / "keys")

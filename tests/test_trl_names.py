@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from ftis_fed.commands.sim import layered_overrides
-from ftis_fed.config.federation import PER_PARTICIPANT_KEYS, declared_keys, validate_run_config
+from ftis_fed.config.federation import PER_PARTICIPANT_KEYS
+from ftis_fed.config.keys import declared_keys
+from ftis_fed.config.validation import validate_run_config
 from ftis_fed.config.trl_names import TRL_NAMES, trl_hint
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ftis_fed.config.federation import participant_spec, federation_from_run_config, validate_run_config
+from ftis_fed.config.keys import federation_from_run_config
+from ftis_fed.config.participants import participant_spec
+from ftis_fed.config.validation import validate_run_config
 from ftis_fed.policies.config import PolicyConfig
 
 ROOT = Path(__file__).resolve().parent.parent

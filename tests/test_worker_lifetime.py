@@ -51,7 +51,8 @@ _CLIENTAPP = textwrap.dedent(r"""
     from pathlib import Path
     from clients.client_app import worker_payload
     from clients.worker import WorkerError, call, ensure_worker
-    from ftis_fed.config.federation import absolute_paths, federation_from_run_config, participant_spec
+    from ftis_fed.config.keys import federation_from_run_config
+    from ftis_fed.config.participants import absolute_paths, participant_spec
     given = json.loads(sys.argv[1])
     run_config, node_config = absolute_paths(given["run_config"], given["node_config"])
     fed = federation_from_run_config(run_config)
@@ -81,7 +82,7 @@ def _clientapp(tmp: Path, run_config: dict, extra_env: dict | None = None, start
 def test_a_worker_whose_run_is_gone_exits(tmp_path):
     """The worker's idle timeout is an hour; killing the process that started it (what ending a
     simulation does to its Ray actors) ends the worker within its liveness check, not the hour."""
-    from ftis_fed.config.federation import participant_names
+    from ftis_fed.config.participants import participant_names
     from ftis_fed.trust.signing import generate_keypair
 
     rc = _run_config(tmp_path)
@@ -105,7 +106,7 @@ def test_a_worker_whose_run_is_gone_exits(tmp_path):
 
 @pytest.mark.slow                       # two processes importing torch: ~20 s
 def test_a_worker_that_cannot_have_its_device_stops_with_one_line(tmp_path):
-    from ftis_fed.config.federation import participant_names
+    from ftis_fed.config.participants import participant_names
 
     rc = _run_config(tmp_path, **{"p0-device": "cuda:3"})
     app = _clientapp(tmp_path, rc)
@@ -146,7 +147,7 @@ def test_a_worker_building_its_model_does_not_run_out_its_start_timeout(tmp_path
     import fcntl
     import time
 
-    from ftis_fed.config.federation import participant_names
+    from ftis_fed.config.participants import participant_names
     from ftis_fed.trust.signing import generate_keypair
 
     cache = tmp_path / "cache"
@@ -188,7 +189,7 @@ def test_a_stopped_runs_worker_is_ended_by_deploy_end_worker(tmp_path):
     """After `flwr stop` of a run that will not resume, its worker would keep its model until
     worker-idle-timeout-s (an hour here) while its SuperNode (the anchor) lives on:
     `ftis-fed deploy end-worker --state-dir` ends it (and says which), the anchor still alive."""
-    from ftis_fed.config.federation import participant_names
+    from ftis_fed.config.participants import participant_names
     from ftis_fed.trust.signing import generate_keypair
 
     rc = _run_config(tmp_path)

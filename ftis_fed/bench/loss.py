@@ -3,19 +3,21 @@
 Both contenders run the same teacher-forced forward (chunked log-probs) and backward through the
 same model; only the objective differs. The plain GRPO baseline is the textbook per-sequence
 clipped surrogate (no importance weights, no filter, no diagnostics). Also reported: the ratio for
-the objective alone on fixed log-probs, where F-TIS's extra work is not hidden by the model.
+the objective alone on fixed log-probs, where F-TIS's extra work is not hidden by the model. The
+command line is ``bench/cli.py``.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import torch
 
-from ftis_fed.wire.batch import SamplingParams
-from ftis_fed.learn.objective import LossInputs, ObjectiveConfig, ftis_loss
 from ftis_fed.bench.common import interleaved_times, median_ratio
+from ftis_fed.learn.objective import LossInputs, ObjectiveConfig, ftis_loss
+from ftis_fed.policies import PolicyConfig
+from ftis_fed.policies.hf import HFPolicy
+from ftis_fed.wire.batch import SamplingParams
 
 
 def plain_grpo_loss(logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, eps: float = 0.2) -> torch.Tensor:
@@ -29,9 +31,6 @@ def plain_grpo_loss(logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, e
 
 def run(model: str = "smollm2", rows: int = 16, prompt_len: int = 40, completion_len: int = 64,
         repeats: int = 5, seed: int = 0) -> dict:
-    from ftis_fed.policies import PolicyConfig
-    from ftis_fed.policies.hf import HFPolicy
-
     torch.manual_seed(seed)
     pol = HFPolicy(PolicyConfig(model=model, micro_batch=rows, dtype="fp32"))
     V = pol.vocab_size
@@ -80,8 +79,3 @@ def run(model: str = "smollm2", rows: int = 16, prompt_len: int = 40, completion
         "ftis_over_grpo_objective_only": round(median_ratio(t_loss, "ftis", "grpo"), 4),
         "grpo_step_spread": round(statistics.pstdev(t_model["grpo"]) / statistics.mean(t_model["grpo"]), 4),
     }
-
-
-def main(args) -> None:
-    print(json.dumps(run(model=args.model, rows=args.rows, completion_len=args.completion_len,
-                         repeats=args.repeats)), flush=True)

@@ -16,25 +16,33 @@ the participant's code path; medians over ``--rounds`` rounds after one untimed 
 process CPU time (one torch thread), and how many rows the updates back-propagated.
 
     ftis-fed bench micro --models micro-llama-s,micro-llama-l --round-time --adapter full
+
+The command line is ``bench/cli.py``.
 """
 
 from __future__ import annotations
 
-import json
+import resource
+import statistics
 import time
+
+import torch
+
+from ftis_fed.learn.evaluation import evaluate, heldout_sets
+from ftis_fed.learn.objective import ObjectiveConfig
+from ftis_fed.learn.rollouts import scored_groups
+from ftis_fed.learn.training import Trainer, samples_from_batches
+from ftis_fed.policies import PolicyConfig, build_policy
+from ftis_fed.policies.micro import MICRO_MODELS
+from ftis_fed.policies.models import cache_root, resolve_model
+from ftis_fed.tasks.families import ID_FAMILIES
+from ftis_fed.tasks.rewards import Verifier
+from ftis_fed.tasks.suite import TaskSpec, make_tasks
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams
 
 
 def measure(name: str, n: int = 64, seed: int = 0, max_new_tokens: int = 16) -> dict:
     """One model's facts and held-out accuracies (builds it first when it is not cached)."""
-    import resource
-
-    from ftis_fed.learn.evaluation import evaluate, heldout_sets
-    from ftis_fed.policies import PolicyConfig, build_policy
-    from ftis_fed.policies.micro import MICRO_MODELS
-    from ftis_fed.policies.models import cache_root, resolve_model
-    from ftis_fed.tasks.families import ID_FAMILIES
-    from ftis_fed.tasks.suite import make_tasks
-
     spec = MICRO_MODELS[name]
     cached = (cache_root() / "models" / name / "config.json").exists()
     c0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -59,18 +67,6 @@ def round_time(name: str, prompts: int = 4, group_size: int = 8, max_new_tokens:
                adapter: str = "full", seed: int = 0) -> dict:
     """Median generate / update / round times of one participant running ``name`` (see the module
     docstring); prompts are the ID families' train split, a fresh set each round."""
-    import statistics
-
-    import torch
-
-    from ftis_fed.learn.objective import ObjectiveConfig
-    from ftis_fed.learn.rollouts import scored_groups
-    from ftis_fed.learn.training import Trainer, samples_from_batches
-    from ftis_fed.policies import PolicyConfig, build_policy
-    from ftis_fed.tasks.rewards import Verifier
-    from ftis_fed.tasks.suite import TaskSpec
-    from ftis_fed.wire.batch import CompletionBatch, SamplingParams
-
     torch.set_num_threads(1)
     pol = build_policy(PolicyConfig(model=name, adapter=adapter, micro_batch=8))
     trainer, verifier = Trainer(pol, ObjectiveConfig(mode="F-TIS")), Verifier()
@@ -101,27 +97,3 @@ def round_time(name: str, prompts: int = 4, group_size: int = 8, max_new_tokens:
     out.update({f"median_{k}": round(statistics.median(v), 4) for k, v in t.items()})
     out["median_round_cpu_s"] = round(statistics.median(g + u for g, u in zip(t["generate_cpu_s"], t["update_cpu_s"])), 4)
     return out
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("micro", help="the research tier's models: size, build time, held-out accuracy")
-    p.add_argument("--models", default="", help="comma-separated names (default: every micro model)")
-    p.add_argument("--n", type=int, default=64, help="held-out prompts per set (0: no evaluation)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--round-time", action="store_true", help="also time one research-cell round (round_time)")
-    p.add_argument("--adapter", default="full", choices=["full", "lora"], help="--round-time: full or LoRA")
-    p.add_argument("--rounds", type=int, default=5, help="--round-time: timed rounds")
-
-    def run(a) -> int:
-        from ftis_fed.policies.micro import MICRO_MODELS
-
-        for name in [m for m in a.models.split(",") if m] or list(MICRO_MODELS):
-            if a.n > 0:
-                print(json.dumps(measure(name, a.n, a.seed, a.max_new_tokens), sort_keys=True), flush=True)
-            if a.round_time:
-                print(json.dumps(round_time(name, max_new_tokens=a.max_new_tokens, rounds=a.rounds, adapter=a.adapter,
-                                            seed=a.seed), sort_keys=True), flush=True)
-        return 0
-
-    p.set_defaults(func=run)

@@ -26,11 +26,16 @@ budget is reached: transformers' MinNewTokensLengthLogitsProcessor), so every co
 ``max_new_tokens`` tokens on both sides. Ours: on the policy's ``model.generation_config`` (the
 policy's own GenerationConfig leaves ``min_new_tokens`` unset, so generate merges it in; the EOS mask is
 applied before our RecordingSampler). TRL: ``GRPOConfig.generation_kwargs``.
+
+The command line is ``bench/cli.py``; ``python -m ftis_fed.bench.step <side> <config JSON>`` is a
+worker's own entry (``spawn``). What both sides share (torch, numpy, the prompts, the verifier) is
+imported here; each side's own stack is imported in its worker function only (ours: the policy and
+trainer; TRL: ``trl``, ``datasets``), so a side's subprocess, whose peak RSS is measured, loads only
+its own.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -39,6 +44,15 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
+import torch
+
+from ftis_fed.policies.models import resolve_model
+from ftis_fed.tasks.families import ID_FAMILIES
+from ftis_fed.tasks.rewards import Verifier
+from ftis_fed.tasks.suite import make_tasks
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams
 
 #: Written into the JSON so a reader knows what was compared without reading this file.
 NOTES = [
@@ -81,24 +95,17 @@ def _peak_rss_mb() -> float:
 
 
 def _set_threads(n: int) -> None:
-    import torch
-
     if n > 0:
         torch.set_num_threads(n)
 
 
 def _prompts(n: int, seed: int):
-    from ftis_fed.tasks.families import ID_FAMILIES
-    from ftis_fed.tasks.suite import make_tasks
-
     return make_tasks(ID_FAMILIES[0], "train", n, seed)
 
 
 def _autocast_bf16(dtype: str) -> bool:
     """Whether our policy autocasts to bf16 for ``dtype`` here (TRL's ``bf16`` flag mirrors it)."""
-    import torch
-
-    from ftis_fed.policies.hf import cpu_has_bf16
+    from ftis_fed.policies.hf import cpu_has_bf16        # our side's rule; the TRL worker asks it too
 
     if dtype == "fp32":
         return False
@@ -121,12 +128,7 @@ def _our_policy(c: dict):
 def ours_worker(c: dict) -> dict:
     """Our side: ``warmup + steps`` on-policy steps in this process; times of the last ``steps``."""
     _set_threads(c["threads"])
-    import numpy as np
-    import torch
-
-    from ftis_fed.wire.batch import CompletionBatch, SamplingParams
-    from ftis_fed.learn.objective import ObjectiveConfig
-    from ftis_fed.tasks.rewards import Verifier
+    from ftis_fed.learn.objective import ObjectiveConfig                  # our side's stack (module docstring)
     from ftis_fed.learn.rollouts import scored_groups
     from ftis_fed.learn.training import Trainer, samples_from_batches
 
@@ -176,13 +178,9 @@ def ours_worker(c: dict) -> dict:
 def trl_worker(c: dict) -> dict:
     """TRL's side: ``GRPOTrainer.train()`` for ``warmup + steps`` optimizer steps; times of the last ``steps``."""
     _set_threads(c["threads"])
-    import torch
-    from datasets import Dataset
+    from datasets import Dataset                                          # TRL's side's stack (module docstring)
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from ftis_fed.policies.models import resolve_model
-    from ftis_fed.tasks.rewards import Verifier
 
     n_rows = c["prompts"] * c["group_size"]
     if n_rows % c["micro_batch"]:
@@ -261,11 +259,7 @@ def memory_worker(c: dict) -> dict:
     """Peak RSS of one of our updates (no generation) on prompts*G rows of max_new_tokens random tokens:
     how memory depends on micro_batch and logit_chunk. Warm-up update first (optimizer state), then one."""
     _set_threads(c["threads"])
-    import numpy as np
-    import torch
-
-    from ftis_fed.wire.batch import SamplingParams
-    from ftis_fed.learn.objective import ObjectiveConfig
+    from ftis_fed.learn.objective import ObjectiveConfig                  # our side's stack (module docstring)
     from ftis_fed.learn.training import Trainer, TrainSample
 
     pol = _our_policy(c)
@@ -303,7 +297,7 @@ def spawn(side: str, c: dict, timeout: float | None = None) -> dict:
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[k] = str(c["threads"])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    proc = subprocess.run([sys.executable, "-m", "ftis_fed.bench.step", "--worker", side, "--config", json.dumps(c)],
+    proc = subprocess.run([sys.executable, "-m", "ftis_fed.bench.step", side, json.dumps(c)],
                           capture_output=True, text=True, env=env, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -395,74 +389,5 @@ def run_bench_step(model: str = "smollm2", prompts: int = 8, group_size: int = 8
     return result
 
 
-def _add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
-                    help="our PolicyConfig.dtype; TRL's bf16 flag follows whether ours autocasts to bf16")
-    ap.add_argument("--micro-batch", type=int, default=8,
-                    help="our micro_batch = TRL's per_device_train_batch_size (rows per forward/backward)")
-    ap.add_argument("--logit-chunk", type=int, default=32)
-    ap.add_argument("--logit-graph-mb", type=float, default=256.0,
-                    help="our policy key logit-graph-mb: LM-head log-softmax MiB a micro-batch keeps for backward "
-                         "(no recompute; 8 rows x 64 tokens of SmolLM2: 96 MiB); 0 = recompute every chunk")
-    ap.add_argument("--mode", default="F-TIS", help="our objective mode (alone, F-TIS, ...)")
-    ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--repeats", type=int, default=2, help="fresh subprocesses per side, order alternated")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per subprocess")
-    ap.add_argument("--steps", type=int, default=1, help="timed steps per subprocess")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per side (0 = torch default)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--grad-checkpointing", dest="grad_checkpointing", action="store_true", default=False,
-                    help="ours with decoder gradient checkpointing (the policy key grad-checkpointing: ~0.4 GB less "
-                         "peak memory here, ~15 %% slower update); off by default, as on TRL's side")
-    ap.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false",
-                    help="ours without decoder gradient checkpointing (the default)")
-    ap.add_argument("--no-share-prefix", dest="share_prefix", action="store_false",
-                    help="ours scoring every row as prompt+completion (no shared prompt pass; policy key share-prefix)")
-    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
-                    help="TRL with gradient checkpointing (its own default; slower, less memory)")
-    ap.add_argument("--memory-sweep", action="store_true",
-                    help="also: peak RSS of our update alone for several micro_batch / logit_chunk values")
-    ap.add_argument("--sides", default="ours,trl", help="comma-separated subset of ours,trl")
-    ap.add_argument("--verbose", action="store_true", help="progress on stderr")
-
-
-def run_cli(a: argparse.Namespace) -> int:
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if a.verbose else None
-    print(json.dumps(run_bench_step(
-        model=a.model, prompts=a.prompts, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
-        temperature=a.temperature, dtype=a.dtype, micro_batch=a.micro_batch, logit_chunk=a.logit_chunk,
-        mode=a.mode, lr=a.lr, repeats=a.repeats, warmup=a.warmup, steps=a.steps, threads=a.threads, seed=a.seed,
-        grad_checkpointing=a.grad_checkpointing, trl_gradient_checkpointing=a.trl_gradient_checkpointing,
-        share_prefix=a.share_prefix, logit_graph_mb=a.logit_graph_mb,
-        memory_sweep=a.memory_sweep,
-        sides=tuple(s for s in a.sides.split(",") if s), log=log)), flush=True)
-    return 0
-
-
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Add ``step`` (under ``ftis-fed bench``) to an argparse subparsers object; handler in ``func``."""
-    ap = subparsers.add_parser("step", help="one on-policy GRPO step: ours vs TRL GRPOTrainer (time, peak RSS)")
-    _add_arguments(ap)
-    ap.set_defaults(func=run_cli)
-    return ap
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ftis-fed bench step", description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    ap.add_argument("--config", help=argparse.SUPPRESS)
-    _add_arguments(ap)
-    a = ap.parse_args(argv)
-    if a.worker:
-        print(json.dumps(WORKERS[a.worker](json.loads(a.config))), flush=True)
-        return 0
-    return run_cli(a)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":                               # a worker (``spawn``): one JSON line
+    print(json.dumps(WORKERS[sys.argv[1]](json.loads(sys.argv[2]))), flush=True)

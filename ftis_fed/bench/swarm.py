@@ -1,6 +1,6 @@
 """The round engine at scale: N lightweight participants that sign and verify real frames, no model.
 
-    python -m ftis_fed.bench.swarm --participants 256 1024 --rounds 4 --peers-per-round 4 --fraction-train 1.0
+    ftis-fed bench swarm --participants 256 1024 --rounds 4 --peers-per-round 4 --fraction-train 1.0
 
 Each :class:`LightParticipant` is the engine's counterpart of a real one without a policy: it answers
 hello with a real proof of possession, generates a valid batch (random token ids, log-probs and
@@ -15,13 +15,12 @@ is the process CPU time of the round minus the CPU time the participants' ``hand
 (thread CPU clocks): what the engine and the transport cost (``plot_cpu_s``: the part of it that
 redraws the PNGs). RSS is the whole process's (server and participants). One JSON line per N, then
 the slope (least squares over the Ns: server CPU seconds, RSS and relayed bytes per participant);
-``--results`` files from separate processes (one N each, so RSS is not carried over) are combined
-with ``--slope FILE ...``.
+files of those lines from separate processes (one N each, so RSS is not carried over) are combined
+with ``--slope FILE ...`` (``run_swarm``; the command line is ``bench/cli.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -30,8 +29,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import numpy as np
+import psutil
 
 from ftis_fed import participant_state
 from ftis_fed.config.federation import FederationConfig
@@ -153,8 +154,6 @@ def measure(n: int, rounds: int, peers: int, fraction: float, out: Path, plots: 
     """One run of ``n`` light participants. ``plot_every`` = 1: the plots drawn in this process after
     every round, their CPU measured (``plot_cpu_s``: what they cost where drawn in the round); any
     other value: as the run-config key, the engine's own background redraws (``plot_cpu_s`` 0)."""
-    import psutil
-
     parts, keys = light_federation(out, n)
     t_admit = {}
     fed = FederationConfig(num_rounds=rounds, min_participants=min(n, 2), wait_for_participants_s=60,
@@ -223,35 +222,20 @@ def slope(results: list[dict], key: str) -> float:
     return float(np.polyfit(x, y, 1)[0]) if len(x) > 1 else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--participants", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--peers-per-round", type=int, default=4)
-    ap.add_argument("--fraction-train", type=float, default=1.0)
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--plot-every", type=int, default=1, help="as the run-config key (1: plots every round)")
-    ap.add_argument("--out", default="", help="folder for the runs ('' = a temporary one)")
-    ap.add_argument("--slope", nargs="+", default=[], help="only combine these files of JSON lines into the slope")
-    a = ap.parse_args(argv)
-    results = []
-    if a.slope:
-        results = [json.loads(line) for f in a.slope for line in Path(f).read_text().splitlines()
-                   if line.startswith('{"participants"')]
-        a.participants = []
+def run_swarm(participants: list[int], rounds: int, peers: int, fraction: float, plots: bool = True,
+              plot_every: int = 1, out: str = "", slope_files: Sequence[str] = ()) -> Iterator[dict]:
+    """``measure`` at each N of ``participants`` (in ``out``, '' = a temporary folder), or only the
+    lines read from ``slope_files``; yields the lines to print as they come: one per N, then the
+    slope per participant when there are two Ns or more."""
+    results = [json.loads(line) for f in slope_files for line in Path(f).read_text().splitlines()
+               if line.startswith('{"participants"')]
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(a.out or tmp)
-        for n in a.participants:
-            r = measure(n, a.rounds, a.peers_per_round, a.fraction_train, base / f"n{n}", plots=not a.no_plots,
-                        plot_every=a.plot_every)
+        base = Path(out or tmp)
+        for n in [] if slope_files else participants:
+            r = measure(n, rounds, peers, fraction, base / f"n{n}", plots=plots, plot_every=plot_every)
             results.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "per_round"}), flush=True)
+            yield {k: v for k, v in r.items() if k != "per_round"}
     if len(results) > 1:
-        print(json.dumps({"slope_per_participant": {
+        yield {"slope_per_participant": {
             k: slope(results, k) for k in ("server_cpu_s_per_round", "plot_cpu_s_per_round", "rss_mb_end", "bytes_relayed_per_round",
-                                           "server_state_bytes")}, "load": os.getloadavg()}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":                               # pragma: no cover
-    raise SystemExit(main())
+                                           "server_state_bytes")}, "load": os.getloadavg()}

@@ -16,30 +16,37 @@ encode+sign+verify+decode throughput.
 
 The rollout source is one small function (``SOURCES``): ``policy`` uses the project's policy API
 (``build_policy(PolicyConfig(model=...)).generate``), ``transformers`` plain ``generate`` with
-``output_scores`` (the same sampling-distribution log-probs), ``synthetic`` random data.
+``output_scores`` (the same sampling-distribution log-probs), ``synthetic`` random data. The command
+line is ``bench/cli.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import numpy as np
+import torch
+import zstandard as zstd
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ftis_fed.wire.batch import CompletionBatch, SamplingParams, prompt_ids_digest
-from ftis_fed.tasks.rewards import RewardRule, Verifier
+from ftis_fed.flower_io import frames_to_record, record_nbytes
 from ftis_fed.learn.rollouts import scored_groups
+from ftis_fed.policies import PolicyConfig, build_policy
+from ftis_fed.policies.base import Rollout, tokenizer_fingerprint
+from ftis_fed.policies.models import resolve_model
+from ftis_fed.tasks.prompt import Prompt
+from ftis_fed.tasks.rewards import RewardRule, Verifier
+from ftis_fed.tasks.suite import TaskSpec
 from ftis_fed.trust.signing import KeyDirectory, sign_batch, sign_body, verify_frame
-from ftis_fed.wire.codec import PAPER_OPTIONS, WireOptions, decode_payload, encode_body, parse_header, send_options
-
-if TYPE_CHECKING:                       # policies import torch: only the model sources need it
-    from ftis_fed.policies.base import Prompt, Rollout
+from ftis_fed.wire.batch import CompletionBatch, SamplingParams, prompt_ids_digest
+from ftis_fed.wire.codec import (PAPER_OPTIONS, WireOptions, _planes, _uvarints, decode_payload, encode_body,
+                                 parse_header, quantize_logprobs, send_options)
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,6 @@ class RolloutSet:
 
 def arithmetic_prompts(n: int, seed: int = 0) -> list[Prompt]:
     """n simple addition questions (reference = the sum)."""
-    from ftis_fed.policies.base import Prompt
-
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -68,8 +73,6 @@ def arithmetic_prompts(n: int, seed: int = 0) -> list[Prompt]:
 def task_prompts(n: int, seed: int = 0) -> list[Prompt]:
     """n prompts of the default run's task suite (round 1 of participant 0 of 3, as ``ftis-fed sim``
     generates them: the chat template and questions a participant really sends)."""
-    from ftis_fed.tasks.suite import TaskSpec
-
     return TaskSpec(prompts_per_round=n).prompts_for_round(0, 3, 1)[:n]
 
 
@@ -79,8 +82,6 @@ PROMPT_SETS = {"arithmetic": arithmetic_prompts, "task": task_prompts}
 def policy_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
                     model: str = "smollm2") -> RolloutSet:
     """Rollouts from the project's policy API (the path a participant takes)."""
-    from ftis_fed.policies import PolicyConfig, build_policy
-
     policy = build_policy(PolicyConfig(model=model, seed=seed))
     rolls = policy.generate(prompts, group_size, sampling, seed)
     return RolloutSet(rolls, sampling, policy.model_id, policy.tokenizer_fp, policy.vocab_size)
@@ -89,12 +90,6 @@ def policy_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: in
 def transformers_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
                           model: str = "smollm2") -> RolloutSet:
     """Rollouts from plain transformers ``generate``: log_softmax of the processed scores."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ftis_fed.policies.base import Rollout, tokenizer_fingerprint
-    from ftis_fed.policies.models import resolve_model
-
     path = resolve_model(model)
     tok = AutoTokenizer.from_pretrained(path)
     lm = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -129,8 +124,6 @@ def transformers_rollouts(prompts, group_size: int, sampling: SamplingParams, se
 def synthetic_rollouts(prompts, group_size: int, sampling: SamplingParams, seed: int,
                        vocab_size: int = 49152) -> RolloutSet:
     """Random rollouts (Zipf-like ids, exponential -log-probs): no model, for smoke tests only."""
-    from ftis_fed.policies.base import Rollout
-
     rng = np.random.default_rng(seed)
     rolls = []
     for p in prompts:
@@ -149,8 +142,6 @@ ROLLOUTS_FORMAT = "ftis-fed/bench-wire-rollouts/v1"
 
 def save_rollouts(rs: RolloutSet, path) -> None:
     """Write a RolloutSet as JSON (ids as lists, log-probs as exact float32 values) to reuse it."""
-    from pathlib import Path
-
     s = rs.sampling
     data = {"format": ROLLOUTS_FORMAT, "model_id": rs.model_id, "tokenizer_fp": rs.tokenizer_fp,
             "vocab_size": rs.vocab_size,
@@ -166,11 +157,6 @@ def save_rollouts(rs: RolloutSet, path) -> None:
 
 def load_rollouts(path) -> RolloutSet:
     """Read a RolloutSet written by :func:`save_rollouts` (float32 log-probs come back bit-exact)."""
-    from pathlib import Path
-
-    from ftis_fed.policies.base import Rollout
-    from ftis_fed.tasks.prompt import Prompt
-
     data = json.loads(Path(path).read_text())
     if data.get("format") != ROLLOUTS_FORMAT:
         raise ValueError(f"{path}: format must be {ROLLOUTS_FORMAT!r}")
@@ -209,10 +195,6 @@ def ids_equal(a: CompletionBatch, b: CompletionBatch) -> bool:
 
 def section_breakdown(batch: CompletionBatch, level: int = 19) -> dict:
     """Bytes per completion token of each part, zstd-compressed on its own (what pays where)."""
-    import zstandard as zstd
-
-    from ftis_fed.wire.codec import _planes, _uvarints, quantize_logprobs
-
     z = zstd.ZstdCompressor(level=level)
     gs = batch.groups
     N = batch.num_completion_tokens
@@ -261,8 +243,6 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
     ``fixed_bytes`` = header + signature, the part that does not grow with tokens.
     ``rollouts_file``: reuse the rollouts saved there (``generate_s`` is then 0), or generate and
     save them there when the file does not exist yet."""
-    from pathlib import Path
-
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     prompts = PROMPT_SETS[prompt_set](n_prompts, seed)
     kwargs = {} if source == "synthetic" else {"model": model}
@@ -289,8 +269,6 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
     names = list(sizes)
     frame_v1_texts = sign_batch(batch, key, WireOptions(texts=True, version=1))
     decoded = decode_payload(*verify_frame(frame, {batch.sender: key.public_key()})).validate()
-    from ftis_fed.flower_io import frames_to_record, record_nbytes
-
     result = {
         "bench": "wire", "source": source, "model": rs.model_id, "prompt_set": prompt_set, "prompts": len(prompts),
         "group_size": group_size, "max_new_tokens": max_new_tokens, "temperature": temperature,
@@ -315,44 +293,3 @@ def run_bench_wire(source: str = "policy", n_prompts: int = 8, group_size: int =
     result["breakdown_bytes_per_token"] = section_breakdown(batch)
     result.update(time_round_trip(batch, ours, repeats))
     return result
-
-
-def _add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--source", choices=sorted(SOURCES), default="policy",
-                    help="rollouts from the policy API (default), plain transformers, or synthetic")
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompt-set", choices=sorted(PROMPT_SETS), default="arithmetic",
-                    help="bench arithmetic questions (default) or the default run's task prompts")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=20, help="timed encode/sign/verify/decode round trips")
-    ap.add_argument("--rollouts-file", default=None,
-                    help="JSON file of rollouts: reused when it exists, else written after generating")
-
-
-def run_cli(a: argparse.Namespace) -> int:
-    """Handler: print the bench's one JSON line."""
-    print(json.dumps(run_bench_wire(a.source, a.prompts, a.group_size, a.max_new_tokens, a.temperature,
-                                    a.seed, a.repeats, a.model, a.prompt_set, a.rollouts_file)))
-    return 0
-
-
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Add ``wire`` (e.g. under ``ftis-fed bench``) to an argparse subparsers object; handler in ``func``."""
-    ap = subparsers.add_parser("wire", help="bytes per token and throughput of signed completion batches")
-    _add_arguments(ap)
-    ap.set_defaults(func=run_cli)
-    return ap
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ftis-fed bench wire", description=__doc__.split("\n")[0])
-    _add_arguments(ap)
-    return run_cli(ap.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

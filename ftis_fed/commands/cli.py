@@ -5,21 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ftis_fed.bench import cli as bench_cli
+
 
 def _bench(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (one JSON line each)")
-    b = p.add_subparsers(dest="bench", required=True)
-    lp = b.add_parser("loss", help="F-TIS vs plain GRPO: loss + backward time ratio")
-    lp.add_argument("--model", default="smollm2")
-    lp.add_argument("--rows", type=int, default=16)
-    lp.add_argument("--completion-len", type=int, default=64)
-    lp.add_argument("--repeats", type=int, default=5)
-    lp.set_defaults(func=lambda a: __import__("ftis_fed.bench.loss", fromlist=["main"]).main(a))
-    from ftis_fed.bench import micro, step, wire
-
-    step.add_cli(b)
-    wire.add_cli(b)
-    micro.add_cli(b)
+    bench_cli.add_cli(p.add_subparsers(dest="bench", required=True))     # their command lines: bench/cli.py
 
 
 def _eval(sub) -> None:

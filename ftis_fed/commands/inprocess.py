@@ -1,7 +1,7 @@
 """``ftis-fed sim --transport inprocess``: the same run as ``flwr run``, without Flower.
 
 The same run config (``pyproject.toml`` < preset < ``--run-config``, checked whole by
-``sim.checked_run_config``), the same ``Engine`` and the same ``Participant`` code, driven through
+``validate_run_config``, parsed once for the engine and every participant), the same ``Engine`` and the same ``Participant`` code, driven through
 ``engine.inprocess.InProcessTransport`` in this process: no SuperLink, no Ray, no worker processes,
 no per-round Flower messaging. It exists for the research tier (many short rounds of small models),
 where Flower's start-up (~65 s a cell) and per-message overhead dominate.
@@ -30,12 +30,12 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
-from ftis_fed.config.federation import (absolute_paths, federation_from_run_config, participant_names,
-                                        participant_spec, validate_run_config)
+from ftis_fed.config.participants import absolute_paths, participant_names, participant_spec
+from ftis_fed.config.validation import validate_run_config
 from ftis_fed.engine.core import Engine
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.participant import Participant
@@ -82,11 +82,12 @@ def simulation_keys(out: Path, names: list[str]) -> Path:
     return path
 
 
-def run_inprocess(run_config: dict[str, Any], run_key: str = "inprocess") -> int:
-    """Run the federation of ``run_config`` (the merged, checked run config) in this process.
-    Returns the last completed round."""
+def run_inprocess(run_config: dict[str, Any], run_key: str = "inprocess", explicit: Collection[str] = ()) -> int:
+    """Run the federation of ``run_config`` (the merged run config; ``explicit``: the keys the user
+    set, ``validate_run_config``) in this process, parsed once: the engine and every participant
+    share the one ``FederationConfig``. Returns the last completed round."""
     rc, _ = absolute_paths(run_config, {})
-    fed = validate_run_config(rc)
+    fed = validate_run_config(rc, explicit=explicit)
     if fed.keys_dir:
         raise ValueError(f"keys-dir={fed.keys_dir!r}: the in-process transport runs a simulation "
                          "(keys-dir = '', keys generated in output-dir/keys)")
@@ -102,8 +103,7 @@ def run_inprocess(run_config: dict[str, Any], run_key: str = "inprocess") -> int
         node = {"partition-id": pid, "num-partitions": n}
 
         def make(node=node):
-            f = federation_from_run_config(rc)
-            return Participant(participant_spec(rc, node, f), f, run_key=run_key)
+            return Participant(participant_spec(rc, node, fed), fed, run_key=run_key)
 
         parts[pid + 1] = OwnProcessState(make, lock, n)
     return Engine(fed, load_key_directory(keys / "public"), out, InProcessTransport(parts), declared=names,

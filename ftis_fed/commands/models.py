@@ -115,7 +115,7 @@ def add_cli(sub) -> None:
 
     def build(a) -> int:
         from ftis_fed.commands.sim import build_models
-        from ftis_fed.config.federation import models_to_build
+        from ftis_fed.config.validation import models_to_build
         from ftis_fed.config.models_check import offline_model_names
         from ftis_fed.policies.store import is_built
 

@@ -7,7 +7,7 @@ steps are functions a reader follows top to bottom, the cleanup in one ``finally
 What it does, so the same can be done by hand:
 
 1. The run config (``pyproject.toml`` < ``--preset`` < ``--run-config``) is checked whole before
-   anything starts (``ftis_fed.config.federation.validate_run_config``): a bad value, an unknown key or a model
+   anything starts (``ftis_fed.config.validation.validate_run_config``): a bad value, an unknown key or a model
    that cannot be resolved offline ends the command with one line and exit status 2.
    Then the device (``gpu_check_at_start``: ``requires-gpu``, ``cuda:N`` without a visible CUDA
    device) and the offline models the run needs (``build_first``: built and verified now, with
@@ -354,13 +354,11 @@ def run_status(connection: str, run_id: str, env: dict) -> dict:
     return json.loads(r.stdout)["runs"][0]
 
 
-def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int, Any]:
-    """``overrides`` with output-dir (and relative p<i>-model folders) made absolute against this
-    directory, the number of participants and the parsed run config (the launcher's one parse); the
-    whole run config validated first (ValueError, one line). Imports the config dataclasses, nothing
-    heavier; builds and loads no model."""
-    from ftis_fed.config.federation import MAX_PARTICIPANTS, absolute_paths, participant_names, validate_run_config
-    from ftis_fed.engine.schedules import get_schedule
+def launch_overrides(app: Path, overrides: dict) -> dict:
+    """``overrides`` with output-dir (and relative p<i>-model folders, your own task's files) made
+    absolute against this directory, for workers that run in another one. Parses nothing."""
+    from ftis_fed.config.federation import MAX_PARTICIPANTS
+    from ftis_fed.config.participants import absolute_paths
 
     overrides = dict(overrides)                                  # what the user set (preset, --run-config)
     cfg = merged_run_config(app, overrides)
@@ -372,6 +370,18 @@ def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int, Any]:
             overrides[f"p{i}-model"] = str(folder.resolve())    # the workers run in another directory
     overrides.update(absolute_paths({k: cfg[k] for k in ("task-data", "task-eval-data", "task-rewards")
                                      if cfg.get(k)}, {})[0])    # your own task's files, likewise
+    return overrides
+
+
+def checked_run_config(app: Path, overrides: dict) -> tuple[dict, int, Any]:
+    """``launch_overrides``, the number of participants and the parsed run config (the launcher's one
+    parse); the whole run config validated first (ValueError, one line). Imports the config
+    dataclasses, nothing heavier; builds and loads no model."""
+    from ftis_fed.config.participants import participant_names
+    from ftis_fed.config.validation import validate_run_config
+    from ftis_fed.engine.schedules import get_schedule
+
+    overrides = launch_overrides(app, overrides)
     cfg = merged_run_config(app, overrides)
     fed = validate_run_config(cfg, explicit=overrides)
     get_schedule(fed.scheme)                                   # the engine's check of the scheme name, before starting
@@ -445,7 +455,7 @@ def build_first(cfg: dict) -> None:
     starts (``build_models``: "building …" with the time every 15 s), so no
     participant builds one inside the hello wait (``wait-for-participants-s``). A failed build ends
     the launch (ValueError, one line naming the model)."""
-    from ftis_fed.config.federation import models_to_build
+    from ftis_fed.config.validation import models_to_build
 
     todo = models_to_build(cfg)
     if not todo:
@@ -485,8 +495,9 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
     env = launcher_env({**os.environ, "PATH": path, "FLWR_HOME": str(home),
                         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
                         "PYTHONUNBUFFERED": "1"})     # progress lines reach a redirected log as they come
-    gpu_check_at_start(merged_run_config(app, overrides), n, *launcher_cuda(env))
-    build_first(merged_run_config(app, overrides))
+    cfg = merged_run_config(app, overrides)                      # the merged items (the parse is ``fed``)
+    gpu_check_at_start(cfg, n, *launcher_cuda(env))
+    build_first(cfg)
     merged = merge_flower_config(app, home, connection)
     print(f"[ftis-fed] FLWR_HOME={home}: flower.toml's connections merged into {merged}", flush=True)
     token = env[LAUNCH_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
@@ -587,13 +598,13 @@ def simulate_inprocess(app: str | Path = ".", run_config: list[str] | None = Non
     if not logging.getLogger().handlers:            # the engine's round lines, as flwr run's log has them
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = Path(app).resolve()
-    overrides, _, _ = checked_run_config(app, layered_overrides(app, list(run_config or []), preset))
+    overrides = launch_overrides(app, layered_overrides(app, list(run_config or []), preset))
     cfg = merged_run_config(app, overrides)
     print(f"[ftis-fed] in-process run: results in {overrides['output-dir']}", flush=True)
     from ftis_fed.engine.core import RewardFunctionFailed
 
     try:
-        done = run_inprocess(cfg)
+        done = run_inprocess(cfg, explicit=overrides)              # validates and parses it, once
     except RewardFunctionFailed as e:               # task-reward-errors = stop: one whole line, exit 1
         print(f"ftis-fed sim: the run failed: {e}", file=sys.stderr, flush=True)
         return 1

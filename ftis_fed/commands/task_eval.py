@@ -16,7 +16,7 @@ def task_eval(policy: GreedyGenerator, run_config: Mapping, max_new_tokens: int 
     """Greedy pass@1 of ``policy`` on the held-out sets of the task ``run_config`` defines (any
     ``task-*`` keys, ``eval-size``, ``eval-ood-size``): for your own task its held-out rows, scored
     by its reward functions with its ``solved`` rule, exactly as a run's evaluation scores them."""
-    from ftis_fed.config.federation import federation_from_run_config
+    from ftis_fed.config.keys import federation_from_run_config
 
     fed = federation_from_run_config(dict(run_config))
     fed.check_data()

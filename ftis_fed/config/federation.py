@@ -1,61 +1,52 @@
-"""Every knob of a run, built from the Flower run config (and a SuperNode's node config) in one place.
+"""Every knob of a run, declared in one place: the run's dataclasses and their checks.
 
-Why ~740 lines: it holds the run's dataclass key declarations (each key declared once, where other
-engineers add theirs) and their whole-run checks; the docs generator (``reference.py``), the model
-check (``models_check.py``) and GPU shares (``gpu_shares.py``) are their own modules.
+Why ~400 lines: ``FederationConfig`` holds the run's key declarations (each key declared once, with
+its help text, where other engineers add theirs) and their checks; everything else the run config
+needs is its own module.
 
 Each run-config key is declared once, as a dataclass field made with ``ftis_fed.knobs.knob`` (key,
 default, help): ``FederationConfig`` below, ``ObjectiveConfig``, ``TaskSpec``, ``ReverifyConfig``,
-``PolicyConfig`` and ``ParticipantSpec``. The key tables here, the error names, the reference in
-``docs/configuration.md`` (``python -m ftis_fed.config.reference``) and the check of ``pyproject.toml``'s
-``[tool.flwr.app.config]`` (``tests/test_config.py``: same keys, same defaults) derive from those
-declarations. This module declares and checks; the docs generator is ``config/reference.py``, the
-check that models resolve offline (HF cache probing) ``config/models_check.py``, a participant's GPU
-memory share ``config/gpu_shares.py``. Constructing a config does no I/O; ``validate_run_config`` checks a whole run config,
-the data it reads included (``FederationConfig.check_data``), before anything starts. Participants:
+``PolicyConfig``, ``ParticipantSpec`` and each receiver check's knobs (``FederationConfig.checks``,
+``ftis_fed/receive/``). This module declares and checks (as TRL's ``GRPOConfig`` does); around it:
 
-- simulation: participant ``i`` (Flower partition id ``i``) reads ``p<i>-<key>`` (e.g. ``p2-quant``)
-  and falls back to the run-wide ``<key>``;
-- deployment: a SuperNode's ``--node-config`` gives ``participant``, ``model``, ``adapter``, ...,
-  ``keys-dir`` and ``state-dir`` for its own participant (unprefixed), falling back to the run config.
+- ``keys.py``: the key tables derived from the declarations, the value coercion and the parse
+  (``federation_from_run_config``);
+- ``participants.py``: participant resolution (``participant_names``, ``participant_spec``: ``p<i>-*``
+  keys, a ``population``, a SuperNode's node config);
+- ``validation.py``: the whole-run check before a run starts (``validate_run_config``, the data it
+  reads included, ``FederationConfig.check_data``), the models to build, the check of ``pyproject.toml``;
+- ``reference.py`` the docs generator (docs/configuration.md), ``models_check.py`` the check that
+  models resolve offline (HF cache probing), ``gpu_shares.py`` a participant's GPU memory share,
+  ``population.py`` the population table.
 
-At most ``MAX_PARTICIPANTS`` simulated participants in that numbered form (``p0`` ... ``p7``: each is
-declared in ``pyproject.toml``, since Flower rejects run-config keys the app does not declare); a
-``population`` (``ftis_fed.config.population``: one table of participants or groups, a file in the
-app bundle) has no cap and is read the same way in simulation and by a deployment node.
+Constructing a config does no I/O and imports no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Mapping
 
-from ftis_fed.wire.batch import SamplingParams
-from ftis_fed.config import population
-from ftis_fed.config.models_check import check_model
-from ftis_fed.knobs import Knob, knob, knobs
-from ftis_fed.config.trl_names import trl_hint
+from ftis_fed.knobs import knob, knobs, need as knob_need
 from ftis_fed.learn.modes import MODES
 from ftis_fed.learn.objective_config import ObjectiveConfig
 from ftis_fed.metrics.sinks import parse_report_to
 from ftis_fed.policies.config import PolicyConfig
-from ftis_fed.trust.attacks import parse_kinds
-from ftis_fed.trust.reverify import ReverifyConfig
-from ftis_fed.trust.signing import check_participant
-from ftis_fed.learn.source_weights import SourceAdaptConfig
+from ftis_fed.receive.checks import checked_knobs, default_check_knobs
 from ftis_fed.tasks.benchmarks import eval_pool
-from ftis_fed.tasks.reward_funcs import absolute_spec, parse_specs
 from ftis_fed.tasks.suite import TaskSpec, eval_sets
 from ftis_fed.tasks.symbolic import require_math_verify
+from ftis_fed.trust.attacks import parse_kinds
+from ftis_fed.trust.reverify import ReverifyConfig
+from ftis_fed.wire.batch import SamplingParams
 
 
 @dataclass(frozen=True)
 class FederationConfig:
     """The schedule and the shared settings of a run: every field a run-config key (``knob``), plus
-    the objective's, the task suite's and the re-verification's keys in their own dataclasses."""
+    the objective's, the task suite's and the re-verification's keys in their own dataclasses, and
+    each receiver check's in its own (``checks``)."""
 
     num_rounds: int = knob("num-rounds", 3, "rounds to run, >= 1.")
     scheme: str = knob("scheme", "sync", """
@@ -227,13 +218,16 @@ class FederationConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     task: TaskSpec = field(default_factory=TaskSpec)
     reverify: ReverifyConfig = field(default_factory=ReverifyConfig)
-    source_adapt: SourceAdaptConfig = field(default_factory=SourceAdaptConfig)
+    #: alias -> the knobs of each registered receiver check that has knobs (``receive/checks.py``:
+    #: its ``knobs`` dataclass, e.g. ``checks["phrase"].ratio`` = ``peer-phrase-ratio``); the checks
+    #: not given take their defaults
+    checks: Mapping[str, Any] = field(default_factory=default_check_knobs)
 
     def __post_init__(self) -> None:
         def need(ok: bool, f: str, limit: str) -> None:
-            if not ok:
-                raise ValueError(f"{_key_of(f)}={getattr(self, f)!r}: {limit}")
+            knob_need(self, ok, f, limit)                 # ValueError naming the key: num-rounds=0: ...
 
+        object.__setattr__(self, "checks", checked_knobs(self.checks))
         need(self.num_rounds >= 1, "num_rounds", "must be >= 1")
         need(isinstance(self.log_completions, int) and not isinstance(self.log_completions, bool)
              and self.log_completions >= 0, "log_completions", "must be an integer >= 0 (0 = off)")
@@ -407,389 +401,26 @@ class ParticipantSpec:
             parse_kinds(self.byzantine)
 
 
-# ----------------------------------------------------------------------------- key tables (derived)
+# ----------------------------------------------------------------------------- the participant's key tables (derived)
 
 #: participants a simulation can declare: p0 ... p{MAX_PARTICIPANTS - 1}, each declared in pyproject.toml
 MAX_PARTICIPANTS = 8
 
-#: run-config key -> (section, field). section '' = FederationConfig itself.
-KEYS: dict[str, tuple[str, str]] = {k.key: (k.section, k.field) for k in knobs(FederationConfig)}
+
 #: participant key -> PolicyConfig field.
 POLICY_KEYS: dict[str, str] = {k.key: k.field for k in knobs(PolicyConfig)}
+
+
 #: every key a participant resolves (from p<i>-<key>, its node config or the run-wide value).
 PARTICIPANT_KEYS: tuple[str, ...] = (*(k.key for k in knobs(ParticipantSpec)), *POLICY_KEYS)
+
+
 #: keys declared per simulated participant as p<i>-<key>.
 PER_PARTICIPANT_KEYS: tuple[str, ...] = tuple(k.key for k in (*knobs(ParticipantSpec), *knobs(PolicyConfig))
                                               if k.per_participant)
 
 
-def run_knobs() -> dict[str, Knob]:
-    """Every run-wide key (declared unprefixed in ``[tool.flwr.app.config]``) -> its declaration."""
-    out: dict[str, Knob] = {}
-    for k in (*knobs(FederationConfig), *knobs(PolicyConfig), *knobs(ParticipantSpec)):
-        if k.run:
-            if k.key in out:
-                raise RuntimeError(f"run-config key {k.key!r} is declared twice: {out[k.key].cls.__name__}."
-                                   f"{out[k.key].field} and {k.cls.__name__}.{k.field}")
-            out[k.key] = k
-    return out
-
-
-RUN_KNOBS = run_knobs()
-
-
-def inherit_value(key: str) -> Any:
-    """The ``p<i>-<key>`` value that means "the run-wide value": '' for strings, -1 for numbers."""
-    like = RUN_KNOBS[key].default if key in RUN_KNOBS else ""
-    if isinstance(like, bool) or not isinstance(like, (int, float)):
-        return ""
-    return -1.0 if isinstance(like, float) else -1
-
-
-def toml_default(k: Knob) -> Any:
-    """A declaration's default as written in ``[tool.flwr.app.config]`` (lists: comma-separated, ''
-    = the declared default)."""
-    return "" if isinstance(k.default, tuple) else k.default
-
-
-def declared_keys() -> set[str]:
-    """Every key ``[tool.flwr.app.config]`` must declare (and may: Flower rejects any other)."""
-    return set(RUN_KNOBS) | {f"p{i}-{k}" for i in range(MAX_PARTICIPANTS) for k in PER_PARTICIPANT_KEYS}
-
-
-def pyproject_disagreements(app_config: Mapping[str, Any]) -> list[str]:
-    """Every way ``[tool.flwr.app.config]`` (``app_config``) differs from the declarations: a key
-    missing, a key not declared, a default or a TOML type that differs, a participant slot beyond the
-    default federation that does not mean "the run-wide value". Empty when they agree."""
-    out = []
-    for key, k in RUN_KNOBS.items():
-        want = toml_default(k)
-        if key not in app_config:
-            out.append(f"{key}: declared by {k.cls.__name__}.{k.field} (default {want!r}) but missing")
-        elif type(app_config[key]) is not type(want) or app_config[key] != want:
-            out.append(f"{key}: {app_config[key]!r} in pyproject.toml, {want!r} declared by {k.cls.__name__}.{k.field}")
-    n = len(participant_names(app_config))
-    for i in range(MAX_PARTICIPANTS):
-        for key in PER_PARTICIPANT_KEYS:
-            pk, want = f"p{i}-{key}", inherit_value(key)
-            if pk not in app_config:
-                out.append(f"{pk}: missing (p0 ... p{MAX_PARTICIPANTS - 1} are each declared)")
-            elif type(app_config[pk]) is not type(want):
-                out.append(f"{pk}: {app_config[pk]!r} is not a {type(want).__name__} like {want!r}")
-            elif i >= n and app_config[pk] != want:
-                out.append(f"{pk}: {app_config[pk]!r} after the last participant; must be {want!r}")
-    out += [f"{key}: in pyproject.toml but not declared" for key in app_config if key not in declared_keys()]
-    return out
-
-
-def _key_of(field_name: str) -> str:
-    for k, (sec, f) in KEYS.items():
-        if f == field_name and sec == "":
-            return k
-    return field_name
-
-
-def _coerce(value: Any, like: Any, key: str) -> Any:
-    """A run-config value (bool/int/float/str) converted to the type of the field's default."""
-    if isinstance(like, bool):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ValueError(f"{key}={value!r}: must be true or false")
-    if isinstance(like, int):
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError(f"{key}={value!r}: must be an integer")
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key}={value!r}: must be an integer") from None
-    if isinstance(like, float):
-        if isinstance(value, bool):
-            raise ValueError(f"{key}={value!r}: must be a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key}={value!r}: must be a number (inf allowed)") from None
-    if isinstance(like, tuple):
-        items = value if isinstance(value, (list, tuple)) else [s.strip() for s in str(value).split(",")]
-        return tuple(s for s in items if s)
-    return str(value)
-
-
-def federation_from_run_config(run_config: Mapping[str, Any]) -> FederationConfig:
-    """FederationConfig from a Flower run config; unknown keys are ignored here (participant keys,
-    Flower's own), bad values raise ValueError naming the key and the limit."""
-    sections: dict[str, dict[str, Any]] = {"": {}, "objective": {}, "task": {}, "reverify": {}, "source_adapt": {}}
-    defaults = {"": FederationConfig(), "objective": ObjectiveConfig(), "task": TaskSpec(),
-                "reverify": ReverifyConfig(), "source_adapt": SourceAdaptConfig()}
-    for key, value in run_config.items():
-        if key in KEYS:
-            sec, f = KEYS[key]
-            like = getattr(defaults[sec], f)
-            if isinstance(like, tuple) and not str(value).strip():
-                continue                                    # "" = the default list
-            sections[sec][f] = _coerce(value, like, key)
-    max_new = sections[""].get("max_new_tokens", FederationConfig.max_new_tokens)
-    sections["objective"].setdefault("norm_constant", max_new)
-    try:
-        objective = ObjectiveConfig(**sections["objective"])
-        task = TaskSpec(**sections["task"])
-        reverify = ReverifyConfig(**sections["reverify"])
-        source_adapt = SourceAdaptConfig(**sections["source_adapt"])
-    except ValueError as e:
-        raise ValueError(_rename_fields(str(e))) from None
-    return FederationConfig(**sections[""], objective=objective, task=task, reverify=reverify,
-                            source_adapt=source_adapt)
-
-
-def _rename_fields(msg: str) -> str:
-    """'objective.trunc_c=...' -> 'trunc-c=...' so errors name the run-config key."""
-    for key, (sec, f) in KEYS.items():
-        if sec:
-            msg = msg.replace(f"{sec}.{f}=", f"{key}=")
-    return msg
-
-
-def _first_set(*values: Any) -> Any:
-    """The first value that is set: not None, not '' and not -1 ("inherit the run-wide value")."""
-    for v in values[:-1]:
-        if v is not None and v != "" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v == -1):
-            return v
-    return values[-1]
-
-
-#: keys a population entry may set: every participant key but its id (``name``) and the node's folders
-POPULATION_KEYS: tuple[str, ...] = tuple(k for k in PARTICIPANT_KEYS if k not in ("participant", "keys-dir", "state-dir"))
-
-
-def population_members(run_config: Mapping[str, Any]) -> list[population.Member]:
-    """The run config's ``population`` (``ftis_fed.config.population``), [] when it has none."""
-    return population.members(str(run_config.get("population", "") or ""), POPULATION_KEYS)
-
-
-def participant_names(run_config: Mapping[str, Any]) -> list[str]:
-    """Simulation participants in partition order: the population's, else p0, p1, ... while
-    ``p<i>-model`` is set."""
-    members = population_members(run_config)
-    if members:
-        return [m.name for m in members]
-    names = []
-    for i in range(MAX_PARTICIPANTS):
-        if not str(run_config.get(f"p{i}-model", "")).strip():
-            break
-        names.append(str(run_config.get(f"p{i}-participant", "") or f"p{i}"))
-    return names
-
-
-def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, Any],
-                     fed: FederationConfig) -> ParticipantSpec:
-    """This node's participant: from ``p<partition-id>-*`` run-config keys (simulation), or from
-    the node config's unprefixed keys (deployment, ``--node-config "participant=... model=..."``).
-    Bad values raise ValueError naming the key as it was set (``p2-lr=...`` or ``lr=...``)."""
-    deployment = "participant" in node_config
-    members = population_members(run_config)
-    member: population.Member | None = None
-    if deployment:
-        found = population.find(members, str(node_config["participant"]))   # its row, if the population has it
-        member = found[1] if found else None
-        # every node must reach the same num-partitions (it sets the prompt partition and, with
-        # horizontal groups, the share ceil(G/N) receivers accept): the population's size, else
-        # min-participants, never a value derived from the node's own partition-id
-        pid = int(node_config.get("partition-id", found[0] if found else 0))
-        n = int(node_config.get("num-partitions", len(members) if found else fed.min_participants))
-        if not 0 <= pid < n:
-            raise ValueError(f"partition-id={pid}: must be in [0, num-partitions={n}) (num-partitions "
-                             f"{'as set' if 'num-partitions' in node_config else f'defaults to min-participants={n}'}"
-                             "; set the same num-partitions in every node config)")
-
-        def get(k: str, default: Any) -> Any:
-            own = member.values.get(k) if member is not None else None
-            return _first_set(node_config.get(k), own, run_config.get(k), default)
-
-        def named(k: str) -> str:
-            if member is not None and _first_set(node_config.get(k), None) is None and k in member.values:
-                return member.key_name(k)
-            return k
-    else:
-        if "partition-id" not in node_config:
-            raise ValueError("node config has neither 'participant' (deployment) nor 'partition-id' (simulation)")
-        pid, n = int(node_config["partition-id"]), int(node_config["num-partitions"])
-        if members:
-            if pid >= len(members):
-                raise ValueError(f"partition-id={pid}: the population declares {len(members)} participants; "
-                                 f"set num-supernodes={len(members)}")
-            member = members[pid]
-
-            def get(k: str, default: Any) -> Any:
-                return _first_set(member.values.get(k), run_config.get(k), default)
-
-            def named(k: str) -> str:
-                return member.key_name(k) if _first_set(member.values.get(k), None) is not None else k
-        else:
-            names = participant_names(run_config)
-            if pid >= len(names):
-                raise ValueError(f"partition-id={pid}: the run config defines {len(names)} participants "
-                                 f"(p0-model ... p{len(names) - 1}-model); set num-supernodes={len(names)}")
-
-            def get(k: str, default: Any) -> Any:
-                return _first_set(run_config.get(f"p{pid}-{k}"), run_config.get(k), default)
-
-            def named(k: str) -> str:
-                return f"p{pid}-{k}" if _first_set(run_config.get(f"p{pid}-{k}"), None) is not None else k
-    base = PolicyConfig()
-    kwargs = {}
-    for key, f in POLICY_KEYS.items():
-        v = get(key, None)
-        if v is not None:
-            kwargs[f] = _coerce(v, getattr(base, f), named(key))
-    try:
-        policy = PolicyConfig(**kwargs)
-    except ValueError as e:
-        msg = str(e)
-        for key, f in POLICY_KEYS.items():
-            msg = msg.replace(f"policy.{f}=", f"{named(key)}=")
-        raise ValueError(msg) from None
-    name = member.name if member is not None and not deployment else str(get("participant", "") or f"p{pid}")
-    out = Path(fed.output_dir).resolve()
-    keys_dir = str(Path(get("keys-dir", "") or fed.keys_dir or out / "keys").resolve())
-    state_dir = str(Path(get("state-dir", "") or out / "participants" / name).resolve())
-    return ParticipantSpec(name=name, policy=policy, partition_id=pid, num_partitions=n,
-                           keys_dir=keys_dir, state_dir=state_dir,
-                           byzantine=str(get("byzantine", "")),
-                           local_budget=_coerce(get("local-budget", fed.local_budget), 0, named("local-budget")),
-                           peer_budget=_coerce(get("peer-budget", fed.peer_budget), 0, named("peer-budget")))
-
-
-# ----------------------------------------------------------------------------- validation before a run
-
-def models_to_build(run_config: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Simulation: the registered offline models the run's participants use that are not in the
-    cache yet (built on first use, which can take minutes), each with the participants using it."""
-    from ftis_fed.config.models_check import offline_model_names
-    from ftis_fed.policies.store import is_built
-
-    names = set(offline_model_names())
-    fed = federation_from_run_config(run_config)
-    members = participant_names(run_config)
-    todo: dict[str, list[str]] = {}
-    for i, who in enumerate(members):
-        model = participant_spec(run_config, {"partition-id": i, "num-partitions": len(members)}, fed).policy.model
-        if model in names and not is_built(model):
-            todo.setdefault(model, []).append(who)
-    return todo
-
-
-def validate_run_config(run_config: Mapping[str, Any], *, check_models: bool | None = None,
-                        explicit: Collection[str] = ()) -> FederationConfig:
-    """The whole run configuration checked before anything starts (launcher and ServerApp): every key
-    declared, every value within its limits, every simulated participant's spec built and its model
-    resolvable offline, the data it reads loaded (``FederationConfig.check_data``). Raises ValueError with
-    one line naming the key, the value and the limit.
-
-    ``check_models``: None = only in simulation (``keys-dir`` = ''), where participants' models are
-    loaded on this machine; in deployment each SuperNode names its own model. ``explicit``: the keys
-    the user set (the launcher knows them): a ``p<i>-model`` among them after the end of the list is
-    an error (it would be ignored); one from pyproject's default federation after a preset's end is not."""
-    declared = declared_keys()
-    for key in run_config:
-        if key not in declared:
-            m = re.match(r"^p(\d+)-(.+)$", key)
-            if m and int(m.group(1)) >= MAX_PARTICIPANTS and m.group(2) in PER_PARTICIPANT_KEYS:
-                raise ValueError(f"{key}: at most {MAX_PARTICIPANTS} participants (p0 ... p{MAX_PARTICIPANTS - 1}; "
-                                 "MAX_PARTICIPANTS in ftis_fed/config/federation.py)")
-            raise ValueError(f"{key}: not a run-config key{trl_hint(key)} (see docs/configuration.md)")
-    fed = federation_from_run_config(run_config)
-    members = population_members(run_config)
-    if members:
-        return _validate_population(run_config, fed, members, check_models, explicit)
-    names = participant_names(run_config)
-    for i in range(len(names) + 1, MAX_PARTICIPANTS):
-        if f"p{i}-model" in explicit and str(run_config.get(f"p{i}-model", "")).strip():
-            raise ValueError(f"p{i}-model={run_config[f'p{i}-model']!r}: ignored, because p{len(names)}-model is '' "
-                             "(an empty p<i>-model ends the list of participants); number them without gaps")
-    simulation = not fed.keys_dir
-    if simulation and not names:
-        raise ValueError("p0-model='': no participants (set p0-model, p1-model, ...)")
-    if simulation and fed.min_participants > len(names):
-        raise ValueError(f"min-participants={fed.min_participants}: more than the {len(names)} participants "
-                         f"declared (p0-model ... p{len(names) - 1}-model)")
-    seen: dict[str, int] = {}
-    for i, name in enumerate(names):
-        try:
-            check_participant(name)
-        except ValueError:
-            raise ValueError(f"p{i}-participant={name!r}: must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}} "
-                             "(it names the key files)") from None
-        if name in seen:
-            raise ValueError(f"p{i}-participant={name!r}: the same name as p{seen[name]}; names must be distinct")
-        seen[name] = i
-        spec = _checked_spec(run_config, fed, i, len(names), name)
-        if check_models if check_models is not None else simulation:
-            check_model(spec.policy.model, f"p{i}-model", name)
-        longest = max(fed.max_new_tokens, fed.eval_max_new_tokens)
-        if 0 < spec.policy.max_model_len <= longest:
-            key = "max-model-len" if run_config.get(f"p{i}-max-model-len", -1) in (-1, "", None) else f"p{i}-max-model-len"
-            raise ValueError(f"{key}={spec.policy.max_model_len} (participant {name}): must be more than "
-                             f"max-new-tokens / eval-max-new-tokens ({longest}): the prompt and the completion must fit")
-    if simulation:
-        fed.completions_per_prompt(len(names))          # horizontal: each participant's share of G
-    fed.check_data()
-    return fed
-
-
-def _checked_spec(run_config: Mapping[str, Any], fed: FederationConfig, i: int, n: int, name: str,
-                  where: str = "") -> ParticipantSpec:
-    """Simulated participant ``i`` of ``n``; an error names the participant (after ``where``)."""
-    try:
-        return participant_spec(run_config, {"partition-id": i, "num-partitions": n}, fed)
-    except ValueError as e:
-        head, sep, tail = str(e).partition(": ")
-        raise ValueError(f"{where}{head} (participant {name}){sep}{tail}") from None
-
-
-def _validate_population(run_config: Mapping[str, Any], fed: FederationConfig, members: list[population.Member],
-                         check_models: bool | None, explicit: Collection[str]) -> FederationConfig:
-    """``validate_run_config`` for a run config with a ``population``: no ``p<i>-*`` key set beside it,
-    every member's spec built and (simulation) its model resolvable; errors name the entry and field."""
-    source = f"population {run_config['population']}" if not str(run_config["population"]).lstrip().startswith("{") \
-        else "population (inline JSON)"
-    for key in explicit:
-        m = re.match(r"^p(\d+)-(.+)$", key)
-        if m and m.group(2) in PER_PARTICIPANT_KEYS:
-            raise ValueError(f"{key}: the run config declares its participants in {source}; set their keys there "
-                             "(an entry's field or overrides), not as p<i>-* keys")
-    simulation = not fed.keys_dir
-    if simulation and fed.min_participants > len(members):
-        raise ValueError(f"min-participants={fed.min_participants}: more than the {len(members)} participants "
-                         f"of {source}")
-    for i, m in enumerate(members):
-        spec = _checked_spec(run_config, fed, i, len(members), m.name, f"{source}: ")
-        if check_models if check_models is not None else simulation:
-            try:
-                check_model(spec.policy.model, m.key_name("model"), m.name)
-            except ValueError as e:
-                raise ValueError(f"{source}: {e}") from None
-    if simulation:
-        fed.completions_per_prompt(len(members))
-    return fed
-
-
-def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> tuple[dict, dict]:
-    """Copies with output-dir / keys-dir / state-dir made absolute against this process's working
-    directory (the SuperLink's in simulation), so a participant process started elsewhere agrees."""
-    rc, nc = dict(run_config), dict(node_config)
-    for cfg in (rc, nc):
-        for k in list(cfg):
-            if (k in ("output-dir", "keys-dir", "state-dir", "gsm8k-data", "math500-data")
-                    or k.endswith(("-keys-dir", "-state-dir"))) and cfg[k]:
-                cfg[k] = str(Path(str(cfg[k])).resolve())
-            elif k in ("task-data", "task-eval-data") and cfg[k] and Path(str(cfg[k])).expanduser().exists():
-                cfg[k] = str(Path(str(cfg[k])).expanduser().resolve())      # a hub id stays as it is
-            elif k == "task-rewards" and cfg[k]:
-                cfg[k] = ",".join(absolute_spec(s) for s in parse_specs(str(cfg[k])))
-    return rc, nc
-
+# ----------------------------------------------------------------------------- JSON
 
 def spec_from_jsonable(data: Mapping[str, Any]) -> ParticipantSpec:
     """A resolved participant spec back from ``to_jsonable(spec)`` (the ClientApp hands it to the
@@ -801,6 +432,8 @@ def to_jsonable(obj: Any) -> Any:
     """Dataclasses -> plain dicts (the resolved config saved with every result)."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
         return list(obj)
     if isinstance(obj, float) and obj == float("inf"):

@@ -37,7 +37,7 @@ A ``model`` that is a local folder should be an absolute path (workers run in th
 folder). An entry's keys are any participant key (``participant_keys``: the per-participant keys and every
 policy key, e.g. ``lr``, ``micro-batch``), which win over the run-wide values. No cap on the
 number of participants but memory. Errors are one line naming the source, the entry (``participants[2]``)
-and the field. Nothing here imports the rest of the config (``federation.py`` passes the keys in).
+and the field. Nothing here imports the rest of the config (``participants.py`` passes the keys in).
 
 ``draw`` gives keys a list of values each participant of the entry takes one of: the value at
 SHA-256(participant name, key) mod the list's length (so the same name always draws the same value,

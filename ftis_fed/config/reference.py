@@ -4,12 +4,19 @@ checks that the file is current."""
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
 from typing import Any, Mapping
 
-from ftis_fed.config.federation import MAX_PARTICIPANTS, FederationConfig, ParticipantSpec, toml_default
+from ftis_fed.config.federation import MAX_PARTICIPANTS, ParticipantSpec
+from ftis_fed.config.keys import federation_knobs, toml_default
 from ftis_fed.config.trl_names import reference_section
 from ftis_fed.knobs import knobs
 from ftis_fed.policies.config import PolicyConfig
+from ftis_fed.receive.checks import check_knobs
+
+#: the project folder (the paths in the headings are relative to it)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _toml(value: Any) -> str:
@@ -27,8 +34,23 @@ def _cell(text: str) -> str:
 _SECTIONS = {"": "Schedule, generation, budgets, evaluation (`FederationConfig`, ftis_fed/config/federation.py)",
              "objective": "Objective (`ObjectiveConfig`, ftis_fed/learn/objective_config.py)",
              "task": "Tasks (`TaskSpec`, ftis_fed/tasks/suite.py)",
-             "reverify": "Re-verification of claimed rewards (`ReverifyConfig`, ftis_fed/trust/reverify.py)",
-             "source_adapt": "Per-source adaptation, beyond the paper (`SourceAdaptConfig`, ftis_fed/learn/source_weights.py)"}
+             "reverify": "Re-verification of claimed rewards (`ReverifyConfig`, ftis_fed/trust/reverify.py)"}
+
+
+def _source(cls: type) -> str:
+    """The file declaring ``cls``, relative to the project folder."""
+    path = Path(inspect.getfile(cls)).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+
+
+def sections() -> dict[str, str]:
+    """Section -> its heading: FederationConfig's own, then one per receiver check with knobs (the
+    first line of its knobs dataclass's docstring, the class and its file)."""
+    out = dict(_SECTIONS)
+    for alias, cls in check_knobs().items():
+        title = (cls.__doc__ or alias).strip().splitlines()[0].rstrip(".")
+        out[f"checks.{alias}"] = f"{title} (`{cls.__name__}`, {_source(cls)})"
+    return out
 
 
 def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
@@ -40,8 +62,8 @@ def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
              "is current and that `pyproject.toml` `[tool.flwr.app.config]` declares every key below with "
              "the same default. Override any key with `ftis-fed sim --run-config \"key=value ...\"` (or "
              "`flwr run . --run-config ...`); the whole configuration is checked before a run starts.", ""]
-    fed_knobs = list(knobs(FederationConfig))
-    for section, title in _SECTIONS.items():
+    fed_knobs = federation_knobs()
+    for section, title in sections().items():
         lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
         lines += [f"| `{k.key}` | `{_toml(toml_default(k))}` | {_cell(k.help)} |"
                   for k in fed_knobs if k.section == section and k.run]

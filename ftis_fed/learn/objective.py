@@ -206,13 +206,13 @@ def max_surprisal(logp: Tensor, mask: Tensor) -> Tensor:
         torch.zeros(logp.shape[0], dtype=logp.dtype)
 
 
-def surprising_rows(top: Tensor, local: Tensor, s_max: float) -> Tensor:
-    """(B,) True for a peer's row (not ``local``) with a token of surprisal above ``s_max`` nats under the
-    receiver's own policy (``peer-surprisal-max``; ``top``: each row's ``max_surprisal``); none when
-    ``s_max`` <= 0. Depends on each row only, and on nothing the sender claims."""
-    if s_max <= 0:
-        return torch.zeros_like(local, dtype=torch.bool)
-    return ~local.bool() & (top > s_max)
+def surprising_rows(top: Tensor, local: Tensor, limit: Tensor | float) -> Tensor:
+    """(B,) True for a peer's row (not ``local``) with a token of surprisal above its ``limit`` nats
+    under the receiver's own policy (``peer-surprisal-max``, per row as ``receive/surprisal.py`` set it,
+    or one number; ``top``: each row's ``max_surprisal``); none where the limit is <= 0 (off) or inf
+    (exempt). Depends on each row only, and on nothing the sender claims."""
+    limit = torch.as_tensor(limit, dtype=top.dtype, device=top.device)
+    return ~local.bool() & (limit > 0) & (top > limit)
 
 
 def filter_advantages(advantages: Tensor, dropped: Tensor) -> Tensor:
@@ -264,8 +264,9 @@ class LossInputs:
     implausible: (B,) rows whose sender claimed an implausible log-prob somewhere the loss cannot
         see it (a cross-tokenizer row's per-token claims in the sender's tokenizer); default none.
         ``ftis_loss`` adds the rows it can check itself (see ``sanitize_generator_logprobs``).
-    surprisal_exempt: (B,) peer rows ``peer-surprisal-max`` keeps although surprising: their surprising
-        tokens are needed for their reward (``learn/surprisal.py``); default none.
+    surprisal_limit: (B,) float, per row the surprisal in nats above which a token drops a peer's row
+        (``peer-surprisal-max``, set per sample by ``receive/surprisal.py``; inf: exempt, its
+        surprising tokens are needed for its reward); default none: the check is off.
     """
 
     logp: Tensor
@@ -279,7 +280,7 @@ class LossInputs:
     seq_level: Tensor | None = None
     seq_logp_gen: Tensor | None = None
     implausible: Tensor | None = None
-    surprisal_exempt: Tensor | None = None
+    surprisal_limit: Tensor | None = None
 
 
 @dataclass
@@ -321,10 +322,9 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)
     dropped = filter_mask(adv, kl_filter, cfg.filter_g) & rows if mode.filtered else torch.zeros_like(rows)
     top = max_surprisal(logp, mask)                                                # (B,) the receiver's own surprisal
-    surprising = surprising_rows(top, x.local, cfg.peer_surprisal_max) & rows      # (B,) the receiver's own check
-    if x.surprisal_exempt is not None:
-        surprising = surprising & ~x.surprisal_exempt.bool()
-    adv_f = filter_advantages(adv, dropped | surprising)
+    surprising = None if x.surprisal_limit is None else \
+        surprising_rows(top, x.local, x.surprisal_limit) & rows                    # (B,) the receiver's own check
+    adv_f = filter_advantages(adv, dropped if surprising is None else dropped | surprising)
 
     per_token = clipped_surrogate(log_r, w, adv_f, cfg.clip_eps, cfg.log_ratio_clamp)  # (B,T)
     loss = aggregate(per_token, mask, rows, cfg.length_norm, cfg.norm_constant, denominators)
@@ -389,8 +389,8 @@ def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, drop
     exp(log_ratio_clamp); log-ratio statistics are unclamped), truncated tokens, filtered samples,
     samples with implausible generator log-probs, KL (the clamped estimate, finite); with ``top``
     (each row's ``max_surprisal`` under the receiver's own policy) the largest token surprisal
-    (``surprisal_max``) and, when
-    ``peer-surprisal-max`` is on, the samples it dropped (``surprising``)."""
+    (``surprisal_max``) and, when ``peer-surprisal-max`` is on (``surprising`` given), the samples it
+    dropped (``surprising``)."""
     out: dict[str, float] = {}
     ratio = torch.exp(log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))  # (B,T)
     for s, name in enumerate(x.source_names):
@@ -408,7 +408,7 @@ def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, drop
         out[p + "kl_max"] = float(kl[sel].max())
         if top is not None:
             out[p + "surprisal_max"] = float(top[sel].max())
-        if surprising is not None and cfg.peer_surprisal_max > 0:
+        if surprising is not None:
             out[p + "surprising"] = float(surprising[sel].sum())
         if r.numel():
             out[p + "ratio_sum"] = float(r.sum())

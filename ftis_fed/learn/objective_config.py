@@ -1,5 +1,5 @@
 """The objective's knobs (``ObjectiveConfig``), apart from the torch code in ``objective.py``, so that
-reading a run config (``ftis_fed.config.federation``: the ClientApp, which Flower starts once per
+reading a run config (``ftis_fed.config.keys``: the ClientApp, which Flower starts once per
 message in deployment, and the ServerApp) does not import torch."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ RATIO_LEVELS = ("token", "sequence", "sequence-mean")
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    """Knobs of the objective; each field is a Flower run-config key (declared with ``knob``)."""
+    """Knobs of the objective; each field is a Flower run-config key (declared with ``knob``). The
+    receiver checks' knobs are their own (``ftis_fed/receive/``: ``peer-phrase-*``, ``peer-surprisal-*``,
+    ``source-adapt*``)."""
 
     mode: str = knob("loss-mode", "F-TIS", "one of ``MODES``: alone, noIS, VIS, TIS, F-noIS, F-VIS, F-TIS (default).")
     ratio_level: str = knob("ratio-level", "token", """
@@ -32,33 +34,6 @@ class ObjectiveConfig:
         most this (``cap_row_mean``; 1 = no completion weighs more than an on-policy one: an honest
         sender's mean weight is <= 1 in expectation, E_gen[min(pi_theta/pi_gen, C)] <= 1, while one
         claiming low log-probs gets C on every token; docs/security.md); 0 (default) = off, >= 0.""")
-    peer_surprisal_max: float = knob("peer-surprisal-max", 0.0, """
-        > 0: a peer's sample is dropped from the update (advantage 0, whatever its sign and whatever the
-        sender claims) when any of its tokens has a surprisal -log pi_theta(token | prefix) above this
-        many nats under the *receiver's own* current policy and sampling distribution
-        (``surprising_rows``): the receiver cannot check a peer's claimed log-probs, but it computes its
-        own likelihood of every token it trains on. It bounds poisoning with correct answers (a payload
-        the receiver would never produce rides on a positive advantage, which the F filter always keeps;
-        docs/security.md). The receiver's own samples are never dropped. 0 (default) = off, >= 0.""")
-    peer_surprisal_keep_needed: bool = knob("peer-surprisal-keep-needed", True, """
-        with ``peer-surprisal-max``: keep a peer's sample whose surprising tokens its reward needs
-        (``learn/surprisal.py``: deleted, the receiver's own verifier scores the rest lower: a
-        specialist's correct answer the receiver cannot yet give), drop the others (a payload on a
-        correct answer earns nothing); false: drop every such sample.""")
-    peer_phrase_ratio: float = knob("peer-phrase-ratio", 0.0, """
-        > 0: the phrase check (``learn/phrases.py``): a peer's rewarded sample (reward above its group's
-        mean) is dropped from the update when it carries a character n-gram that is in at least
-        ``peer-phrase-min-share`` of that peer's rewarded completions so far and this many times more
-        often than in the receiver's *own* completions, and that its reward does not need (deleted,
-        the receiver's own verifier scores the text as high). It bounds a payload made of tokens the
-        receiver already finds likely, which ``peer-surprisal-max`` cannot see (docs/security.md).
-        0 (default) = off, else >= 1.""")
-    peer_phrase_min_share: float = knob("peer-phrase-min-share", 0.05, """
-        with ``peer-phrase-ratio``: the least share of a peer's rewarded completions a phrase must be in
-        to be flagged, in (0, 1); also sets the counters' memory (lossy counting, error half of this).""")
-    peer_phrase_min_count: int = knob("peer-phrase-min-count", 8, """
-        with ``peer-phrase-ratio``: the least number of a peer's rewarded completions a phrase must be in
-        to be flagged, >= 1 (no verdict from a handful of samples).""")
     clip_eps: float = knob("clip-eps", 0.2, "eps of the PPO clip, in [0, 1).")
     filter_g: float = knob("filter-g", 50.0, """
         g, the KL threshold above which negative-advantage samples are dropped; > 0, ``inf``
@@ -91,12 +66,6 @@ class ObjectiveConfig:
         need(self.ratio_level in RATIO_LEVELS, "ratio_level", f"must be one of {', '.join(RATIO_LEVELS)}")
         need(self.trunc_c > 0, "trunc_c", "must be > 0 (inf disables truncation)")
         need(self.trunc_mean_cap >= 0, "trunc_mean_cap", "must be >= 0 (0 = off)")
-        need(self.peer_surprisal_max >= 0 and not math.isnan(self.peer_surprisal_max), "peer_surprisal_max",
-             "must be >= 0 (0 = off)")
-        need(self.peer_phrase_ratio == 0 or self.peer_phrase_ratio >= 1, "peer_phrase_ratio",
-             "must be 0 (off) or >= 1")
-        need(0 < self.peer_phrase_min_share < 1, "peer_phrase_min_share", "must be in (0, 1)")
-        need(self.peer_phrase_min_count >= 1, "peer_phrase_min_count", "must be >= 1")
         need(0 <= self.clip_eps < 1, "clip_eps", "must be in [0, 1)")
         need(self.filter_g > 0, "filter_g", "must be > 0 (inf disables the filter)")
         need(self.kl_estimator in ("sum-k1", "sum-k3", "mean-k1", "mean-k3"), "kl_estimator",

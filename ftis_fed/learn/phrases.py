@@ -114,10 +114,11 @@ class PhraseMonitor:
 
     @classmethod
     def from_config(cls, cfg) -> "PhraseMonitor | None":
-        """The monitor of an ``ObjectiveConfig`` (``peer-phrase-*``), or None when the check is off."""
-        if cfg.peer_phrase_ratio <= 0:
+        """The monitor of the phrase check's knobs (``receive/phrase.PhraseKnobs``: ``ratio``,
+        ``min_share``, ``min_count``), or None when the check is off."""
+        if cfg.ratio <= 0:
             return None
-        return cls(cfg.peer_phrase_ratio, cfg.peer_phrase_min_share, cfg.peer_phrase_min_count)
+        return cls(cfg.ratio, cfg.min_share, cfg.min_count)
 
     def to_json(self) -> dict:
         """The counters and flags, for the resume checkpoint."""

@@ -42,7 +42,10 @@ SOURCE_ADAPT_MODES = ("off", "kl", "guard")
 
 @dataclass(frozen=True)
 class SourceAdaptConfig:
-    """Per-source adaptation of peers' samples (beyond the paper); each field is a run-config key."""
+    """Per-source adaptation, beyond the paper.
+
+    The knobs of the receiver check ``source-adapt`` (``receive/source_adapt.py``; ``guard`` also
+    replaces the step, ``learn/guard.py``); each field is a run-config key (``knob``)."""
 
     mode: str = knob("source-adapt", "off", """
         ``off`` (the paper: every source treated alike), ``kl`` (negative-advantage samples of peer

@@ -18,6 +18,7 @@ micro-batch losses add up to the full-batch loss), accumulates gradients, clips,
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -47,8 +48,9 @@ class TrainSample:
         the task id when horizontal).
     implausible: the generator's claimed per-token log-probs (in its own tokenizer) include a value
         that is not finite or below ``objective.LOGP_GEN_FLOOR`` (see docs/method.md).
-    surprisal_exempt: ``peer-surprisal-max`` keeps it: its surprising tokens are needed for its
-        reward (``receive/surprisal.py``).
+    surprisal_limit: the objective drops it when a token is more surprising than this many nats under
+        the receiver's policy of the step (``peer-surprisal-max``: set by ``receive/surprisal.py``, inf
+        when its surprising tokens are needed for its reward); None: no check set one.
     weight: the product of the receiver checks' weights so far (``reweight``; 0 once ``drop``ped);
         ``advantage`` already carries it. dropped: the reason of the check that dropped it, or "".
     batch, group_index, index: where it came from (the ``CompletionBatch``, its group, the completion).
@@ -64,7 +66,7 @@ class TrainSample:
     seq_level: bool = False
     group: str = ""
     implausible: bool = False
-    surprisal_exempt: bool = False
+    surprisal_limit: float | None = None
     weight: float = 1.0
     dropped: str = ""
     batch: CompletionBatch | None = field(default=None, repr=False, compare=False)
@@ -258,6 +260,7 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     denominators = count_denominators(all_mask, torch.ones(len(samples), dtype=torch.bool))
     order = row_order([s.prompt_ids for s in samples], [s.completion_ids for s in samples], group_prompts,
                       zero=[s.advantage == 0.0 for s in samples])
+    limits = any(s.surprisal_limit is not None for s in samples)   # peer-surprisal-max on in this update
     stats: dict[str, float] = {}
     loss_total = 0.0
     skipped_rows = unscored_rows = 0
@@ -285,7 +288,8 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
             seq_level=torch.tensor([s.seq_level for s in mb]),
             seq_logp_gen=torch.tensor([s.seq_logp_gen for s in mb], dtype=torch.float32),
             implausible=torch.tensor([s.implausible for s in mb]),
-            surprisal_exempt=torch.tensor([s.surprisal_exempt for s in mb]),
+            surprisal_limit=torch.tensor([math.inf if s.surprisal_limit is None else s.surprisal_limit
+                                          for s in mb], dtype=torch.float64) if limits else None,
         )
         out = ftis_loss(x, cfg, denominators)
         if out.loss.requires_grad:

@@ -1,6 +1,6 @@
 """PolicyConfig: what model a participant runs and how it trains. Every field is a run/node-config
 key declared with ``knob``; participants in simulation read ``p<i>-<key>`` from the run config,
-SuperNodes read ``<key>`` from their node config (see ``ftis_fed.config.federation``)."""
+SuperNodes read ``<key>`` from their node config (see ``ftis_fed.config.participants``)."""
 
 from __future__ import annotations
 

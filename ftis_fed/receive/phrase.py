@@ -1,7 +1,7 @@
 """``peer-phrase-ratio``: a rewarded peer sample that carries a phrase the receiver itself never says,
 and whose reward does not need it, is dropped (``learn/phrases.py``: the counting and the rules,
-docs/security.md). Knobs: ``peer-phrase-ratio``, ``peer-phrase-min-share``, ``peer-phrase-min-count``
-(``ObjectiveConfig``). State: the counters and flags (``PhraseMonitor.to_json``).
+docs/security.md). Knobs: ``PhraseKnobs`` (``peer-phrase-ratio``, ``peer-phrase-min-share``,
+``peer-phrase-min-count``). State: the counters and flags (``PhraseMonitor.to_json``).
 
 Per update, in the batches' order: the receiver's own completions are counted, then each peer's
 rewarded ones: reward above the mean of the group its advantage is computed in (vertical: the
@@ -23,16 +23,48 @@ Off in a local-only mode (nothing of a peer is trained on).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from ftis_fed.knobs import knob, need
 from ftis_fed.learn.modes import MODES
 from ftis_fed.learn.phrases import PhraseMonitor, contains, unearned
-from ftis_fed.learn.training import TrainSample
 from ftis_fed.receive.checks import Check, Receiver, Update, groups_of, register_check
+
+if TYPE_CHECKING:
+    from ftis_fed.learn.training import TrainSample
 
 #: verifier calls the phrase check may spend per completion of a peer frame, over the whole frame
 #: (``unearned`` tries up to 16 phrases for one completion; an honest frame needs about one call per
 #: rewarded completion that holds a flagged phrase)
 CALLS_PER_COMPLETION = 4
+
+
+@dataclass(frozen=True)
+class PhraseKnobs:
+    """Receiver check `phrase`: phrases a peer's rewarded samples carry and the receiver never says.
+
+    Each field is a run-config key (``knob``)."""
+
+    ratio: float = knob("peer-phrase-ratio", 0.0, """
+        > 0: the phrase check (``learn/phrases.py``): a peer's rewarded sample (reward above its group's
+        mean) is dropped from the update when it carries a character n-gram that is in at least
+        ``peer-phrase-min-share`` of that peer's rewarded completions so far and this many times more
+        often than in the receiver's *own* completions, and that its reward does not need (deleted,
+        the receiver's own verifier scores the text as high). It bounds a payload made of tokens the
+        receiver already finds likely, which ``peer-surprisal-max`` cannot see (docs/security.md).
+        0 (default) = off, else >= 1.""")
+    min_share: float = knob("peer-phrase-min-share", 0.05, """
+        with ``peer-phrase-ratio``: the least share of a peer's rewarded completions a phrase must be in
+        to be flagged, in (0, 1); also sets the counters' memory (lossy counting, error half of this).""")
+    min_count: int = knob("peer-phrase-min-count", 8, """
+        with ``peer-phrase-ratio``: the least number of a peer's rewarded completions a phrase must be in
+        to be flagged, >= 1 (no verdict from a handful of samples).""")
+
+    def __post_init__(self) -> None:
+        need(self, self.ratio == 0 or self.ratio >= 1, "ratio", "must be 0 (off) or >= 1")
+        need(self, 0 < self.min_share < 1, "min_share", "must be in (0, 1)")
+        need(self, self.min_count >= 1, "min_count", "must be >= 1")
 
 
 def rewarded_in_advantage_groups(samples: list[TrainSample]) -> dict[int, bool]:
@@ -48,15 +80,15 @@ def rewarded_in_advantage_groups(samples: list[TrainSample]) -> dict[int, bool]:
 @register_check("phrase")
 class PhraseCheck(Check):
     order = 10
+    knobs = PhraseKnobs
 
     def __init__(self, receiver: Receiver, monitor: PhraseMonitor):
         self.receiver, self.monitor = receiver, monitor
 
     @classmethod
     def build(cls, receiver: Receiver) -> "PhraseCheck | None":
-        obj = receiver.fed.objective
-        monitor = PhraseMonitor.from_config(obj)
-        return None if monitor is None or MODES[obj.mode].local_only else cls(receiver, monitor)
+        monitor = PhraseMonitor.from_config(cls.knobs_of(receiver))
+        return None if monitor is None or MODES[receiver.fed.objective.mode].local_only else cls(receiver, monitor)
 
     def __call__(self, samples: list[TrainSample], update: Update) -> dict[str, float]:
         rec, mon = self.receiver, self.monitor
@@ -119,4 +151,4 @@ class PhraseCheck(Check):
         return self.monitor.to_json()
 
     def restore(self, state: dict) -> None:
-        self.monitor = PhraseMonitor.from_json(self.receiver.fed.objective, state)
+        self.monitor = PhraseMonitor.from_json(self.knobs_of(self.receiver), state)

@@ -5,8 +5,12 @@ receiver's own gets the weight ``frames.receive`` gave it (``reverify-downweight
 
 from __future__ import annotations
 
-from ftis_fed.learn.training import TrainSample
+from typing import TYPE_CHECKING
+
 from ftis_fed.receive.checks import Check, Receiver, Update, register_check
+
+if TYPE_CHECKING:
+    from ftis_fed.learn.training import TrainSample
 
 
 @register_check("reverify")

@@ -1,22 +1,29 @@
 """``source-adapt = kl``: each peer's negative advantages times exp(-m_s / tau), m_s the running mean
 of the sample KL the receiver measured on that peer's samples (``learn/source_weights.py``: the rule,
 its knobs ``SourceAdaptConfig`` and the state). On in every run: it observes the KL after every step
-and reports ``adapt/<peer>/{weight, kl_ema}`` (weight 1 unless ``kl``), and weights only under ``kl``."""
+and reports ``adapt/<peer>/{weight, kl_ema}`` (weight 1 unless ``kl``), and weights only under ``kl``.
+Its knobs also say ``guard`` (``source-adapt = guard``, ``source-adapt-val-size``), which replaces the
+optimizer step (``Participant``: ``learn/guard.py``)."""
 
 from __future__ import annotations
 
-from ftis_fed.learn.source_weights import SourceAdapter
-from ftis_fed.learn.training import TrainSample
+from typing import TYPE_CHECKING
+
+from ftis_fed.learn.source_weights import SourceAdaptConfig, SourceAdapter
 from ftis_fed.receive.checks import Check, Receiver, Update, register_check
+
+if TYPE_CHECKING:
+    from ftis_fed.learn.training import TrainSample
 
 
 @register_check("source-adapt")
 class SourceAdapt(Check):
     order = 40
+    knobs = SourceAdaptConfig
 
     def __init__(self, receiver: Receiver):
         self.receiver = receiver
-        self.adapter = SourceAdapter(receiver.fed.source_adapt, receiver.name)
+        self.adapter = SourceAdapter(self.knobs_of(receiver), receiver.name)
 
     @classmethod
     def build(cls, receiver: Receiver) -> "SourceAdapt":
@@ -38,4 +45,4 @@ class SourceAdapt(Check):
         return self.adapter.to_json()
 
     def restore(self, state: dict) -> None:
-        self.adapter = SourceAdapter.from_json(self.receiver.fed.source_adapt, self.receiver.name, state)
+        self.adapter = SourceAdapter.from_json(self.knobs_of(self.receiver), self.receiver.name, state)
