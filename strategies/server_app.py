@@ -14,7 +14,7 @@ from ftis_fed.config.federation import models_to_build, participant_names, valid
 from ftis_fed.engine.core import Engine
 from ftis_fed.trust.signing import generate_keypair, key_paths, load_key_directory
 
-from strategies.grid_transport import GridTransport
+from strategies.grid_transport import GridTransport, supernode_key_names
 
 app = ServerApp()
 
@@ -48,4 +48,5 @@ def main(grid: Grid, context: Context) -> None:
             log(WARNING, "ftis-fed: model %s (for %s) is not built yet: its participants build it on first use "
                 "(minutes on a CPU), while the run waits for them; build it first with `ftis-fed models build %s` "
                 "(`ftis-fed sim` does that itself)", model, ", ".join(users), model)
-    Engine(fed, load_key_directory(keys / "public"), out, GridTransport(grid), declared=declared, log=log).run()
+    transport = GridTransport(grid, supernode_keys=supernode_key_names(keys))     # names nodes in wait lines
+    Engine(fed, load_key_directory(keys / "public"), out, transport, declared=declared, log=log).run()
