@@ -157,7 +157,8 @@ def test_wait_lines_and_refusals_name_the_organisation_not_only_the_node_id(tmp_
     """#29: Flower's ``NodeInfo`` carries the name a SuperNode key was registered under (``flwr
     supernode register ... --name``) and the key itself; the server names each node by it (or by the
     organisation whose SuperNode key is in its keys-dir), by the participant admitted there, or by
-    the participant its hello named, in the wait line, in every refusal and in the final error.
+    the participant whose key its hello proved, in the wait line, in every refusal and in the final
+    error; never by a name its hello claimed without the key.
     Real light participants answer hello through Flower messages; real keys."""
     from flwr.proto.node_pb2 import NodeInfo
     from cryptography.hazmat.primitives import serialization
@@ -193,7 +194,7 @@ def test_wait_lines_and_refusals_name_the_organisation_not_only_the_node_id(tmp_
             return [self.infos[n] for n in self.get_node_ids()]
 
     infos = {11: NodeInfo(node_id=11, name="alice-lab"), 12: NodeInfo(node_id=12, public_key=bob_pem),
-             13: NodeInfo(node_id=13)}
+             13: NodeInfo(node_id=13), 14: NodeInfo(node_id=14)}
 
     def engine(behaviour, min_participants):
         clock, logs = [0.0], []
@@ -216,12 +217,16 @@ def test_wait_lines_and_refusals_name_the_organisation_not_only_the_node_id(tmp_
     waiting = [line for line in logs if line.startswith("waiting for participants:")]
     assert waiting and "1 connected (alice-lab (node 11)), 0 admitted, min-participants=2" in waiting[0]
 
-    # three connected: alice admitted, bob's worker fails, mallory's key is unknown: every refusal by name
-    _, eng, logs = engine({11: hello_by(parts["alice0000"]), 12: cuda_error, 13: hello_by(mallory)}, 3)
+    # four connected: alice admitted, bob's worker fails, mallory's key is unknown, a second node proves
+    # alice's key (a duplicate): every refusal by name
+    _, eng, logs = engine({11: hello_by(parts["alice0000"]), 12: cuda_error, 13: hello_by(mallory),
+                           14: hello_by(parts["alice0000"])}, 3)
     with pytest.raises(AdmissionError) as err:
         eng.run()
     assert eng.label(11) == "alice0000 (node 11)"                             # admitted: its participant
     assert "bob (node 12) not admitted (error): error 3: RuntimeError: CUDA requested" in "\n".join(logs)
-    assert "mallory (node 13) not admitted (unknown_participant)" in "\n".join(logs)   # what its hello said
+    # an unproven claim does not name a node (the reason says what it claimed)
+    assert "node 13 not admitted (unknown_participant): says it is 'mallory'" in "\n".join(logs)
     assert "refused: bob (node 12): error: error 3: RuntimeError: CUDA requested but this machine has none; " \
-           "mallory (node 13): unknown_participant: says it is 'mallory', which has no public key" in str(err.value)
+           "node 13: unknown_participant: says it is 'mallory', which has no public key" in str(err.value)
+    assert "; alice0000 (node 14): duplicate_participant: participant 'alice0000' is already connected" in str(err.value)

@@ -405,7 +405,8 @@ class Engine:
     def label(self, addr: Address) -> str:
         """A node as the console names it: ``alice (node 1234)``, the participant admitted there, else
         the name its SuperNode key was registered under (or the key's organisation), else the
-        participant its hello named; ``node 1234`` when none is known (in-process: the address)."""
+        participant whose key its hello proved (a node refused for its key is not named by its claim:
+        the reason says what it claimed); ``node 1234`` when none is known (in-process: the address)."""
         info = self.nodes.get(addr)
         name = info["participant"] if info else self.node_names.get(addr) or self.claimed.get(addr, "")
         plain = f"node {addr}" if isinstance(addr, int) else str(addr)
@@ -533,7 +534,6 @@ class Engine:
 
     def _admit_one(self, addr: Address, info: dict, challenge: bytes) -> None:
         name = info["participant"]
-        self.claimed[addr] = str(name)[:64]
         if name not in self.keys:
             return self._refuse(addr, "unknown_participant", f"says it is {name[:64]!r}, which has no public key")
         if fingerprint(self.keys[name]) != info["key_fp"]:
@@ -543,6 +543,7 @@ class Engine:
             return self._refuse(addr, "revoked_key", f"the key of {name!r} is revoked ({where})")
         if not verify_challenge(self.keys[name], self.run_id, str(addr), name, challenge, info["proof"]):
             return self._refuse(addr, "bad_proof", f"claims {name!r} but cannot sign its challenge with {name!r}'s key")
+        self.claimed[addr] = name                       # proven: it holds that participant's key
         if str(info.get("task_digest", "")) != self.task_digest:
             return self._refuse(addr, "task_mismatch", f"participant {name!r} announces task digest "
                                 f"{str(info.get('task_digest', ''))[:16] or '(procedural)'}, this run's is "
