@@ -1,7 +1,7 @@
 """The long-lived participant process: one per (run, participant), model loaded once.
 
-Why ~550 lines: the server loop, its lifetime rules (idle time-out, parent gone, a newer run of the
-same state dir) and the client side that starts and reaches it must change together.
+Why ~590 lines: the server loop, its lifetime rules (idle time-out, parent gone, a newer run of the
+same state dir, a run the SuperLink finished) and the client side that starts and reaches it must change together.
 
 Flower starts a new ClientApp process for every message in deployment (and runs ClientApps in
 shared Ray actors in simulation), so the model cannot live in the ClientApp. The ClientApp calls
@@ -13,7 +13,9 @@ worker exits after answering ``finish`` (sent at the end of the run), after
 (``end_other_run_worker``: a resumed run), or when its state is unrecoverable; and within a
 second of the process that anchors it to the run ending (``anchors``): in simulation the Ray actor
 that started it, which lives exactly as long as the simulation (``flwr stop`` or a killed ServerApp
-end it); in deployment the SuperNode-side process that started the ClientApp. It then takes its
+end it); in deployment the SuperNode-side process that started the ClientApp, which outlives runs,
+so there an idle worker also asks the SuperLink whether its run goes on and ends itself once it is
+finished (``flwr stop``, a ServerApp ended by a signal, a failed run: ``clients.run_status``). It then takes its
 process group with it (vLLM's engine processes included), so no GPU memory is left behind.
 
 A worker that cannot have the device its participant asked for (``devices.worker_device``: e.g. a
@@ -389,6 +391,22 @@ class Worker:
         print(f"[worker {pspec.name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
         self.fed, self.run_key = fed, str(spec.get("run_key", ""))
         self.hosted = {pspec.name: self.participant}     # participants-per-worker > 1: its process-mates
+        self.link = self._superlink(spec)                # deployment: where to ask whether the run goes on
+
+    def _superlink(self, spec: dict[str, Any]):
+        """In deployment (a Flower run id, a ``participant`` node config), the SuperLink its SuperNode
+        connects to (``clients.run_status``); None otherwise."""
+        anchors = spec.get("anchors") or []
+        if "participant" not in self.node_config or not self.run_key.isdigit() or not anchors:
+            return None
+        from clients.run_status import describe, find_superlink
+
+        link = find_superlink(int(anchors[0][0]))
+        print(f"[worker {self.participant.name}] " + (f"asks the SuperLink {describe(link)} for run {self.run_key}'s "
+              "status when idle (ends itself once it is finished)" if link else
+              "found no flower-supernode above its anchor: ends after worker-idle-timeout-s without a request"),
+              flush=True)
+        return link
 
     def handle(self, req: dict[str, Any]) -> Any:
         participant = self._participant(req)
@@ -492,11 +510,38 @@ class Worker:
                     return
 
     def _watchdog(self) -> None:
+        """Every 5 s: the idle time-out; in deployment, after ``CHECK_EVERY_S`` without a request
+        (and at most that often), whether the SuperLink still runs this run (``clients.run_status``)."""
+        from clients.run_status import CHECK_EVERY_S, RunGone, check_run
+
+        checked, failing = 0.0, False
         while True:
             time.sleep(5)
-            if not self.busy and time.monotonic() - self.last_request > self.idle_timeout:
+            now = time.monotonic()
+            if self.busy:
+                continue
+            if now - self.last_request > self.idle_timeout:
                 print(f"[worker] idle for {self.idle_timeout:.0f} s: exiting", flush=True)
                 end_process_group(0)
+            if self.link is None or now - self.last_request < CHECK_EVERY_S or now - checked < CHECK_EVERY_S:
+                continue
+            checked = now
+            try:
+                check_run(self.link, int(self.run_key))
+            except RunGone as e:
+                print(f"[worker {self.participant.name}] run {self.run_key} is {e}: exiting", flush=True)
+                end_process_group(0)
+            except Exception as e:                      # noqa: BLE001 - cannot tell: ask again later
+                if not failing:
+                    print(f"[worker {self.participant.name}] cannot ask the SuperLink for run {self.run_key}'s "
+                          f"status ({type(e).__name__}: {str(e)[:200]}); asking again every {CHECK_EVERY_S:.0f} s",
+                          flush=True)
+                failing = True
+            else:
+                if failing:
+                    print(f"[worker {self.participant.name}] the SuperLink answers again: run {self.run_key} "
+                          "goes on", flush=True)
+                failing = False
 
 
 def build_first(model: str, name: str, marker: Path) -> None:

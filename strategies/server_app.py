@@ -15,7 +15,7 @@ from ftis_fed.config.validation import models_to_build, validate_run_config
 from ftis_fed.engine.core import Engine
 from ftis_fed.trust.signing import generate_keypair, key_paths, load_key_directory
 
-from strategies.grid_transport import GridTransport
+from strategies.grid_transport import GridTransport, supernode_key_names
 
 app = ServerApp()
 
@@ -32,6 +32,23 @@ def prepare_keys(keys_dir: str, output_dir: Path, names: list[str]) -> Path:
     return path
 
 
+def build_before_hello(run_config: dict, log=log) -> None:
+    """Simulation under plain ``flwr run``: the offline models the participants use and the cache
+    lacks are built here, before the first hello, so no participant builds one (minutes on a CPU)
+    inside the hello wait (``wait-for-participants-s``), which would drop it and end the run. Says
+    which, with the time every 15 s, and names the command that builds them before a run. A failed
+    build ends the run (RuntimeError naming the model)."""
+    from ftis_fed.commands.sim import build_models
+
+    todo = models_to_build(run_config)
+    for model, users in todo.items():
+        log(WARNING, "ftis-fed: model %s (for %s) is not built yet: building it now, before the participants are "
+            "asked (minutes on a CPU); `ftis-fed models build %s` builds it before a run (`ftis-fed sim` does that "
+            "itself)", model, ", ".join(users), model)
+    if todo:
+        build_models(todo, say=lambda line: log(INFO, "%s", line))
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """In a simulation (nodes report the simulation's SuperNode count at hello), fewer SuperNodes
@@ -44,9 +61,7 @@ def main(grid: Grid, context: Context) -> None:
     declared = participant_names(run_config)
     keys = prepare_keys(fed.keys_dir, out, declared)
     log(INFO, "ftis-fed: output folder %s, keys %s", out, keys)
-    if not fed.keys_dir:                            # simulation: the participants build on this machine
-        for model, users in models_to_build(run_config).items():
-            log(WARNING, "ftis-fed: model %s (for %s) is not built yet: its participants build it on first use "
-                "(minutes on a CPU), while the run waits for them; build it first with `ftis-fed models build %s` "
-                "(`ftis-fed sim` does that itself)", model, ", ".join(users), model)
-    Engine(fed, load_key_directory(keys / "public"), out, GridTransport(grid), declared=declared, log=log).run()
+    if not fed.keys_dir:                            # simulation: the participants' models, on this machine
+        build_before_hello(run_config, log)
+    transport = GridTransport(grid, supernode_keys=supernode_key_names(keys))     # names nodes in wait lines
+    Engine(fed, load_key_directory(keys / "public"), out, transport, declared=declared, log=log).run()

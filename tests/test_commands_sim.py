@@ -300,6 +300,35 @@ def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tm
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow                       # builds a tiny model into a fresh cache: ~15 s here
+def test_under_plain_flwr_run_the_serverapp_builds_before_the_first_hello(tmp_path, monkeypatch):
+    """#29 "a worker building its model does not end the run": under plain `flwr run` (no launcher)
+    the ServerApp builds the missing offline models before it says hello to anyone, so the hello
+    wait (wait-for-participants-s) only covers loading; it says which and names the command; the
+    model is then in the cache, so the participants' workers load it instead of building it."""
+    from ftis_fed.config.federation import models_to_build
+    from ftis_fed.policies.models import resolve_model
+    from strategies.server_app import build_before_hello
+
+    real = Path(resolve_model("smollm2"))
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "models").mkdir(parents=True)
+    (tmp_path / "cache" / "models" / "smollm2").symlink_to(real)
+    overrides, _, _ = launch.checked_run_config(ROOT, {"p0-model": "tiny-llama", "p1-model": "smollm2",
+                                                    "p2-model": "", "output-dir": str(tmp_path / "out")})
+    cfg = launch.merged_run_config(ROOT, overrides)
+    assert models_to_build(cfg) == {"tiny-llama": ["smol-full"]}
+    said: list[str] = []
+    build_before_hello(cfg, log=lambda level, msg, *a: said.append(msg % a))
+    assert said[0].startswith("ftis-fed: model tiny-llama (for smol-full) is not built yet: building it now, before "
+                              "the participants are asked") and "`ftis-fed models build tiny-llama`" in said[0]
+    assert said[1].startswith("[ftis-fed] building model tiny-llama") and said[-1].startswith("[ftis-fed] built model")
+    assert models_to_build(cfg) == {}
+    said.clear()
+    build_before_hello(cfg, log=lambda level, msg, *a: said.append(msg % a))
+    assert said == []                                             # built once
+
+
 def test_models_build_with_a_preset_lists_the_run_s_missing_models(tmp_path, monkeypatch, capsys):
     """``ftis-fed models build --preset research`` in an empty cache asks to build exactly the preset's
     two micro models, each with the participant using it (the build itself is stubbed: this is the

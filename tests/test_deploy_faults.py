@@ -208,8 +208,9 @@ def _run(dep: Deployment) -> None:
     assert not alive(bob_worker)                          # bob's worker of the interrupted run
     for n in PEOPLE:            # the interrupted run's workers, ended when the resumed run's started
         assert not alive(int((base / "rt" / f"{worker_id(run1, n)}.pid").read_text()))
-        assert (f"this state dir's worker of run {run1}: run {run2} starts"
-                in (base / n / "state" / "worker.log").read_text()), n
+        wlog = (base / n / "state" / "worker.log").read_text()      # (or by themselves, had the restarted
+        assert (f"this state dir's worker of run {run1}: run {run2} starts" in wlog     # SuperLink already
+                or f"run {run1} is finished:failed at the SuperLink" in wlog), n        # failed run1)
     print(f"[faults] rounds 1-{ROUNDS}; alice killed in round {KILL_AT} ({refused_restarts} restart(s) refused "
           f"before the old node went offline), re-admitted at round {rejoin}; SuperLink + ServerApp "
           f"({len(serverapps)} process(es)) killed after round {saved}'s state; interrupted run {run1}: "

@@ -475,9 +475,18 @@ def test_a_gpu_preset_on_this_cpu_machine_stops_at_once_with_the_reason(tmp_path
     env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home")}
     env.pop(CUDA_ENV, None)
     exe = [sys.executable, "-m", "ftis_fed.commands.cli", "sim", "--app", str(root), "--preset", "gpu-offline"]
+    import resource
+    import time
+
+    cpu0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
     r = subprocess.run(exe + ["--run-config", f'output-dir="{tmp_path / "out"}"'], env=env, capture_output=True,
                        text=True, timeout=300)
+    cpu1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - t0
     assert r.returncode == 2, r.stdout + r.stderr
+    # in seconds: the CPU time of the whole launch (imports, config check, device check; no model,
+    # no Flower), which load on the machine does not inflate; the wall time only loosely bounded
+    cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+    assert cpu < 30 and wall < 120, (cpu, wall)
     assert ("ftis-fed sim: error: device='auto' (participant smol-full): requires-gpu = true (this run needs a GPU), "
             "but no CUDA device is visible on this machine") in r.stderr
     assert "set device='cpu' to run on the CPU" in r.stderr

@@ -149,3 +149,84 @@ def test_a_failing_progress_callback_does_not_lose_the_reply():
         raise RuntimeError("progress line broke")
 
     assert isinstance(t.send("evaluate", {1: {"round": 1}}, timeout=3, on_reply=boom)[1], Delivered)
+
+
+# ------------------------------------------------------------------ organisations named, not node ids
+
+def test_wait_lines_and_refusals_name_the_organisation_not_only_the_node_id(tmp_path):
+    """#29: Flower's ``NodeInfo`` carries the name a SuperNode key was registered under (``flwr
+    supernode register ... --name``) and the key itself; the server names each node by it (or by the
+    organisation whose SuperNode key is in its keys-dir), by the participant admitted there, or by
+    the participant whose key its hello proved, in the wait line, in every refusal and in the final
+    error; never by a name its hello claimed without the key.
+    Real light participants answer hello through Flower messages; real keys."""
+    from flwr.proto.node_pb2 import NodeInfo
+    from cryptography.hazmat.primitives import serialization
+
+    from ftis_fed.bench.swarm import LightParticipant, light_federation
+    from ftis_fed.config.federation import FederationConfig
+    from ftis_fed.engine.core import AdmissionError, Engine
+    from ftis_fed.trust.deploy_keys import generate_supernode_keypair, load_supernode_public_key
+    from ftis_fed.trust.signing import generate_keypair, key_paths, load_private_key
+    from strategies.grid_transport import supernode_key_names
+
+    parts, keys = light_federation(tmp_path, 1, prefix="alice")                 # alice0000, key known
+    generate_keypair("mallory", tmp_path / "rogue")                              # a key nobody has
+    mallory = LightParticipant("mallory", load_private_key(key_paths("mallory", tmp_path / "rogue").private),
+                               keys, "swarm")
+    generate_supernode_keypair("bob", tmp_path / "keys")                         # <keys-dir>/supernode/bob.pub
+    bob_pem = load_supernode_public_key(tmp_path / "keys" / "supernode" / "bob.pub").public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)   # as Flower keeps it
+
+    def hello_by(p):
+        return lambda msg: (0, Message(reply_to_content(p.handle("hello", content_to_request(msg.content))),
+                                       reply_to=msg))
+
+    def cuda_error(msg):
+        return 0, Message(Error(code=3, reason="RuntimeError: CUDA requested but this machine has none"), reply_to=msg)
+
+    class Registry(FakeGrid):
+        def __init__(self, behaviour, clock, infos):
+            super().__init__(behaviour, clock)
+            self.infos = infos
+
+        def get_nodes(self):
+            return [self.infos[n] for n in self.get_node_ids()]
+
+    infos = {11: NodeInfo(node_id=11, name="alice-lab"), 12: NodeInfo(node_id=12, public_key=bob_pem),
+             13: NodeInfo(node_id=13), 14: NodeInfo(node_id=14)}
+
+    def engine(behaviour, min_participants):
+        clock, logs = [0.0], []
+        grid = Registry(behaviour, clock, infos)
+        t = GridTransport(grid, clock=lambda: clock[0], poll_s=0.0, supernode_keys=supernode_key_names(tmp_path / "keys"))
+        fed = FederationConfig(num_rounds=1, min_participants=min_participants, run_name="swarm", eval_every=0,
+                               output_dir=str(tmp_path / f"out{min_participants}"), wait_for_participants_s=30,
+                               progress_every_s=10)
+        sleep = lambda s: clock.__setitem__(0, clock[0] + s)                     # noqa: E731 - a fake clock
+        return t, Engine(fed, keys, tmp_path / f"out{min_participants}", t, clock=lambda: clock[0], sleep=sleep,
+                         plots=False, log=lambda lvl, msg, *a: logs.append(msg % a)), logs
+
+    t, _, _ = engine({11: hello_by(parts["alice0000"]), 12: cuda_error, 13: hello_by(mallory)}, 3)
+    assert t.node_names() == {11: "alice-lab", 12: "bob"}                      # registered name; key's organisation
+
+    # one node connected, two needed: the wait line and the final error name it
+    _, eng, logs = engine({11: hello_by(parts["alice0000"])}, 2)
+    with pytest.raises(AdmissionError, match=r"only 0 admitted of 1 connected \(alice-lab \(node 11\)\)"):
+        eng.run()
+    waiting = [line for line in logs if line.startswith("waiting for participants:")]
+    assert waiting and "1 connected (alice-lab (node 11)), 0 admitted, min-participants=2" in waiting[0]
+
+    # four connected: alice admitted, bob's worker fails, mallory's key is unknown, a second node proves
+    # alice's key (a duplicate): every refusal by name
+    _, eng, logs = engine({11: hello_by(parts["alice0000"]), 12: cuda_error, 13: hello_by(mallory),
+                           14: hello_by(parts["alice0000"])}, 3)
+    with pytest.raises(AdmissionError) as err:
+        eng.run()
+    assert eng.label(11) == "alice0000 (node 11)"                             # admitted: its participant
+    assert "bob (node 12) not admitted (error): error 3: RuntimeError: CUDA requested" in "\n".join(logs)
+    # an unproven claim does not name a node (the reason says what it claimed)
+    assert "node 13 not admitted (unknown_participant): says it is 'mallory'" in "\n".join(logs)
+    assert "refused: bob (node 12): error: error 3: RuntimeError: CUDA requested but this machine has none; " \
+           "node 13: unknown_participant: says it is 'mallory', which has no public key" in str(err.value)
+    assert "; alice0000 (node 14): duplicate_participant: participant 'alice0000' is already connected" in str(err.value)

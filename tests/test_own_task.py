@@ -146,6 +146,121 @@ def test_data_from_jsonl_csv_parquet_and_datasets_folder_give_the_same_task(tmp_
     assert len({json.dumps(v) for v in pools.values()}) == 1 and len(pools["data.jsonl"]) > 10
 
 
+def _odd_files(tmp: Path) -> dict[str, Path]:
+    """Files where readers are free to differ: missing columns, ints beside floats, chat messages with
+    an extra key, nested objects, nulls, CSV's empty cells, quoted commas and newlines, leading
+    zeros, a BOM; a folder laid out as a hub data set (split words in the names, formats mixed)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    rows = [{"prompt": "What is 1 + 1?", "answer": "2", "score": 1, "meta": {"src": "a", "k": 1}},
+            {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4", "score": 1.5},
+            {"prompt": [{"role": "user", "content": "Était-ce 3?", "name": "x"}], "score": 2.0,
+             "meta": {"src": "b"}, "ok": True, "tags": [1, 2.5], "none": None}]
+    d = tmp / "files"
+    d.mkdir()
+    (d / "odd.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    (d / "odd.json").write_text(json.dumps(rows), encoding="utf-8")
+    (d / "odd.csv").write_text('\ufeffprompt,answer,n\n"1 + 1, or 2?",007,\n"two\nlines",4, 3 \n\n',
+                               encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"p{i}", "answer": str(i), "x": i / 2} for i in range(5)]),
+                   d / "odd.parquet")
+    hub = tmp / "hub-layout"
+    (hub / "data").mkdir(parents=True)
+    (hub / "data" / "train-00000-of-00002.jsonl").write_text("".join(json.dumps({"prompt": f"t{i}", "answer": i})
+                                                                    + "\n" for i in range(3)))
+    (hub / "data" / "train-00001-of-00002.csv").write_text("prompt,answer\nt3,3\n")
+    (hub / "data" / "test-00000-of-00001.jsonl").write_text(json.dumps({"prompt": "e0", "answer": 0}) + "\n")
+    (hub / ".cache").mkdir()
+    (hub / ".cache" / "train-stale.jsonl").write_text('{"prompt": "never read"}\n')
+    return {**{f.suffix: f for f in d.iterdir()}, "hub": hub}
+
+
+def test_datasets_and_the_standard_library_give_the_same_rows_and_digest(tmp_path, monkeypatch):
+    """Where ``datasets`` is installed it reads local files (``load_dataset`` is called); without it
+    the standard library does; both give the same canonical rows and so the same task digest."""
+    import sys
+
+    from ftis_fed.tasks import rows as rows_mod
+    from ftis_fed.tasks.user import UserTask
+
+    datasets = pytest.importorskip("datasets")
+    files = _odd_files(tmp_path)
+    module = tmp_path / "my_rewards.py"
+    module.write_text(REWARDS_PY)
+    calls = []
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+
+    def read_all(split="train"):
+        _load_rows.cache_clear()
+        got = {k: load_rows(str(f), split) for k, f in files.items()}
+        got["hub/test"] = load_rows(str(files["hub"]), "test")
+        digest = UserTask(data=str(files[".jsonl"]), rewards=f"{module}:correct", answer_column="answer",
+                          eval_percent=0).digest()
+        return got, digest
+
+    assert rows_mod.reader_name().startswith("datasets ")
+    with_ds, digest_ds = read_all()
+    assert set(calls) == {"json", "csv", "parquet"}                 # datasets really read them
+    monkeypatch.setitem(sys.modules, "datasets", None)              # `import datasets` fails: the fallback
+    assert rows_mod.reader_name() == "stdlib"
+    without, digest_std = read_all()
+    assert with_ds == without and digest_ds == digest_std
+    jl = with_ds[".jsonl"]
+    assert [list(r) for r in jl] == [["prompt", "answer", "score", "meta", "ok", "tags", "none"]] * 3
+    assert jl[1]["meta"] is None and jl[0]["ok"] is None and jl[2]["answer"] is None     # missing: None
+    assert [r["score"] for r in jl] == [1, 1.5, 2] and jl[2]["tags"] == [1, 2.5]         # 2.0 -> 2
+    assert jl[2]["prompt"] == [{"role": "user", "content": "Était-ce 3?", "name": "x"}]
+    assert jl[1]["prompt"] == [{"role": "user", "content": "What is 2 + 2?"}]            # no name: None
+    assert with_ds[".json"] == jl
+    assert with_ds[".csv"] == ({"prompt": "1 + 1, or 2?", "answer": "007", "n": ""},
+                               {"prompt": "two\nlines", "answer": "4", "n": " 3 "})     # strings as written
+    assert [r["x"] for r in with_ds[".parquet"]] == [0, 0.5, 1, 1.5, 2]
+    assert [r["prompt"] for r in with_ds["hub"]] == ["t0", "t1", "t2", "t3"]             # train files only
+    assert [r["answer"] for r in with_ds["hub"]] == [0, 1, 2, "3"]                       # CSV: a string
+    assert [r["prompt"] for r in with_ds["hub/test"]] == ["e0"]
+
+
+@pytest.mark.parametrize("reader", ["datasets", "stdlib"])
+@pytest.mark.parametrize("text, match", [
+    ("prompt,answer\na,1,2\n", r"odd.csv record 2 has 3 fields, the header 2"),
+    ("prompt,answer\na\n", r"odd.csv record 2 has 1 fields, the header 2"),
+    ("prompt,prompt\na,b\n", r"odd.csv's header names 'prompt' more than once"),
+])
+def test_a_ragged_csv_is_refused_by_both_readers(tmp_path, monkeypatch, reader, text, match):
+    """pandas (under ``datasets``) would read the extra field as an index, and the csv module would
+    put it under the key None: both readers refuse the file, by record."""
+    import sys
+
+    if reader == "datasets":
+        pytest.importorskip("datasets")
+    else:
+        monkeypatch.setitem(sys.modules, "datasets", None)
+    (tmp_path / "odd.csv").write_text(text)
+    _load_rows.cache_clear()
+    with pytest.raises(ValueError, match="task-data=.*" + match):
+        load_rows(str(tmp_path / "odd.csv"))
+
+
+def test_a_folder_without_the_asked_split_and_an_unreachable_hub_id_are_config_errors(tmp_path, monkeypatch):
+    import sys
+
+    datasets = pytest.importorskip("datasets")
+    hub = _odd_files(tmp_path)["hub"]
+    _load_rows.cache_clear()
+    with pytest.raises(ValueError, match=r"task-data-split='validation': the folder .* has files of the "
+                                         r"splits test, train \(by their names\), none of 'validation'"):
+        load_rows(str(hub), "validation")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)   # as HF_HUB_OFFLINE=1 sets it: no network
+    with pytest.raises(ValueError, match=r"task-data='someone/arith': not a local file or folder, and datasets "
+                                         r"could not reach the hub .* \(offline\?\) nor find it in its local cache"):
+        load_rows("someone/arith")
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    _load_rows.cache_clear()
+    with pytest.raises(ValueError, match=r"task-data='someone/arith': a hub id .* needs `datasets`"):
+        load_rows("someone/arith")
+
+
 def test_hub_ids_go_through_datasets(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     seen = {}

@@ -67,3 +67,23 @@ def test_trl_s_defaults_in_the_table_are_the_installed_trl_s():
         assert t.trl_default == repr(default), f"{t.trl}: the table says {t.trl_default}, TRL {trl.__version__} {default!r}"
         checked += 1
     assert checked == len(TRL_NAMES) - 2                   # all but the trainer arguments train_dataset, reward_funcs
+
+
+def test_the_table_shows_our_default_beside_trl_s():
+    """docs/configuration.md's TRL table: each mapped key's own default in the ftis-fed column (it
+    showed '—' for every row), e.g. temperature 1.0 (TRL) beside 0.7 (ours)."""
+    from ftis_fed.config.federation import FederationConfig, ParticipantSpec
+    from ftis_fed.config.trl_names import _literal
+    from ftis_fed.knobs import knobs
+    from ftis_fed.policies.config import PolicyConfig
+
+    defaults = {k.key: k.default for cls in (FederationConfig, ParticipantSpec, PolicyConfig) for k in knobs(cls)}
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    rows = {line.split(" | ")[0].strip("| `"): line.split(" | ") for line in doc.split("## TRL names", 1)[1].splitlines()
+            if line.startswith("| `")}
+    for t in TRL_NAMES:
+        keys = [k.strip() for k in t.ours.split(",") if k.strip()]
+        want = ", ".join(f"`{_literal(defaults[k])}`" for k in keys) or "—"
+        assert rows[t.trl][3] == want, (t.trl, rows[t.trl][3], want)
+    assert rows["temperature"][1:4] == ["`1.0`", "`temperature`", "`0.7`"]
+    assert rows["lora_dropout"][1:4] == ["`0.05`", "`lora-dropout`", "`0.0`"]

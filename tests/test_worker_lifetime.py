@@ -186,8 +186,8 @@ def test_a_worker_building_its_model_does_not_run_out_its_start_timeout(tmp_path
 
 @pytest.mark.slow                       # a worker loading a tiny model: ~20-40 s on 2 busy cores
 def test_a_stopped_runs_worker_is_ended_by_deploy_end_worker(tmp_path):
-    """After `flwr stop` of a run that will not resume, its worker would keep its model until
-    worker-idle-timeout-s (an hour here) while its SuperNode (the anchor) lives on:
+    """Where the SuperLink cannot be asked (clients.run_status), the worker of a stopped run would keep
+    its model until worker-idle-timeout-s (an hour here) while its SuperNode (the anchor) lives on:
     `ftis-fed deploy end-worker --state-dir` ends it (and says which), the anchor still alive."""
     from ftis_fed.config.participants import participant_names
     from ftis_fed.trust.signing import generate_keypair
@@ -209,3 +209,66 @@ def test_a_stopped_runs_worker_is_ended_by_deploy_end_worker(tmp_path):
     finally:
         app.kill()
         app.wait()
+
+
+def test_a_deployment_worker_finds_its_superlink_on_the_supernodes_command_line(tmp_path):
+    """Flower 1.42's process tree on a SuperNode host, as real processes: ``flower-supernode
+    --superlink ... --root-certificates ...`` starts ``flower-superexec ... --parent-pid <supernode>``
+    (its own ``--insecure`` is for the local runtime API), which starts the ClientApp whose parent is
+    the worker's anchor. From the anchor the worker finds the SuperNode's SuperLink and CA."""
+    from flwr.supercore.constant import SUPERLINK_DEFAULT_CLIENT_ADDRESS
+
+    from clients.run_status import SuperLink, find_superlink
+
+    sleeper = "import sys, time; time.sleep(120)"
+    script = tmp_path / "flower-supernode"                    # a program of that name, as the real one
+    script.write_text("import subprocess, sys, os, time\n"
+                      f"p = subprocess.Popen([sys.executable, '-c', {sleeper!r}, 'flower-superexec', '--insecure', "
+                      "'--runtime-api-address', '127.0.0.1:9094', '--parent-pid', str(os.getpid())])\n"
+                      "print(p.pid, flush=True)\ntime.sleep(120)\n")
+    node = subprocess.Popen([sys.executable, str(script), "--superlink", "203.0.113.7:9093",
+                             "--root-certificates=/srv/ftis/certs/ca.crt", "--node-config", "participant='alice'"],
+                            stdout=subprocess.PIPE, text=True)
+    plain = subprocess.Popen([sys.executable, str(script), "--insecure"], stdout=subprocess.PIPE, text=True)
+    try:
+        superexec = int(node.stdout.readline())
+        assert find_superlink(superexec) == SuperLink("203.0.113.7:9093", "/srv/ftis/certs/ca.crt", False)
+        assert find_superlink(int(plain.stdout.readline())) == SuperLink(SUPERLINK_DEFAULT_CLIENT_ADDRESS, None, True)
+        assert find_superlink(os.getpid()) is None                 # no SuperNode above (simulation, tests)
+    finally:
+        for p in (node, plain):
+            with contextlib.suppress(Exception):
+                os.kill(int(p.pid), 9)
+            p.wait()
+
+
+@pytest.mark.slow                       # a SuperLink over TLS, a SuperNode, a tiny model, `flwr stop`: ~2 min
+def test_flwr_stop_ends_the_runs_worker_in_deployment(tmp_path):
+    """A real deployment on loopback (TLS, SuperNode authentication): `flwr stop` of the running run
+    reaches no worker (Flower revokes the ServerApp's token first) and the SuperNode, the worker's
+    anchor, lives on; the idle worker asks the SuperLink, finds the run finished:stopped and ends
+    itself, its SuperNode still running."""
+    from tests.deploy_helpers import Deployment, make_tls, metrics_rows, wait_for
+
+    with Deployment(tmp_path) as dep:
+        make_tls(dep.base / "tls")
+        printed = dep.exchange_keys({"alice": "tiny-llama"})
+        dep.superlink()
+        dep.register(printed["alice"])
+        node = dep.participant_node("alice", "tiny-llama", 0, 1)
+        out = dep.base / "out"
+        run = dep.submit({"num-rounds": 200, "min-participants": 1, "eval-every": 0, "group-size": 2,
+                          "prompts-per-round": 1, "max-new-tokens": 4, "task-families": "add1",
+                          "keys-dir": str(dep.base / "server-keys"), "output-dir": str(out)})
+        wait_for(lambda: any(r.get("round") == 1 for r in metrics_rows(out)), 600, "round 1")
+        owner = json.loads((dep.base / "alice" / "state" / "worker.json").read_text())
+        pid, start = owner["pid"], owner["start"]
+        assert owner["run_key"] == run and alive(pid, start)
+        log = dep.base / "alice" / "state" / "worker.log"
+        assert f"asks the SuperLink 127.0.0.1:{dep.port} (CA {dep.ca}) for run {run}'s status" in log.read_text()
+        stopped = dep.flwr("stop", run, "tls")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        wait_for(lambda: not alive(pid, start), 120, "the stopped run's worker to end")
+        assert f"run {run} is finished:stopped at the SuperLink 127.0.0.1:{dep.port}: exiting" in log.read_text()
+        assert node.poll() is None                                # its SuperNode (the anchor) goes on
+        assert "cannot ask the SuperLink" not in log.read_text()

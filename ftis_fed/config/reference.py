@@ -95,7 +95,8 @@ def config_reference(run_config: Mapping[str, Any] | None = None) -> str:
     lines += ["", "Deployment: a SuperNode's `--node-config` sets its own participant with the same keys, "
               "unprefixed (and any policy key above), plus `partition-id`, `num-partitions` and:", ""]
     lines += [f"- `{k.key}`: {k.help}" for k in node_only]
-    lines += ["", *reference_section()]
+    defaults = {k.key: k.default for k in (*fed_knobs, *knobs(ParticipantSpec), *knobs(PolicyConfig))}
+    lines += ["", *reference_section(defaults)]
     return "\n".join(lines)
 
 

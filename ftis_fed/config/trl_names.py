@@ -35,8 +35,12 @@ top_k | top-k | 0 | an int; 0 disables.
 min_p |  | None | not supported (no min-p sampling).
 repetition_penalty |  | 1.0 | not supported: always 1.0 (the recorded log-probs are the sampling distribution's).
 learning_rate | lr | 1e-06 | ftis-fed's 0 = auto (1e-5 full, 2e-4 LoRA).
-lr_scheduler_type |  | 'linear' | none: a constant learning rate (TRL's TrainingArguments decay it linearly).
-warmup_steps |  | 0 | no warm-up.
+lr_scheduler_type |  | 'linear' | none: the rate is constant after the optional warm-up (lr-warmup-steps), as
+    TRL's constant_with_warmup; TRL's default (linear) decays it to 0 over the run.
+warmup_steps | lr-warmup-steps | 0 | linear warm-up over the first n updates, then constant. Update s (s = 1,
+    2, ...) trains at lr * min(1, s / n), so the first update has lr / n where transformers' first step has 0
+    (its schedule is ours one step later); a float below 1 (transformers: a ratio of the total steps) is not
+    accepted.
 epsilon | clip-eps | 0.2 | the PPO clip; symmetric only.
 epsilon_high |  | None | no asymmetric (DAPO clip-higher) bound: clip-eps both ways.
 delta |  | None | no two-sided (INTELLECT-2) upper clip.
@@ -47,8 +51,9 @@ scale_rewards | scale-rewards | 'group' | group or none; TRL's batch has no coun
 importance_sampling_level | ratio-level | 'token' | token -> token; sequence (GSPO: the MEAN per-token
     log-ratio) -> sequence-mean. ratio-level = sequence is the SUMMED log-ratio (TRL's
     vllm_importance_sampling_mode = sequence_truncate); cross-tokenizer samples are summed at token level.
-vllm_importance_sampling_correction | loss-mode | True | truncated importance sampling of samples from
-    another policy: TIS / F-TIS (default); noIS: off.
+vllm_importance_sampling_correction | loss-mode | True | TRL weighs vLLM's samples by the trainer's
+    log-probs over vLLM's; ftis-fed weighs samples from another policy (a peer's) by the learner's log-probs
+    over the sender's: TIS / F-TIS (default); noIS: off.
 vllm_importance_sampling_mode | ratio-level | 'sequence_mask' | token_truncate -> ratio-level = token;
     sequence_truncate -> sequence; token_mask and sequence_mask (TRL's default): no counterpart (ftis-fed
     truncates, it never masks by the ratio).
@@ -59,7 +64,8 @@ off_policy_mask_threshold | filter-g | None | with kl-estimator = mean-k1 it is 
     (negative-advantage sequences whose mean per-token KL exceeds delta are dropped); ftis-fed's default
     estimator is the summed KL (sum-k1, filter-g 50), and the filter is on by default (F-TIS).
 reward_weights | task-reward-weights | None | one per reward function (docs/own-task.md).
-multi_objective_aggregation |  | 'sum_then_normalize' | sum_then_normalize only.
+multi_objective_aggregation |  | 'sum_then_normalize' | sum_then_normalize only (TRL also has
+    normalize_then_sum, GDPO's per-function normalisation).
 num_iterations |  | 1 | one update per batch, TRL's default.
 steps_per_generation |  | None | optimizer steps per generation batch: always one here (one update per
     round, every micro-batch accumulated into it).
@@ -73,7 +79,8 @@ vllm_gpu_memory_utilization | gpu-memory-utilization | 0.3 | the fraction of the
     ours 0 = derived from the participant's gpu-memory-share.
 vllm_max_model_length | max-model-len | None | ours 0 = the model's context length, as TRL's None.
 per_device_train_batch_size | micro-batch | 8 | completions per forward/backward.
-gradient_accumulation_steps | micro-batch | 1 | every micro-batch of a round accumulates into one update.
+gradient_accumulation_steps |  | 1 | no key: every micro-batch of a round accumulates into one update (a
+    round's completions / micro-batch steps).
 num_train_epochs | num-rounds | 3.0 | one update per participant per round.
 max_steps | num-rounds | -1 | one update per participant per round.
 eval_steps | eval-every | None | rounds between held-out evaluations (greedy pass@1).
@@ -89,9 +96,15 @@ save_steps | checkpoint-every | 500 | rounds between checkpoints.
 resume_from_checkpoint | resume | None | resume = true continues from output-dir's saved state.
 output_dir | output-dir | None |
 report_to | report-to | 'none' | none, tensorboard, wandb.
-push_to_hub |  | False | no upload (exports are plain save_pretrained folders: huggingface_hub's upload_folder
-    takes them as they are).
-train_dataset | task-data |  | with task-source = user; columns: task-prompt-column, task-answer-column
+push_to_hub | push-to-hub | False | ours is the repo id itself (TRL: a bool with hub_model_id): after the run
+    each participant uploads its export with huggingface_hub's upload_folder; '' = never.
+hub_model_id | push-to-hub | None | the repo id, {participant} replaced by each participant's name (without it:
+    <id>-<participant>).
+log_completions | log-completions | False | ours counts prompts: the first k prompts of every round, with all
+    their completions, rewards per function and solved (completions.jsonl and completions.md); TRL: a bool,
+    every logging_steps, num_completions_to_print of them.
+train_dataset | task-data |  | with task-source = user: a local file or folder (read by datasets.load_dataset
+    where installed), a save_to_disk folder or a hub id; columns: task-prompt-column, task-answer-column
     (docs/own-task.md).
 reward_funcs | task-rewards |  | import paths, module:function or path/to/file.py:function; a factory with
     task-reward-kwargs; async def functions. Reward models (a model id) are not supported.

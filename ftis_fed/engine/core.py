@@ -280,6 +280,8 @@ class Engine:
         self.refused: dict[Address, str] = {}           # address -> reason it was not admitted
         self.refusals: dict[Address, str] = {}          # address -> the whole reason (bounded: MAX_REASON)
         self.silent_at_start: set[Address] = set()      # no usable hello at the start (engine.membership)
+        self.node_names: dict[Address, str] = {}        # address -> who runs it, as the transport knows it
+        self.claimed: dict[Address, str] = {}           # address -> the participant its last hello named
         self.budgets = dict(budgets or {})
         self.metric_names = MetricNames()               # bounded metric names per participant
         self.tasks = run_tasks(fed)                     # the run's train tasks, as receivers resolve them
@@ -363,7 +365,9 @@ class Engine:
     # ------------------------------------------------------------------ admission
     def wait_for_addresses(self, deadline: float, asked: frozenset | set = frozenset()) -> list[Address]:
         """Connected addresses, once at least ``min-participants`` are and one is not in ``asked``
-        (said hello to already); AdmissionError at ``deadline``."""
+        (said hello to already); AdmissionError at ``deadline``. Every ``progress-every-s`` while it
+        waits, one line naming who is connected and who was refused, by organisation."""
+        start, said = self.clock(), self.clock()
         while True:
             try:
                 addrs = sorted(self.transport.addresses(), key=_order)
@@ -373,10 +377,43 @@ class Engine:
             if len(addrs) >= self.fed.min_participants and any(a not in asked for a in addrs):
                 return addrs
             if self.clock() > deadline:
+                self.refresh_node_names()
                 raise AdmissionError(f"min-participants={self.fed.min_participants}: only {len(self.nodes)} "
-                                     f"admitted of {len(addrs)} connected after wait-for-participants-s="
-                                     f"{self.fed.wait_for_participants_s:.0f}; refused: " + self.refusal_list())
+                                     f"admitted of {len(addrs)} connected ({self.label_list(addrs)}) after "
+                                     f"wait-for-participants-s={self.fed.wait_for_participants_s:.0f}; refused: "
+                                     + self.refusal_list())
+            if self.fed.progress_every_s > 0 and self.clock() - said >= self.fed.progress_every_s:
+                said = self.clock()
+                self.refresh_node_names()
+                self.log(INFO, "waiting for participants: %d connected (%s), %d admitted, min-participants=%d; "
+                         "refused: %s (%.0f s of wait-for-participants-s=%.0f)", len(addrs), self.label_list(addrs),
+                         len(self.nodes), self.fed.min_participants, self.refusal_list(), said - start,
+                         self.fed.wait_for_participants_s)
             self.sleep(1.0)
+
+    def refresh_node_names(self) -> None:
+        """Ask the transport who runs each connected node (``node_names``: a Flower node's registered
+        name or its SuperNode key's organisation); a transport without it, or an error, changes nothing."""
+        names = getattr(self.transport, "node_names", None)
+        if names is None:
+            return
+        try:
+            self.node_names.update({a: str(n) for a, n in names().items() if n})
+        except Exception:                                   # noqa: BLE001 - names only label lines
+            pass
+
+    def label(self, addr: Address) -> str:
+        """A node as the console names it: ``alice (node 1234)``, the participant admitted there, else
+        the name its SuperNode key was registered under (or the key's organisation), else the
+        participant whose key its hello proved (a node refused for its key is not named by its claim:
+        the reason says what it claimed); ``node 1234`` when none is known (in-process: the address)."""
+        info = self.nodes.get(addr)
+        name = info["participant"] if info else self.node_names.get(addr) or self.claimed.get(addr, "")
+        plain = f"node {addr}" if isinstance(addr, int) else str(addr)
+        return plain if not name or name == str(addr) else f"{name} ({plain})"
+
+    def label_list(self, addrs) -> str:
+        return name_list([self.label(a) for a in sorted(addrs, key=_order)]) or "none"
 
     def admit(self) -> None:
         """Hello with proof of key possession (see the module docstring). Only admitted nodes count:
@@ -405,7 +442,7 @@ class Engine:
 
     def refusal_list(self) -> str:
         """Every refused node with its whole reason ('none' when none)."""
-        return "; ".join(f"{a}: {self.refused[a]}: {self.refusals.get(a, '')}"
+        return "; ".join(f"{self.label(a)}: {self.refused[a]}: {self.refusals.get(a, '')}"
                          for a in sorted(self.refused, key=_order)) or "none"
 
     def _stop_if_all_refused(self, asked: set) -> None:
@@ -455,7 +492,8 @@ class Engine:
     def _hello(self, addrs: list[Address], timeout: float) -> None:
         """Say hello to ``addrs`` (fresh challenges) and admit the nodes whose proofs hold."""
         challenges, requests = self.hello_requests(addrs)
-        with PhaseProgress("hello (participants loading their models)", {a: str(a) for a in addrs}, self.log,
+        self.refresh_node_names()
+        with PhaseProgress("hello (participants loading their models)", {a: self.label(a) for a in addrs}, self.log,
                            self.fed.progress_every_s, self.clock, tracked=self.io.reports_replies) as progress:
             replies, dropped = self.io.send("hello", requests, timeout, on_reply=progress.replied)
         for a, why in dropped.items():
@@ -505,6 +543,7 @@ class Engine:
             return self._refuse(addr, "revoked_key", f"the key of {name!r} is revoked ({where})")
         if not verify_challenge(self.keys[name], self.run_id, str(addr), name, challenge, info["proof"]):
             return self._refuse(addr, "bad_proof", f"claims {name!r} but cannot sign its challenge with {name!r}'s key")
+        self.claimed[addr] = name                       # proven: it holds that participant's key
         if str(info.get("task_digest", "")) != self.task_digest:
             return self._refuse(addr, "task_mismatch", f"participant {name!r} announces task digest "
                                 f"{str(info.get('task_digest', ''))[:16] or '(procedural)'}, this run's is "
@@ -526,7 +565,7 @@ class Engine:
         detail = clip_reason(str(detail))
         self.refused[addr] = reason
         self.refusals[addr] = detail
-        self.log(WARNING, "node %s not admitted (%s): %s", addr, reason, detail)
+        self.log(WARNING, "%s not admitted (%s): %s", self.label(addr), reason, detail)
 
     # ------------------------------------------------------------------ steps the schedules use
     def name(self, addr: Address) -> str:

@@ -204,6 +204,7 @@ class Membership:
         replaces one (a restart) even while it is still connected, instead of being refused as a duplicate."""
         e, fed = self.engine, self.engine.fed
         challenges, requests = e.hello_requests(addrs)
+        e.refresh_node_names()                           # who runs the new nodes, for refusals' lines
         replies, dropped = e.io.send("hello", requests, fed.join_timeout_s)
         for a, why in dropped.items():                   # refused; not asked again while connected
             e._refuse(a, why.reason, f"round {rnd}: no usable hello ({why.detail}); not asked again while it "

@@ -62,3 +62,8 @@ class Transport(Protocol):
         (addresses missing from the result count as ``no_reply``). A transport may also accept
         ``on_reply: Callable[[Address], None]``, called as each reply arrives (live progress)."""
         ...
+
+    # Optional: ``node_names() -> {address: name}``, who runs each connected node as the transport
+    # knows it before any hello (Flower: the name a SuperNode key was registered under). The engine
+    # names nodes by it in its wait lines and refusals (``Engine.label``); a transport without it
+    # gets node ids there.

@@ -178,11 +178,13 @@ class TaskSpec:
 
     data: str = knob("task-data", "", """
         ``task-source = user``: the data set, a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet``
-        file or folder of them, a ``datasets`` ``save_to_disk`` folder, or a hub id (``datasets``
-        extra; a reachable hub or its cache). Every node reads its own copy; '' = none.""")
+        file or folder of them (read by ``datasets.load_dataset`` where installed, else by the
+        standard library: the same rows), a ``datasets`` ``save_to_disk`` folder, or a hub id
+        (``datasets`` extra; a reachable hub or its cache). Every node reads its own copy; '' = none.""")
     data_split: str = knob("task-data-split", "train", """
-        the split of a hub data set or ``save_to_disk`` folder that ``task-data`` names (local files
-        have one).""")
+        the split of a hub data set or ``save_to_disk`` folder that ``task-data`` names, or of a
+        folder whose file names carry split words (``train``, ``validation``, ``test``, as
+        ``datasets`` names them); a single file has one.""")
     prompt_column: str = knob("task-prompt-column", "prompt", """
         the column holding each row's prompt: a string, or TRL's conversational form (a list with
         one user message).""")

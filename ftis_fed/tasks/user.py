@@ -1,9 +1,11 @@
 """Your own task: a data set with a prompt column, reward functions given by import path.
 
 ``task-source = "user"`` trains on the rows of ``task-data``: a local ``.jsonl`` / ``.json`` /
-``.csv`` / ``.parquet`` file or a folder of them, a folder written by ``datasets``'
-``save_to_disk``, or a hub id loaded with ``datasets.load_dataset`` (needs the ``data`` extra and a
-reachable hub or its local cache; ``task-data-split`` names the split). Each row gives one prompt
+``.csv`` / ``.parquet`` file or a folder of them (read by ``datasets.load_dataset`` where
+``datasets`` is installed, else by the standard library: the same canonical rows either way,
+``tasks.rows``), a folder written by ``datasets``' ``save_to_disk``, or a hub id loaded with
+``datasets.load_dataset`` (needs the ``data`` extra and a reachable hub or its local cache;
+``task-data-split`` names the split). Each row gives one prompt
 (``task-prompt-column``: a string, or TRL's conversational form, a list with one user message) and,
 optionally, a reference answer (``task-answer-column``, carried in batches as the reference). Every
 column of the row reaches the reward functions as TRL passes them (``tasks.reward_funcs``).
@@ -19,8 +21,8 @@ Held-out evaluation, the same way as the procedural suite:
 Task ids: ``user/train/{row}`` and ``user/eval/{row}`` (the row of its file). A receiver resolves a
 peer's train id only to its own row (``known_tasks``) and refuses eval ids (``tasks.resolve``).
 
-``digest()`` is the task's identity: the rows (canonical JSON of every column of every row, train
-file and eval file), split, columns, families and the reward functions with their source and
+``digest()`` is the task's identity: the rows (canonical JSON of every column of every canonical
+row, train file and eval file: never which reader read them), split, columns, families and the reward functions with their source and
 version. Participants announce it in hello and sign their batches for the run id bound to it
 (``trust.run_id.signed_run_id``), so a peer that reads another file or scores with another function is refused
 by the server and by every receiver, by name (``task_mismatch``).
@@ -35,45 +37,20 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ftis_fed.tasks.benchmarks import read_rows
 from ftis_fed.tasks.prompt import Prompt
 from ftis_fed.tasks.reward_funcs import RewardFuncs, combine, file_stamp, is_file_spec, parse_specs
+from ftis_fed.tasks.rows import LOCAL_SUFFIXES, canonical, read_datasets_source, read_local, rows_sha256
 from ftis_fed.tasks.scores import GroupScores
 
 #: Family prefix of every user-task id (what the Verifier keys its rule on).
 USER = "user"
-#: Suffixes of data files read without ``datasets``.
-LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-#: Bumped when what the digest covers changes.
-DIGEST_VERSION = 1
-
-
-def _hub_rows(source: str, split: str, key: str) -> list[dict]:
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"{key}={source!r}: a hub id or datasets folder needs `datasets` "
-                         "(pip install 'ftis-fed[data]'); or give a local .jsonl/.json/.csv/.parquet file") from None
-    try:
-        if Path(source).expanduser().is_dir():
-            ds = datasets.load_from_disk(str(Path(source).expanduser()))
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise ValueError(f"task-data-split={split!r}: the data set at {source!r} has splits {list(ds)}")
-                ds = ds[split]
-        else:
-            ds = datasets.load_dataset(source, split=split)
-    except ValueError:
-        raise
-    except Exception as e:                      # offline, unknown id, auth: say what was attempted
-        raise ValueError(f"{key}={source!r}: datasets could not load it (split {split!r}): "
-                         f"{type(e).__name__}: {str(e)[:300]}") from None
-    return [dict(r) for r in ds]
+#: Bumped when what the digest covers changes (2: the rows in ``tasks.rows``' canonical form).
+DIGEST_VERSION = 2
 
 
 def load_rows(source: str, split: str = "train", key: str = "task-data") -> tuple[dict, ...]:
-    """Every row of ``source`` (see the module docstring), in file order; cached per process while
-    the file is unchanged."""
+    """Every row of ``source`` in canonical form (``tasks.rows``), in file order; cached per process
+    while the file is unchanged."""
     return _load_rows(source, split, key, file_stamp(source))
 
 
@@ -81,27 +58,21 @@ def load_rows(source: str, split: str = "train", key: str = "task-data") -> tupl
 def _load_rows(source: str, split: str, key: str, stamp: tuple[int, int]) -> tuple[dict, ...]:
     if not str(source).strip():
         raise ValueError(f"{key}='': task-source=user needs a data file, folder or hub id")
+    where = f"{key}={source!r}"
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix not in LOCAL_SUFFIXES:
-            raise ValueError(f"{key}={source!r}: unsupported file type {path.suffix!r}; use "
-                             f"{', '.join(LOCAL_SUFFIXES)}")
-        rows = read_rows(path)
+            raise ValueError(f"{where}: unsupported file type {path.suffix!r}; use {', '.join(LOCAL_SUFFIXES)}")
+        rows = read_local(path, split, where)
     elif path.is_dir() and not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
-        files = sorted(f for f in path.iterdir() if f.suffix in LOCAL_SUFFIXES)
-        if not files:
-            raise ValueError(f"{key}={source!r}: the folder has no {'/'.join(LOCAL_SUFFIXES)} file "
-                             "and is not a datasets save_to_disk folder")
-        rows = [r for f in files for r in read_rows(f)]
+        rows = read_local(path, split, where)
     elif path.is_dir() or (str(source).count("/") == 1 and not str(source).startswith((".", "/", "~"))):
-        rows = _hub_rows(str(source), split, key)
+        rows = read_datasets_source(str(source), split, where)
     else:
-        raise ValueError(f"{key}={source!r}: no such file or folder (and not a hub id 'owner/name')")
+        raise ValueError(f"{where}: no such file or folder (and not a hub id 'owner/name')")
     if not rows:
-        raise ValueError(f"{key}={source!r}: no rows")
-    if not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{key}={source!r}: every row must be an object (column -> value)")
-    return tuple(rows)
+        raise ValueError(f"{where}: no rows")
+    return canonical(rows, where)
 
 
 def prompt_text(value: Any, where: str) -> str:
@@ -119,14 +90,6 @@ def prompt_text(value: Any, where: str) -> str:
 def _eval_by_hash(text: str, percent: int) -> bool:
     h = int.from_bytes(hashlib.sha256(("user-split\0" + text.strip()).encode()).digest()[:8], "big")
     return h % 100 < percent
-
-
-def _rows_sha256(rows: Sequence[dict]) -> str:
-    h = hashlib.sha256()
-    for r in rows:
-        h.update(json.dumps(r, sort_keys=True, ensure_ascii=False, default=str).encode())
-        h.update(b"\n")
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -244,8 +207,8 @@ class UserTask:
     def digest(self) -> str:
         """sha256 of the task's definition (see the module docstring)."""
         definition = {
-            "version": DIGEST_VERSION, "data_sha256": _rows_sha256(load_rows(self.data, self.data_split)),
-            "eval_data_sha256": _rows_sha256(load_rows(self.eval_data, self.data_split, "task-eval-data"))
+            "version": DIGEST_VERSION, "data_sha256": rows_sha256(load_rows(self.data, self.data_split)),
+            "eval_data_sha256": rows_sha256(load_rows(self.eval_data, self.data_split, "task-eval-data"))
             if self.eval_data else "", "data_split": self.data_split, "prompt_column": self.prompt_column,
             "answer_column": self.answer_column, "family_column": self.family_column,
             "ood_families": list(self.ood_families), "eval_percent": self.eval_percent,
