@@ -43,7 +43,8 @@ class PolicyConfig:
         and LoRA need more (0 = auto: 1e-5 full, 2e-4 LoRA).""", per_participant=True)
     lr_warmup_steps: int = knob("lr-warmup-steps", 0, """
         linear warm-up of the learning rate over the first n updates (update s trains at
-        lr * min(1, s / n), s = 1, 2, ...; TRL's ``warmup_steps`` with a constant schedule after it),
+        lr * min(1, s / n), s = 1, 2, ...; TRL's ``warmup_steps`` with a constant schedule after it, except
+        that transformers' first step trains at 0, ours at lr / n),
         >= 0; 0 = off (the full rate from the first update). Adam's first steps move every weight by
         about the full rate whatever the gradient's size, which a policy gradient from few rewarded
         samples turns into a collapse (docs/results/calibration/README.md); the step count is in
