@@ -10,10 +10,11 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from ftis_fed.config.federation import models_to_build, participant_names, validate_run_config
+from ftis_fed.config.federation import models_to_build, participant_names, participant_spec, validate_run_config
 from ftis_fed.engine.core import Engine
 from ftis_fed.trust.signing import generate_keypair, key_paths, load_key_directory
 
+from strategies.churn import ChurnTransport
 from strategies.grid_transport import GridTransport
 
 app = ServerApp()
@@ -48,4 +49,19 @@ def main(grid: Grid, context: Context) -> None:
             log(WARNING, "ftis-fed: model %s (for %s) is not built yet: its participants build it on first use "
                 "(minutes on a CPU), while the run waits for them; build it first with `ftis-fed models build %s` "
                 "(`ftis-fed sim` does that itself)", model, ", ".join(users), model)
-    Engine(fed, load_key_directory(keys / "public"), out, GridTransport(grid), declared=declared, log=log).run()
+    transport = GridTransport(grid)
+    schedules = {} if fed.keys_dir else churn_schedules(run_config, fed)    # simulated churn: simulation only
+    if schedules:                                   # (a deployment node's participant_spec refuses it)
+        transport = ChurnTransport(transport, schedules, fed.wait_for_participants_s, log)
+    Engine(fed, load_key_directory(keys / "public"), out, transport, declared=declared, log=log).run()
+
+
+def churn_schedules(run_config: dict, fed) -> dict:
+    """participant -> its churn schedule, for the simulated participants that have one."""
+    names = participant_names(run_config)
+    out = {}
+    for i, name in enumerate(names):
+        spec = participant_spec(run_config, {"partition-id": i, "num-partitions": len(names)}, fed)
+        if spec.churn:
+            out[spec.name] = spec.schedule
+    return out

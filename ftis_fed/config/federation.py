@@ -35,6 +35,7 @@ from typing import Any, Collection, Mapping
 
 from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.config import population
+from ftis_fed.config.churn import Churn, parse_churn
 from ftis_fed.config.models_check import check_model
 from ftis_fed.knobs import Knob, knob, knobs
 from ftis_fed.config.trl_names import trl_hint
@@ -399,12 +400,24 @@ class ParticipantSpec:
         ``ftis_fed.trust.attacks`` (``forge``, ``inflate``, ``logprobs``, ``lowlogprobs``, ``payload``
         (with ``attack-payload``), ``flood``, comma-separated, or ``all`` = forge, inflate, logprobs,
         flood); see docs/security.md.""", run=False, per_participant=True)
+    churn: str = knob("churn", "", """
+        SIMULATION ONLY: this participant's simulated churn schedule, e.g. ``"join=3 absent=5
+        away=7-8 leave=12"``: its node connects at round 3 (a late joiner), skips round 5 (connected,
+        answers nothing usable), is not connected in rounds 7-8 and rejoins at round 9, leaves for
+        good at round 12 ('' = always there; ``ftis_fed.config.churn``, docs/scale.md).""",
+        run=False, per_participant=True)
 
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.peer_budget < 0:
             raise ValueError(f"local-budget={self.local_budget}, peer-budget={self.peer_budget}: must be >= 0")
         if self.byzantine:
             parse_kinds(self.byzantine)
+        parse_churn(self.churn)
+
+    @property
+    def schedule(self) -> Churn:
+        """Its parsed ``churn`` schedule."""
+        return parse_churn(self.churn)
 
 
 # ----------------------------------------------------------------------------- key tables (derived)
@@ -656,9 +669,20 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
     state_dir = str(Path(get("state-dir", "") or out / "participants" / name).resolve())
     return ParticipantSpec(name=name, policy=policy, partition_id=pid, num_partitions=n,
                            keys_dir=keys_dir, state_dir=state_dir,
-                           byzantine=str(get("byzantine", "")),
+                           byzantine=str(get("byzantine", "")), churn=_churn(get("churn", ""), named("churn"), deployment),
                            local_budget=_coerce(get("local-budget", fed.local_budget), 0, named("local-budget")),
                            peer_budget=_coerce(get("peer-budget", fed.peer_budget), 0, named("peer-budget")))
+
+
+def _churn(value: Any, key: str, deployment: bool) -> str:
+    """A participant's ``churn`` schedule, checked (ValueError naming ``key``); refused in a deployment,
+    where nodes come and go by themselves."""
+    text = str(value or "").strip()
+    if text and deployment:
+        raise ValueError(f"{key}={text!r}: churn simulates a node's absences in a simulation; in a deployment "
+                         "nodes come and go by themselves (remove it from the node config)")
+    parse_churn(text, key)
+    return text
 
 
 # ----------------------------------------------------------------------------- validation before a run

@@ -62,3 +62,7 @@ class Transport(Protocol):
         (addresses missing from the result count as ``no_reply``). A transport may also accept
         ``on_reply: Callable[[Address], None]``, called as each reply arrives (live progress)."""
         ...
+
+    # Optional: ``at_round(rnd)``, called before the admission (with the first round) and before each
+    # round's boundary: a transport that simulates churn (``strategies.churn``) lists the nodes
+    # connected in that round.
