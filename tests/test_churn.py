@@ -174,3 +174,12 @@ def test_the_churn_transport_lists_a_node_only_in_its_connected_rounds(worker_ca
     t.at_round(2)
     out = t.send("generate", {7: {"round": 2, "texts": False}, 8: {"round": 2, "texts": False}}, 5.0)
     assert isinstance(out[7], Delivered) and out[8].reason == "error" and "absent in round 2" in out[8].detail
+
+
+def test_the_in_process_transport_refuses_churn_instead_of_ignoring_it(tmp_path):
+    from ftis_fed.commands.inprocess import run_inprocess
+
+    rc = {**RUN, "output-dir": str(tmp_path / "out")}
+    with pytest.raises(ValueError, match=r"churn \(participants p1\): simulated churn runs through flwr run"):
+        run_inprocess(rc)
+    assert not (tmp_path / "out" / "keys").exists()                       # refused before anything ran
