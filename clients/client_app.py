@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
 from clients.worker import call, ensure_worker, existing_worker, kill_worker
 from ftis_fed.actions import ACTIONS, action_of
+from ftis_fed.config.churn import PROBE
 from ftis_fed.config.federation import to_jsonable
 from ftis_fed.config.keys import federation_from_run_config
 from ftis_fed.config.participants import absolute_paths, participant_spec
@@ -84,6 +86,8 @@ def forward(msg: Message, context: Context) -> Message:
     action = action_of(msg.metadata.message_type)
     if action == "finish":
         reply = _finish(context)
+    elif (absent := _absent(action, msg, context)) is not None:
+        return absent
     else:
         conn, timeout, (name, node_config) = _worker(context)
         reply = call(conn, action, content_to_request(msg.content), timeout=timeout, participant=name,
@@ -91,6 +95,38 @@ def forward(msg: Message, context: Context) -> Message:
         if action == "hello":
             reply["info"].update(_node_facts(context))
     return Message(reply_to_content(reply), reply_to=msg)
+
+
+def _absent(action: str, msg: Message, context: Context) -> Message | None:
+    """Simulated churn (the participant's ``churn`` schedule, ``ftis_fed.config.churn``): in a round its
+    schedule has it absent or away, an error reply at once instead of its worker's answer, so the
+    engine counts the round as missed (``fed/dropped/error``) without waiting out round-timeout-s."""
+    if action in ("hello", "finish") or not _may_churn(context.run_config):
+        return None
+    _, _, _, spec = _spec(context)
+    if not spec.churn:
+        return None
+    request = content_to_request(msg.content)
+    rnd = request.get("round")
+    if not isinstance(rnd, int) or spec.schedule.answers(rnd):
+        return None
+    return Message(Error(code=ErrorCode.UNKNOWN, reason=f"simulated churn: participant {spec.name!r} is absent in "
+                                                        f"round {rnd} (churn = {spec.churn!r})"), reply_to=msg)
+
+
+def _may_churn(run_config) -> bool:
+    """Whether a simulated participant's ``churn`` can be set at all: by ``p<i>-churn`` or a population
+    (a deployment's node config may not set it)."""
+    return bool(str(run_config.get("population", "")).strip()) or any(
+        k.endswith("-churn") and str(v).strip() for k, v in run_config.items())
+
+
+@app.query(PROBE)
+def churn_probe(msg: Message, context: Context) -> Message:
+    """Which participant this node is (``strategies.churn``: the server's simulated churn), from the run
+    config alone: the worker is not started for it."""
+    _, _, _, spec = _spec(context)
+    return Message(RecordDict({PROBE: ConfigRecord({"participant": spec.name})}), reply_to=msg)
 
 
 def _finish(context: Context) -> dict:

@@ -10,11 +10,12 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from ftis_fed.config.participants import participant_names
+from ftis_fed.config.participants import participant_names, participant_spec
 from ftis_fed.config.validation import models_to_build, validate_run_config
 from ftis_fed.engine.core import Engine
 from ftis_fed.trust.signing import generate_keypair, key_paths, load_key_directory
 
+from strategies.churn import ChurnTransport
 from strategies.grid_transport import GridTransport, supernode_key_names
 
 app = ServerApp()
@@ -64,4 +65,18 @@ def main(grid: Grid, context: Context) -> None:
     if not fed.keys_dir:                            # simulation: the participants' models, on this machine
         build_before_hello(run_config, log)
     transport = GridTransport(grid, supernode_keys=supernode_key_names(keys))     # names nodes in wait lines
+    schedules = {} if fed.keys_dir else churn_schedules(run_config, fed)    # simulated churn: simulation only
+    if schedules:                                   # (a deployment node's participant_spec refuses it)
+        transport = ChurnTransport(transport, schedules, fed.wait_for_participants_s, log)
     Engine(fed, load_key_directory(keys / "public"), out, transport, declared=declared, log=log).run()
+
+
+def churn_schedules(run_config: dict, fed) -> dict:
+    """participant -> its churn schedule, for the simulated participants that have one."""
+    names = participant_names(run_config)
+    out = {}
+    for i, name in enumerate(names):
+        spec = participant_spec(run_config, {"partition-id": i, "num-partitions": len(names)}, fed)
+        if spec.churn:
+            out[spec.name] = spec.schedule
+    return out

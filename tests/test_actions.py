@@ -8,6 +8,7 @@ import clients.client_app as client_app
 import pytest
 
 from ftis_fed.actions import ACTIONS, action, action_of, message_type, reply_fields, request_args, requested_variants
+from ftis_fed.config.churn import PROBE
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.engine.validation import BadReply, check_reply
 from ftis_fed.participant import Participant
@@ -91,6 +92,7 @@ def test_every_action_has_one_flower_message_type_and_a_clientapp_handler():
     assert {"learn": "train", "exchange": "train.exchange", "evaluate": "evaluate",
             "hello": "query.hello"}.items() <= {n: message_type(n) for n in ACTIONS}.items()
     registered = set(client_app.app._registered_funcs)
-    assert registered == {".".join(action(n).route) for n in ACTIONS}
+    # and the simulated-churn probe (strategies.churn), which the ClientApp answers itself
+    assert registered == {".".join(action(n).route) for n in ACTIONS} | {f"query.{PROBE}"}
     with pytest.raises(ValueError):
         action_of("query.save")

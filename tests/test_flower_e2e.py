@@ -135,6 +135,34 @@ def test_metrics_and_plots_written(normal_run):
 
 
 @pytest.mark.slow
+def test_simulated_churn_runs_the_membership_paths_through_flower(tmp_path):
+    """Simulated churn through ``flwr run`` (``p<i>-churn``, ``strategies.churn``): bob arrives at
+    round 2 and is absent in round 3, carol is away in round 2; one worker process hosts all three.
+    Round 1 runs with alice and carol; at round 2's boundary bob is said hello to and admitted (a late
+    joiner) while carol is not listed; at round 3's, carol is said hello to again and admitted as a
+    rejoiner (her last trained round 1), and bob, asked, answers both phases with errors: the round
+    goes on without him."""
+    proc = run_sim(tmp_path, {"num-rounds": 3, "eval-every": 0, "participants-per-worker": 3,
+                              "p1-churn": "join=2 absent=3", "p2-churn": "away=2"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    every = rows(tmp_path / "out")
+    fed = {r["round"]: r for r in every if r["participant"] == "_federation"}
+    trained = {rnd: sorted(r["participant"] for r in every if r["round"] == rnd and r["phase"] == "train"
+                           and r["participant"] != "_federation") for rnd in (1, 2, 3)}
+    assert trained == {1: ["alice", "carol"], 2: ["alice", "bob"], 3: ["alice", "carol"]}
+    assert fed[1]["fed/participants"] == 2 and fed[1]["fed/joined"] == 0
+    assert fed[2]["fed/joined"] == 1 and fed[2]["fed/rejoined"] == 0 and fed[2]["fed/sampled"] == 2
+    assert fed[2]["fed/participants"] == 3                       # carol away, still admitted (not retired)
+    assert fed[3]["fed/rejoined"] == 1 and fed[3]["fed/joined"] == 0 and fed[3]["fed/sampled"] == 3
+    assert fed[3]["fed/dropped/error"] == 2 and fed[3]["fed/replies"] == 2      # bob's generate and learn
+    assert fed[3]["fed/frames_verified"] == 2
+    assert "1 late joiner(s) admitted: bob" in log
+    assert "1 participant(s) rejoined: carol" in log and "last trained round 1" in log
+    assert "simulated churn: participant 'bob' is absent in round 3" in log
+
+
+@pytest.mark.slow
 def test_a_participant_failing_mid_round_does_not_stall_it(tmp_path):
     """carol's worker process dies in phase 2 of round 1: that round finishes with the replies it has,
     the next message starts a new worker (the model loaded again) and the run completes."""

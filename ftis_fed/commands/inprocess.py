@@ -95,6 +95,12 @@ def run_inprocess(run_config: dict[str, Any], run_key: str = "inprocess", explic
     out.mkdir(parents=True, exist_ok=True)
     names = participant_names(rc)
     n = len(names)
+    churned = [name for pid, name in enumerate(names)
+               if participant_spec(rc, {"partition-id": pid, "num-partitions": n}, fed).churn]
+    if churned:
+        raise ValueError(f"churn (participants {', '.join(churned[:8])}): simulated churn runs through flwr run "
+                         "(strategies/churn.py); the in-process transport asks every participant every round: drop "
+                         "--transport inprocess, or the churn keys")
     keys = simulation_keys(out, names)
     torch.set_num_threads(fed.threads or max(1, (os.cpu_count() or 1) // n))
     lock = threading.Lock()

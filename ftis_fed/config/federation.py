@@ -28,6 +28,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ftis_fed.config.churn import Churn, parse_churn
 from ftis_fed.knobs import knob, knobs, need as knob_need
 from ftis_fed.learn.modes import MODES
 from ftis_fed.learn.objective_config import ObjectiveConfig
@@ -393,12 +394,24 @@ class ParticipantSpec:
         ``ftis_fed.trust.attacks`` (``forge``, ``inflate``, ``logprobs``, ``lowlogprobs``, ``payload``
         (with ``attack-payload``), ``flood``, comma-separated, or ``all`` = forge, inflate, logprobs,
         flood); see docs/security.md.""", run=False, per_participant=True)
+    churn: str = knob("churn", "", """
+        SIMULATION ONLY: this participant's simulated churn schedule, e.g. ``"join=3 absent=5
+        away=7-8 leave=12"``: its node connects at round 3 (a late joiner), skips round 5 (connected,
+        answers nothing usable), is not connected in rounds 7-8 and rejoins at round 9, leaves for
+        good at round 12 ('' = always there; ``ftis_fed.config.churn``, docs/scale.md).""",
+        run=False, per_participant=True)
 
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.peer_budget < 0:
             raise ValueError(f"local-budget={self.local_budget}, peer-budget={self.peer_budget}: must be >= 0")
         if self.byzantine:
             parse_kinds(self.byzantine)
+        parse_churn(self.churn)
+
+    @property
+    def schedule(self) -> Churn:
+        """Its parsed ``churn`` schedule."""
+        return parse_churn(self.churn)
 
 
 # ----------------------------------------------------------------------------- the participant's key tables (derived)

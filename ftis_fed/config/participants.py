@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ftis_fed.config import population
+from ftis_fed.config.churn import parse_churn
 from ftis_fed.config.federation import (MAX_PARTICIPANTS, PARTICIPANT_KEYS, POLICY_KEYS, FederationConfig,
                                         ParticipantSpec)
 from ftis_fed.config.keys import coerce, first_set
@@ -162,8 +163,20 @@ def participant_spec(run_config: Mapping[str, Any], node_config: Mapping[str, An
     return ParticipantSpec(name=name, policy=policy, partition_id=at.pid, num_partitions=at.n,
                            keys_dir=keys_dir, state_dir=state_dir,
                            byzantine=str(get("byzantine", "")),
+                           churn=_churn(get("churn", ""), named("churn"), at.deployment),
                            local_budget=coerce(get("local-budget", fed.local_budget), 0, named("local-budget")),
                            peer_budget=coerce(get("peer-budget", fed.peer_budget), 0, named("peer-budget")))
+
+
+def _churn(value: Any, key: str, deployment: bool) -> str:
+    """A participant's ``churn`` schedule, checked (ValueError naming ``key``); refused in a deployment,
+    where nodes come and go by themselves."""
+    text = str(value or "").strip()
+    if text and deployment:
+        raise ValueError(f"{key}={text!r}: churn simulates a node's absences in a simulation; in a deployment "
+                         "nodes come and go by themselves (remove it from the node config)")
+    parse_churn(text, key)
+    return text
 
 
 def absolute_paths(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> tuple[dict, dict]:

@@ -197,8 +197,8 @@ def clip_reason(text: str, limit: int = MAX_REASON) -> str:
 def short_reach(got: Mapping[str, int], senders: list[str], receivers: list[str], k: int) -> list[str]:
     """Senders whose frame reached fewer than min(k, the other receivers) receivers (k <= 0: all of them)."""
     rset = set(receivers)
-    return sorted(s for s in senders
-                  if got.get(s, 0) < (len(rset - {s}) if k <= 0 else min(k, len(rset - {s}))))
+    others = {s: len(rset) - (s in rset) for s in senders}           # the receivers but itself: O(1) each
+    return sorted(s for s in senders if got.get(s, 0) < (others[s] if k <= 0 else min(k, others[s])))
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -317,6 +317,7 @@ class Engine:
                  fed.num_rounds, fed.group_size, fed.objective.mode, self.out_dir)
         self.log(INFO, "round %d's draw (participant and peer sampling) commits to %s", self.start_round,
                  self.draws.committed)
+        self._at_round(self.start_round)
         self.admit()
         self.members.start()
         try:
@@ -338,8 +339,16 @@ class Engine:
         self.log(INFO, "Results: %s (metrics.jsonl, metrics.csv, *.png)", self.out_dir)
         return self.completed_round
 
+    def _at_round(self, rnd: int) -> None:
+        """Tell a transport that wants to know (``at_round``: simulated churn, ``strategies.churn``) which
+        round the next listing and messages belong to."""
+        hook = getattr(self.transport, "at_round", None)
+        if callable(hook):
+            hook(rnd)
+
     def run_round(self, rnd: int) -> RoundStats:
         t0, cpu0 = self.clock(), time.process_time()
+        self._at_round(rnd)
         stats = RoundStats(rnd)
         self.draw = self.draws.take()
         stats.fed.update(self.members.begin_round(rnd, boundary=rnd > self.start_round, draw=self.draw))

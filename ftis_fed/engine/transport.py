@@ -67,3 +67,6 @@ class Transport(Protocol):
     # knows it before any hello (Flower: the name a SuperNode key was registered under). The engine
     # names nodes by it in its wait lines and refusals (``Engine.label``); a transport without it
     # gets node ids there.
+    # Optional: ``at_round(rnd)``, called before the admission (with the first round) and before each
+    # round's boundary: a transport that simulates churn (``strategies.churn``) lists the nodes
+    # connected in that round.

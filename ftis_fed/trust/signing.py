@@ -155,6 +155,7 @@ class KeyDirectory(Mapping):
                                  "one key may belong to one participant only")
             seen[raw] = name
         self._keys = dict(keys)
+        self._fps: dict[str, str] = {}
         self.revocations = revocations
 
     def __getitem__(self, name: str) -> Ed25519PublicKey:
@@ -180,7 +181,15 @@ class KeyDirectory(Mapping):
         if who.startswith(FINGERPRINT_PREFIX):
             return self.revocations.is_revoked(who)
         key = self._keys.get(who)
-        return key is not None and self.revocations.is_revoked(fingerprint(key))
+        if key is None:
+            return False
+        revoked = self.revocations.revoked()                  # the file looked at (one stat) every call
+        if not revoked:
+            return False
+        fp = self._fps.get(who)
+        if fp is None:                                        # a key's fingerprint never changes: hashed once
+            fp = self._fps[who] = fingerprint(key)
+        return fp.lower() in revoked
 
     def revoked_participants(self) -> list[str]:
         """Registered participants whose key is revoked now."""

@@ -559,6 +559,57 @@ def _read_varint(next_byte, max_bytes: int, bits: int, where: str) -> int:
     raise _bad("undecodable", f"{where}: varint too long (more than {max_bytes} bytes)")
 
 
+def _varint_at(buf, pos: int, end: int, max_bytes: int, bits: int, where: str, ended) -> tuple[int, int]:
+    """:func:`_read_varint` over ``buf[pos:end]`` by index (no callable per byte) -> (value, next pos);
+    the same checks and messages; ``ended(left)``: the error when the data ends inside the value."""
+    v = 0
+    for i in range(max_bytes):
+        if pos >= end:
+            raise ended(end - pos)
+        b = buf[pos]
+        pos += 1
+        v |= (b & 0x7F) << (7 * i)
+        if not b & 0x80:
+            if b == 0 and i > 0:
+                raise _bad("undecodable", f"{where}: varint not minimal")
+            if v >= 1 << bits:
+                raise _bad("undecodable", f"{where}: varint above 2**{bits}")
+            return v, pos
+    raise _bad("undecodable", f"{where}: varint too long (more than {max_bytes} bytes)")
+
+
+#: up to this many values, :meth:`_Reader.varints` decodes in a Python loop (a few us per value, where
+#: the vectorised decoder's ~20 numpy calls cost ~50 us whatever the count: a small frame has 2-64)
+SMALL_VARINTS = 128
+
+
+def _small_varints(buf, pos: int, count: int) -> tuple[list[int], int] | None:
+    """``count`` canonical LEB128 values < 2**32 of at most 5 bytes each, all within ``5 * count`` bytes
+    of ``pos`` -> (values, next pos); None when any is not (the vectorised decoder then names the error)."""
+    head = buf[pos:pos + count]
+    if len(head) == count and max(head) < 0x80:              # every value one byte (sizes, lengths): as is
+        return list(head), pos + count
+    out = []
+    end = min(len(buf), pos + 5 * count)
+    for _ in range(count):
+        v = shift = 0
+        while True:
+            if pos >= end:
+                return None
+            b = buf[pos]
+            pos += 1
+            v |= (b & 0x7F) << shift
+            if b < 0x80:
+                break
+            shift += 7
+            if shift == 35:                                  # a sixth byte: too long
+                return None
+        if (b == 0 and shift) or v >> 32:                    # not minimal, or above 2**32
+            return None
+        out.append(v)
+    return out, pos
+
+
 class _HeadCursor:
     """Bounded reads from a frame's header: varints (canonical, <= 10 bytes, < 2**64), reals, strings."""
 
@@ -574,7 +625,11 @@ class _HeadCursor:
         return out
 
     def varint(self, what: str) -> int:
-        return _read_varint(lambda: self.take(1, what)[0], 10, 64, f"header.{what}")
+        def ended(left: int) -> BatchValidationError:
+            return _bad("undecodable", f"header.{what}: needs 1 bytes, {left} left before the signature")
+
+        v, self.pos = _varint_at(self.frame, self.pos, self.end, 10, 64, f"header.{what}", ended)
+        return v
 
     def real(self, what: str) -> float:
         d = self.take(1, what)[0]
@@ -759,6 +814,11 @@ class _Reader:
         reads at most 5 * count bytes."""
         if count == 0:
             return np.zeros(0, dtype=np.int64)
+        if count <= SMALL_VARINTS:
+            got = _small_varints(self.buf, self.pos, count)
+            if got is not None:
+                self.pos = got[1]
+                return np.array(got[0], dtype=np.int64)
         window = np.frombuffer(self.buf, dtype=np.uint8, count=min(len(self.buf) - self.pos, 5 * count),
                                offset=self.pos)
         ends = np.flatnonzero(window < 0x80)[:count]                     # last byte of each value
@@ -781,13 +841,11 @@ class _Reader:
 
     def varint(self, what: str) -> int:
         """One canonical LEB128 value < 2**32 (<= 5 bytes)."""
-        def next_byte() -> int:
-            if self.pos >= len(self.buf):
-                raise _bad("undecodable", f"payload.{what}: the data ends inside a varint")
-            self.pos += 1
-            return self.buf[self.pos - 1]
+        def ended(left: int) -> BatchValidationError:
+            return _bad("undecodable", f"payload.{what}: the data ends inside a varint")
 
-        return _read_varint(next_byte, 5, 32, f"payload.{what}")
+        v, self.pos = _varint_at(self.buf, self.pos, len(self.buf), 5, 32, f"payload.{what}", ended)
+        return v
 
     def vstr(self, what: str) -> str:
         return _utf8(self.take(self.varint(what), what), f"payload.{what}")
@@ -878,12 +936,12 @@ def _read_logprobs(h: WireHeader, r: _Reader) -> np.ndarray:
 
 def _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logprobs, names, texts) -> CompletionBatch:
     """Cut the flat arrays back into groups (views sliced from the flat arrays)."""
-    p_off = np.concatenate([[0], np.cumsum(p_lens)])
-    g_off = np.concatenate([[0], np.cumsum(g_sizes)])
-    t_off = np.concatenate([[0], np.cumsum(lengths)])
+    p_off = [0, *np.cumsum(p_lens).tolist()]                 # Python ints: slicing with numpy scalars is slower
+    g_off = [0, *np.cumsum(g_sizes).tolist()]
+    t_off = [0, *np.cumsum(lengths).tolist()]
     groups = []
     for i in range(h.n_groups):
-        ci = range(int(g_off[i]), int(g_off[i + 1]))
+        ci = range(g_off[i], g_off[i + 1])
         groups.append(PromptGroup(
             prompt_ids=prompt_ids[p_off[i]:p_off[i + 1]],
             completion_ids=tuple(comp_ids[t_off[j]:t_off[j + 1]] for j in ci),
