@@ -36,7 +36,9 @@ def test_t_interval_against_hand_computed_values():
 def test_pigeonhole_bootstrap_known_cases():
     # no variation at all: the interval is the point
     r = gs.paired_interval(np.full((5, 40), 0.25), "const")
-    assert r["diff"] == r["lo"] == r["hi"] == 0.25 and r["discord"] == 1.0
+    assert r["diff"] == r["lo"] == r["hi"] == 0.25 and r["discord"] == 0.0625          # q = mean(d^2)
+    flags = np.array([[1.0, 0.0, -1.0, 0.0]] * 2)                    # 0/1 values: q = the share that disagree
+    assert gs.paired_interval(flags, "flags")["discord"] == float((flags != 0).mean()) == 0.5
     # prompt variance only (every seed the same row): the bootstrap sd is the prompt-sampling sd
     rng = np.random.default_rng(0)
     row = rng.choice([-1.0, 0.0, 1.0], size=2000, p=[0.1, 0.7, 0.2])

@@ -21,13 +21,19 @@ Outputs in ``<out>`` (default ``outputs/grid-<preset>``):
 - ``final_accuracy.png`` (bars with sd) and ``curves.png`` (held-out ID pass@1 and own reward by
   round, mean over seeds, one panel per participant).
 
+Every table, curve and verdict reads one metric, ``--metric`` (``ftis_fed.grid.metric``): ``greedy``
+(the default: greedy pass@1) or ``sampled`` (pass@1 at the sampling temperature estimated from the
+``eval-samples = k`` completions per prompt; the cells must have been run with ``eval-samples`` >= 1).
+The metric is recorded in ``grid.json``; ``--summary-only`` reads it from there (an older grid.json
+without it: greedy), and a ``--metric`` given with ``--summary-only`` replaces the recorded one.
+
 Noise: a pass@1 measured on ``n`` prompts has a binomial standard error ``sqrt(p (1 - p) / n)``;
 ``min_eval_size`` gives the ``n`` at which a difference ``delta`` between two methods is
 ``z`` standard errors apart (independent sets; the same prompts for both methods — as here — make
 the paired difference's error smaller, so this is conservative). ``summary.md`` states the standard
 error that the cells' evaluation sizes give.
 
-The machinery lives in ``ftis_fed.grid`` (plan, run, records, stats, tables, claims, report); this
+The machinery lives in ``ftis_fed.grid`` (plan, run, records, metric, stats, tables, claims, report); this
 module is the command line.
 """
 
@@ -39,6 +45,7 @@ import os
 import sys
 from pathlib import Path
 
+from ftis_fed.grid.metric import BY_NAME as METRIC_NAMES, MissingMetric, metric as metric_named
 from ftis_fed.grid.plan import VARIANTS, discover_cells, parse_variant, plan
 from ftis_fed.grid.report import write_summary
 from ftis_fed.commands.cells import inprocess_runner, sim_runner
@@ -50,7 +57,7 @@ from ftis_fed.learn.modes import MODES
 def main(a: argparse.Namespace) -> int:
     app = Path(a.app).resolve()
     if a.summary_only:
-        return summary_only(Path(a.out or f"outputs/grid-{Path(a.preset or 'grid').stem}").resolve())
+        return summary_only(Path(a.out or f"outputs/grid-{Path(a.preset or 'grid').stem}").resolve(), a.metric)
     if not a.preset:
         print("ftis-fed grid: error: --preset is required (except with --summary-only)", file=sys.stderr)
         return 2
@@ -63,12 +70,19 @@ def main(a: argparse.Namespace) -> int:
         variants[name] = items
     cells = plan(modes, a.seeds, groups, hmodes, variants)
     out = Path(a.out or f"outputs/grid-{Path(a.preset).stem}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
     extra = [f"eval-seed={a.eval_seed}", *a.run_config]
+    try:
+        metric = metric_named(a.metric or _recorded_metric(out)).name
+        if metric == "sampled":
+            check_samples(app, a.preset, extra, cells)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ftis-fed grid: error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
     (out / "grid.json").write_text(json.dumps({"preset": a.preset, "modes": modes, "groups": groups,
                                                "seeds": a.seeds, "run_config": extra, "transport": a.transport,
                                                "variants": {k: variants[k] for k in sorted(variants)},
-                                               "cells": [c.name for c in cells]}, indent=1))
+                                               "cells": [c.name for c in cells], "metric": metric}, indent=1))
     print(f"[grid] {len(cells)} cells ({len(modes)} modes × {len(groups)} groupings × {a.seeds} seeds) "
           f"of preset {a.preset} through {a.transport} -> {out}", flush=True)
     if a.transport == "inprocess" and a.jobs <= 1:
@@ -91,16 +105,48 @@ def main(a: argparse.Namespace) -> int:
     return 0
 
 
-def summary_only(out: Path) -> int:
+def _recorded_metric(out: Path) -> str:
+    """The metric ``out/grid.json`` records; greedy when it records none or there is none."""
+    path = out / "grid.json"
+    return (json.loads(path.read_text()).get("metric") if path.exists() else None) or "greedy"
+
+
+def check_samples(app: Path, preset: str, extra: list[str], cells) -> None:
+    """Before running a ``--metric sampled`` grid: every cell's run config (preset, ``--run-config``
+    items, the cell's variant items) has ``eval-samples`` >= 1 (ValueError naming the cells)."""
+    from ftis_fed.commands.sim import layered_overrides, merged_run_config
+
+    base = merged_run_config(app, layered_overrides(app, extra, preset))
+    bad = [c.name for c in cells if int({**base, **dict(c.extra)}.get("eval-samples", 0)) < 1]
+    if bad:
+        raise ValueError(f"--metric sampled: eval-samples is 0 for cell(s) {', '.join(bad)} (no sampled evaluation "
+                         "to summarise); set it, e.g. --run-config eval-samples=8, or use --metric greedy")
+
+
+def summary_only(out: Path, metric: str | None = None) -> int:
     """(Re)write the summary of every finished cell in ``out`` (``discover_cells``): cells.csv,
-    summary.csv, summary.md, final_accuracy.png, curves.png — from the cells' files alone."""
+    summary.csv, summary.md, final_accuracy.png, curves.png — from the cells' files alone, for
+    ``metric`` (None: the one grid.json records, else greedy). A ``metric`` other than the recorded one
+    is recorded in grid.json, so that the next ``--summary-only`` writes the same summary."""
     cells = discover_cells(out)
     if not cells:
         print(f"ftis-fed grid: error: no finished cell (cells/*/done.json) in {out}", file=sys.stderr)
         return 2
-    meta = json.loads((out / "grid.json").read_text()) if (out / "grid.json").exists() else {}
-    write_summary(cells, out, f"Grid: preset {meta.get('preset', '?')}")
-    print(f"[grid] summary of {len(cells)} cells: {out / 'summary.md'} "
+    path = out / "grid.json"
+    meta = json.loads(path.read_text()) if path.exists() else {}
+    name = metric or meta.get("metric") or "greedy"
+    if name not in METRIC_NAMES:
+        print(f"ftis-fed grid: error: {path}: metric {name!r} must be one of {', '.join(METRIC_NAMES)}", file=sys.stderr)
+        return 2
+    try:
+        write_summary(cells, out, f"Grid: preset {meta.get('preset', '?')}", metric_named(name))
+    except MissingMetric as e:
+        print(f"ftis-fed grid: error: {e}", file=sys.stderr)
+        return 2
+    if name != (meta.get("metric") or "greedy"):
+        path.write_text(json.dumps({**meta, "metric": name}, indent=1))
+        print(f"[grid] grid.json: metric = {name} (--summary-only reads it from there)")
+    print(f"[grid] {name} summary of {len(cells)} cells: {out / 'summary.md'} "
           "(+ summary.csv, cells.csv, final_accuracy.png, curves.png)")
     return 0
 
@@ -156,6 +202,10 @@ def add_cli(sub) -> None:
     p.add_argument("--initial-eval", choices=("once", "every"), default="once",
                    help="evaluate before round 1 in one cell only (once: every cell starts from the same "
                         "models, so the others skip it; the summary and curves use it) or in every cell")
+    p.add_argument("--metric", choices=tuple(METRIC_NAMES), default=None,
+                   help="the held-out pass@1 every table, curve and verdict reads: greedy (the default) or sampled "
+                        "(estimated from the eval-samples = k completions per prompt; cells need eval-samples >= 1); "
+                        "recorded in grid.json, which --summary-only reads (default there: the recorded one)")
     p.add_argument("--summary-only", action="store_true",
                    help="only (re)write the summary of the finished cells in --out (every cells/*/done.json)")
     p.set_defaults(func=main)

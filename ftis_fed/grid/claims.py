@@ -4,15 +4,15 @@ the beyond-the-paper goals), and ``verdicts`` that decides each from the paired 
 To add a claim, add a row. A claim compares method ``a`` with method ``b`` (``a − b``) on one held-out
 set (``id`` / ``ood``; or ``updates``: ``a``'s update ratio to reach ``b``'s final ID accuracy,
 ``grid.efficiency``, a ratio rather than points) for some participants (``who``: every participant, or the stronger partner
-before training) with one rule over each participant's 95 % interval (``RULES``) and one way of
-combining the participants' verdicts (``all`` of them must hold, or ``any`` one):
+before training) with one rule over each participant's 95 % interval and one way of combining the
+participants' verdicts (``all`` of them must hold, or ``any`` one).
 
-- ``at_least``: held if the lower bound is ≥ ``margin``; not held if the upper bound is < ``margin``;
-- ``greater``: held if the lower bound is > ``margin``; not held if the upper bound is ≤ ``margin``;
-- ``less``: held if the upper bound is < ``margin``; not held if the lower bound is ≥ ``margin``;
-- ``at_most``: held if the upper bound is ≤ ``margin``; not held if the lower bound is > ``margin``;
-- else inconclusive; a participant for which neither method solved a single prompt of the set (0 for
-  both: a floor at which the claim cannot show) is inconclusive too.
+**The verdict rule** is stated once, in ``grid.stats.Rule`` (the four of ``RULES``: ``at_least``,
+``greater``, ``less``, ``at_most``): held when the interval's bound lies on the claim's side of the
+margin, not held when its other bound lies on the other side, else inconclusive. The summary's rule
+column is ``rule_words`` of the same data. A participant for which both methods score 0 on the set (a
+floor at which the claim cannot show) is inconclusive too. The rule reads only the interval, so it is
+the same for whichever metric the grid summarises (``grid.metric``: greedy or sampled pass@1).
 
 ``{stronger}`` and ``{beyond}`` in a row's text are filled in per grid: the participant with the
 highest ID accuracy before training, and the beyond-the-paper method run (``BEYOND``, else the first
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ftis_fed.grid.stats import INCONCLUSIVE, MISSING, all_of, any_of, at_least, greater_than, less_than
+from ftis_fed.grid.stats import INCONCLUSIVE, MISSING, RULES, all_of, any_of
 
 REFERENCE = "F-TIS"
 BASELINE = "alone"
@@ -42,44 +42,55 @@ class Claim:
     a: str
     b: str
     set: str
-    rule: str                 # a key of RULES
+    rule: str                 # a key of grid.stats.RULES
     combine: str              # "all" or "any"
-    how: str                  # the rule in words, as the table prints it
     margin: float = 0.0
     who: str = "all"          # "all" participants, or the "stronger" partner before training
     only_if_run: bool = False  # a row only when the grid ran a and b (the horizontal claim)
 
 
-def at_most(lo: float, hi: float, bound: float) -> str:
-    """Claim "value <= bound": ``at_least`` of the negated interval."""
-    return at_least(-hi, -lo, -bound)
-
-
-RULES = {"at_least": at_least, "greater": greater_than, "less": less_than, "at_most": at_most}
 COMBINE = {"all": all_of, "any": any_of}
 
 CLAIMS: tuple[Claim, ...] = (
     Claim("1", "F-TIS final ID ≥ Alone − 1 point, for every participant", REFERENCE, BASELINE, "id",
-          "at_least", "all", "held: every lower bound ≥ −1; not held: some upper bound < −1", margin=-0.01),
+          "at_least", "all", margin=-0.01),
     Claim("2a", "noIS degrades or collapses relative to F-TIS (ID, some participant)", REFERENCE, "noIS", "id",
-          "greater", "any", "held: some lower bound > 0; not held: every upper bound ≤ 0"),
+          "greater", "any"),
     Claim("2b", "VIS degrades or collapses relative to F-TIS (ID, some participant)", REFERENCE, "VIS", "id",
-          "greater", "any", "held: some lower bound > 0; not held: every upper bound ≤ 0"),
+          "greater", "any"),
     Claim("3", "the filter contributes: F-TIS > TIS (ID, some participant)", REFERENCE, "TIS", "id", "greater",
-          "any", "held: some lower bound > 0; not held: every upper bound ≤ 0"),
+          "any"),
     Claim("4", "F-TIS gains OOD accuracy over Alone (some participant)", REFERENCE, BASELINE, "ood", "greater",
-          "any", "held: some lower bound > 0; not held: every upper bound ≤ 0"),
+          "any"),
     Claim("5", "the stronger partner ({stronger}) loses OOD accuracy with F-TIS vs Alone", REFERENCE, BASELINE,
-          "ood", "less", "all", "held: upper bound < 0; not held: lower bound ≥ 0", who="stronger"),
+          "ood", "less", "all", who="stronger"),
     Claim("6", "beyond the paper ({beyond}): no partner loses OOD vs Alone (≥ −1 point)", "{beyond}", BASELINE,
-          "ood", "at_least", "all", "held: every lower bound ≥ −1; not held: some upper bound < −1", margin=-0.01),
+          "ood", "at_least", "all", margin=-0.01),
     Claim("h", "horizontal groups: F-TIS/h ID ≥ Alone/h − 1 point (Alone/h: the full group of the shared "
-          "prompts), every participant", REFERENCE + "/h", BASELINE + "/h", "id", "at_least", "all", "as claim 1",
+          "prompts), every participant", REFERENCE + "/h", BASELINE + "/h", "id", "at_least", "all",
           margin=-0.01, only_if_run=True),
     Claim("7", "beyond the paper: with its peers' samples a participant reaches Alone's final ID accuracy in "
           "≤ 60 % of Alone's updates (some participant)", REFERENCE, BASELINE, "updates", "at_most", "any",
-          "held: some t upper bound of the update ratio ≤ 0.6; not held: every lower bound > 0.6", margin=0.6),
+          margin=0.6),
 )
+
+
+def rule_words(c: Claim, claims: Sequence[Claim] = CLAIMS) -> str:
+    """The rule column of claim ``c``: its ``Rule``'s words with the combination's quantifiers (``all``:
+    held if every part holds, not held if some part fails; ``any``: the other way round; none for the
+    one stronger partner) and the margin in points (a ratio for ``updates``, whose interval is the t
+    interval of the update ratio); ``as claim N`` for the horizontal twin (``/h``) of an earlier claim
+    with the same rule."""
+    for e in claims:
+        if e is c:
+            break
+        if (c.a, c.b) == (e.a + "/h", e.b + "/h") and (c.set, c.rule, c.combine, c.margin, c.who) == \
+                (e.set, e.rule, e.combine, e.margin, e.who):
+            return f"as claim {e.id}"
+    quantifiers = ("", "") if c.who != "all" else ("every", "some") if c.combine == "all" else ("some", "every")
+    if c.set == "updates":
+        return RULES[c.rule].words(f"{c.margin:g}", quantifiers, ("t ", " of the update ratio"))
+    return RULES[c.rule].words(f"{100 * c.margin:g}".replace("-", "−"), quantifiers)
 
 
 def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str | None,
@@ -103,8 +114,8 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
                 vs.append(MISSING)
                 texts.append(f"{p}: –")
                 continue
-            floor = c.set != "updates" and r["a_acc"] == 0 and r["b_acc"] == 0   # nothing solved: untestable
-            vs.append(INCONCLUSIVE if floor else rule(r["lo"], r["hi"], c.margin))
+            floor = c.set != "updates" and r["a_acc"] == 0 and r["b_acc"] == 0   # both score 0: untestable
+            vs.append(INCONCLUSIVE if floor else rule.decide(r["lo"], r["hi"], c.margin))
             if c.set == "updates":
                 value = f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}], reached in {r['reached']}"
             else:
@@ -113,5 +124,5 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
             texts.append(f"{p}: {value} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
         rows.append({"claim": c.id, "statement": c.statement.format(**fill),
                      "comparison": f"{a} − {c.b}, {c.set.upper()}", "verdict": COMBINE[c.combine](vs),
-                     "interval": "; ".join(texts), "rule": c.how})
+                     "interval": "; ".join(texts), "rule": rule_words(c, claims)})
     return rows

@@ -1,4 +1,5 @@
 """Sample efficiency: how many updates a method needs to reach what training alone reached at its end.
+Accuracy here is the grid's metric (``grid.metric``; greedy ID pass@1 by default).
 
 For one participant and seed, alone's *target* is its final held-out ID accuracy ``a_T`` after its
 ``T`` updates (the last evaluated round). A method *reaches* it at the first evaluated round ``r``
@@ -19,18 +20,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
+from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import num, participant_rows, read_rows
 from ftis_fed.grid.stats import t_interval
 
-METRIC = "eval/id/accuracy"
 
-
-def id_curves(rows: Sequence[dict]) -> dict[str, list[tuple[int, float]]]:
+def id_curves(rows: Sequence[dict], metric: Metric = GREEDY) -> dict[str, list[tuple[int, float]]]:
     """participant -> [(round, ID accuracy)] of its evaluations after training (round >= 1), by round."""
     out: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for r in participant_rows(rows, "eval"):
-        v = num(r.get(METRIC))
+        v = num(r.get(metric.key("id")))
         if int(r.get("round", 0)) >= 1 and math.isfinite(v):
             out[r["participant"]].append((int(r["round"]), v))
     return {p: sorted(c) for p, c in out.items()}
@@ -45,15 +45,17 @@ def update_ratio(curve: Sequence[tuple[int, float]], target: float, budget: int)
     return 1.0, False
 
 
-def efficiency_table(cells: Sequence[Cell], out: Path, initial: dict[str, dict], baseline: str = "alone") -> list[dict]:
+def efficiency_table(cells: Sequence[Cell], out: Path, initial: dict[str, dict], baseline: str = "alone",
+                     metric: Metric = GREEDY) -> list[dict]:
     """One row per method (other than ``baseline``, same grouping) × participant: per seed the update
     ratio against the baseline's own final accuracy of that seed (module docstring), their mean and
     95 % t interval over the seeds both finished in which the baseline gained over ``initial`` (the
-    evaluation rows before training, by participant), and how many of them reached the target."""
+    evaluation rows before training, by participant), and how many of them reached the target; ID
+    accuracy is ``metric``'s."""
     curves: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
     for c in cells:
         if (out / "cells" / c.name / "done.json").exists():
-            for p, curve in id_curves(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")).items():
+            for p, curve in id_curves(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"), metric).items():
                 curves[(c.method, p, c.seed)] = curve
     rows = []
     methods = sorted({m for m, _, _ in curves}, key=method_order)
@@ -62,7 +64,7 @@ def efficiency_table(cells: Sequence[Cell], out: Path, initial: dict[str, dict],
         if m == base:
             continue
         for p in sorted({q for _, q, _ in curves}):
-            start = num(initial.get(p, {}).get(METRIC))
+            start = num(initial.get(p, {}).get(metric.key("id")))
             seeds = sorted(s for (mm, q, s) in curves if mm == m and q == p and (base, p, s) in curves
                            and math.isfinite(start) and curves[(base, p, s)][-1][1] > start)
             if not seeds:

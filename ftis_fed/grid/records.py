@@ -11,6 +11,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ftis_fed.grid.metric import GREEDY, Metric
+
+
 def read_rows(path: Path) -> list[dict]:
     """The JSON lines of ``path``, or of ``path.gz`` (a compacted cell) when ``path`` is not there."""
     gz = path.with_name(path.name + ".gz")
@@ -95,22 +98,29 @@ def prompt_records(cell_dir: Path) -> list[dict]:
     return out
 
 
-def prompt_vectors(records: Sequence[dict], rnd: int | None = None) -> dict[str, dict[str, tuple[tuple, np.ndarray]]]:
-    """participant -> set key -> (task ids, solved (N,) float) of one evaluation: round ``rnd``, or each
-    participant's last evaluation after training (``None``). Set keys: ``id`` and ``ood`` (every OOD
-    family, in name order: its mean is ``eval/ood/accuracy`` when the families' sets are equally
-    large), ``id:<family>`` per ID family (from the task ids) and ``ood:<family>``."""
+def evaluation_records(records: Sequence[dict], rnd: int | None = None) -> list[dict]:
+    """The records of one evaluation per participant: round ``rnd``, or each participant's last
+    evaluation after training (``None``: its last round >= 1), in file order."""
     last: dict[str, int] = {}
     for r in records:
         k = int(r["round"])
         if (rnd is None and k >= 1) or k == rnd:
             last[r["participant"]] = max(last.get(r["participant"], -1), k)
+    return [r for r in records if r["participant"] in last and int(r["round"]) == last[r["participant"]]]
+
+
+def prompt_vectors(records: Sequence[dict], rnd: int | None = None,
+                   metric: Metric = GREEDY) -> dict[str, dict[str, tuple[tuple, np.ndarray]]]:
+    """participant -> set key -> (task ids, per-prompt values (N,) float) of one evaluation: round
+    ``rnd``, or each participant's last evaluation after training (``None``). The values are
+    ``metric``'s (``Metric.prompt_values``: greedy 0/1 solved flags, or sampled solved/k). Set keys:
+    ``id`` and ``ood`` (every OOD family, in name order: its mean is ``eval/ood/<metric>`` when the
+    families' sets are equally large), ``id:<family>`` per ID family (from the task ids) and
+    ``ood:<family>``. Raises ``MissingMetric`` for a record without the metric."""
     by: dict[str, dict[str, tuple[list, list]]] = defaultdict(dict)
-    for r in records:
+    for r in evaluation_records(records, rnd):
         p = r["participant"]
-        if p not in last or int(r["round"]) != last[p]:
-            continue
-        ids, ok = list(r["ids"]), [c == "1" for c in r["solved"]]
+        ids, ok = list(r["ids"]), metric.prompt_values(r)
         name = r["set"]
         sets = by[p]
         if name == "id":

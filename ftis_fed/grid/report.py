@@ -1,5 +1,8 @@
 """The grid's report: ``summary.md`` (verdicts, accuracies, paired differences, diagnostics),
-``summary.csv`` / ``cells.csv``, and the figures, written from the finished cells' files alone."""
+``summary.csv`` / ``cells.csv``, and the figures, written from the finished cells' files alone, for
+the grid's metric (``grid.metric``). A greedy summary is what it was before there was a choice, byte
+for byte; a sampled one says so in a line under the title, in every CSV row (``metric``) and on the
+figures' axes."""
 
 from __future__ import annotations
 
@@ -14,10 +17,12 @@ import numpy as np
 
 from ftis_fed.grid.claims import BEYOND, REFERENCE, verdicts
 from ftis_fed.grid.efficiency import efficiency_table
+from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import initial_eval, num, read_rows
-from ftis_fed.grid.tables import (DIAGNOSTICS, METRICS, _mean_sd, cell_results, family_table, paired_prompt_table,
-                                  stronger_participant, summarize, train_diagnostics)
+from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table,
+                                  paired_prompt_table, stronger_participant, summarize, train_diagnostics)
+
 
 def _write_csv(path: Path, rows: Sequence[dict]) -> None:
     cols = list(dict.fromkeys(k for r in rows for k in r))
@@ -35,11 +40,33 @@ def _ci(r: dict) -> str:
     return f"{100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}]"
 
 
+def _k(ks: Sequence[int]) -> str:
+    """``k = 8``, or ``k = 4, 8 (per cell)`` when the cells sampled different numbers."""
+    return f"k = {ks[0]}" if len(ks) == 1 else f"k = {', '.join(map(str, ks))} (per cell)" if ks else "k = ?"
+
+
+def metric_line(metric: Metric, ks: Sequence[int]) -> str:
+    """The summary's line under the title that says which metric it shows (none for greedy: its first
+    line says "greedy pass@1", as before there was a choice)."""
+    return (f"Metric (`--metric {metric.name}`, recorded in grid.json): pass@1 at the sampling temperature "
+            f"estimated from {_k(ks)} sampled completions per held-out prompt (`eval-samples`): the tables, "
+            f"curves, sample efficiency and verdicts read `{metric.key('<set>')}`, and each prompt's value in the "
+            "paired differences is its solved completions / k (a value in [0, 1]), so the verdicts apply their "
+            "rule to this metric; greedy pass@1 is not shown.")
+
+
+def _axis(metric: Metric, key: str, ks: Sequence[int]) -> str:
+    """A figure's axis label for the metric key ``eval/<set>/<field>``."""
+    if metric == GREEDY:
+        return key.replace("eval/", "").replace("/accuracy", " pass@1")
+    return f"{key.split('/')[1].upper()} {metric.words} ({_k(ks)})"
+
+
 def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
                      title: str, initial: dict[str, dict] | None = None,
                      diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
                      families: Sequence[dict] = (), verdict_rows: Sequence[dict] = (),
-                     efficiency: Sequence[dict] = ()) -> str:
+                     efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -50,9 +77,11 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
     lines = [f"# {title}", "", f"{len({r['cell'] for r in results})} finished cells, seeds {seeds}"
              + (f" ({statistics.fmean(secs_ok) / 60:.1f} min wall per cell on average, "
                 f"{sum(secs_ok) / 3600:.2f} h of cell time in all)" if secs_ok else "")
-             + "; final held-out greedy pass@1"
+             + f"; final held-out {metric.words}"
              + ("; *before training*: the shared evaluation before round 1 (the same models in every cell)."
                 if initial else "."), ""]
+    if metric != GREEDY:
+        lines += [metric_line(metric, ks), ""]
     if prompt_paired:
         lines += ["Intervals: paired per-prompt differences A − B (points) over the seeds both methods finished "
                   "(same held-out prompts in every cell, other training prompts and sampling per seed), 95 % "
@@ -69,13 +98,15 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
         qs = [r["discord"] for r in prompt_paired if r["set"] == "id" and math.isfinite(r["discord"])]
         q = max(qs) if qs else 0.3
         S = max(len(seeds), 1)
+        what = "largest measured discordance" if metric == GREEDY else \
+            "largest measured mean squared per-prompt difference" if qs else "assumed (none measured)"
         lines += [f"ID evaluation set: {', '.join(map(str, ns))} prompts. The prompt part of a paired difference's "
-                  f"95 % half-width is 1.96 sqrt(q / (n S)); at the largest measured discordance q = {q:.2f} and "
+                  f"95 % half-width is 1.96 sqrt(q / (n S)); at the {what} q = {q:.2f} and "
                   f"S = {S} seeds a 3-point half-width needs n ≥ {paired_eval_size(0.03, max(q, 1e-3), S)} "
                   "(`grid.stats.paired_eval_size`); the seed part does not shrink with n.", ""]
     participants = sorted({r["participant"] for r in summary})
     methods = list(dict.fromkeys(r["method"] for r in sorted(summary, key=lambda r: method_order(r["method"]))))
-    for m in METRICS:
+    for m in metric.keys:
         lines += [f"## {m} (mean ± sd over seeds)", "", "| method | " + " | ".join(participants) + " |",
                   "|---|" + "---|" * len(participants)]
         cell = {(r["method"], r["participant"]): r for r in summary}
@@ -90,7 +121,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
     if families:
         keys = sorted({r["set"] for r in families}, key=lambda k: (not k.startswith("id:"), k))
         fam = {(r["method"], r["participant"], r["set"]): r for r in families}
-        lines += ["## Accuracy per task family (mean ± sd over seeds)", "",
+        lines += [f"## {'Accuracy' if metric == GREEDY else metric.words.capitalize()} per task family "
+                  "(mean ± sd over seeds)", "",
                   "| method | participant | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
         for meth in methods:
             for p in participants:
@@ -152,7 +184,8 @@ def _finish(plt, fig, axes, legend_size: int, title: str, path: Path, dpi: int) 
     return path
 
 
-def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path]:
+def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path, metric: Metric = GREEDY,
+         ks: Sequence[int] = ()) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,23 +196,24 @@ def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path
     methods = list(dict.fromkeys(r["method"] for r in sorted(summary, key=lambda r: method_order(r["method"]))))
     colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
     if participants:
-        fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 3.8), squeeze=False)
+        fig, axes = plt.subplots(1, len(metric.keys), figsize=(6 * len(metric.keys), 3.8), squeeze=False)
         cell = {(r["method"], r["participant"]): r for r in summary}
         width = 0.8 / max(1, len(methods))
-        for ax, m in zip(axes[0], METRICS):
+        for ax, m in zip(axes[0], metric.keys):
             for j, meth in enumerate(methods):
                 xs = [i + j * width for i in range(len(participants))]
                 ys = [cell.get((meth, p), {}).get(m + ":mean", float("nan")) for p in participants]
                 es = [cell.get((meth, p), {}).get(m + ":sd", 0.0) for p in participants]
                 ax.bar(xs, ys, width, yerr=es, capsize=2, label=meth, color=colors[meth])
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(participants))], participants, fontsize=8)
-            ax.set_ylabel(m.replace("eval/", "").replace("/accuracy", " pass@1"))
+            ax.set_ylabel(_axis(metric, m, ks))
             ax.grid(alpha=0.3, axis="y")
-        written.append(_finish(plt, fig, axes, 7, "Final held-out accuracy (mean ± sd over seeds)",
+        what = "accuracy (" if metric == GREEDY else f"{metric.words} ({_k(ks)}; "
+        written.append(_finish(plt, fig, axes, 7, f"Final held-out {what}mean ± sd over seeds)",
                                out / "final_accuracy.png", 110))
-    curves = _curves(cells, out)
+    keys = (*metric.keys, "reward/mean")
+    curves = _curves(cells, out, keys)
     if curves:
-        keys = ("eval/id/accuracy", "eval/ood/accuracy", "reward/mean")
         fig, axes = plt.subplots(len(keys), len(participants) or 1, figsize=(5 * max(1, len(participants)), 9),
                                  squeeze=False)
         for i, key in enumerate(keys):
@@ -196,16 +230,21 @@ def plot(summary: Sequence[dict], cells: Sequence[Cell], out: Path) -> list[Path
                             ax.fill_between(xs, mu - sd, mu + sd, alpha=0.15, color=colors.get(meth), lw=0)
                 ax.set_title(p, fontsize=9)
                 ax.set_xlabel("round")
-                ax.set_ylabel(key)
+                ax.set_ylabel(key if metric == GREEDY or key not in metric.keys else _axis(metric, key, ks))
                 ax.grid(alpha=0.3)
-        written.append(_finish(plt, fig, axes, 6, "Learning curves: mean over seeds, band ± 1 sd over seeds",
+        what = "" if metric == GREEDY else f" ({metric.words}, {_k(ks)})"
+        written.append(_finish(plt, fig, axes, 6, f"Learning curves{what}: mean over seeds, band ± 1 sd over seeds",
                                out / "curves.png", 100))
     return written
 
 
-def _curves(cells: Sequence[Cell], out: Path) -> dict[tuple[str, str, str], list[tuple[int, float, float, int]]]:
-    """(method, participant, key) -> [(round, mean over seeds, sd over seeds, seeds)]; a cell without
-    its own evaluation before round 1 gets the grid's shared one (``initial_eval``) as its round-0 point."""
+Curves = dict[tuple[str, str, str], list[tuple[int, float, float, int]]]
+
+
+def _curves(cells: Sequence[Cell], out: Path, keys: Sequence[str] = (*GREEDY.keys, "reward/mean")) -> Curves:
+    """(method, participant, key) -> [(round, mean over seeds, sd over seeds, seeds)] of each of ``keys``;
+    a cell without its own evaluation before round 1 gets the grid's shared one (``initial_eval``) as
+    its round-0 point."""
     acc: dict[tuple[str, str, str, int], list[float]] = defaultdict(list)
     initial = list(initial_eval(out).values())
     for c in cells:
@@ -217,45 +256,48 @@ def _curves(cells: Sequence[Cell], out: Path) -> dict[tuple[str, str, str], list
         for r in rows:
             if str(r.get("participant", "")).startswith("_"):
                 continue
-            for key in ("eval/id/accuracy", "eval/ood/accuracy", "reward/mean"):
+            for key in keys:
                 v = num(r.get(key))
                 if math.isfinite(v):
                     acc[(c.method, r["participant"], key, int(r["round"]))].append(v)
-    curves: dict[tuple[str, str, str], list[tuple[int, float, float, int]]] = defaultdict(list)
+    curves: Curves = defaultdict(list)
     for (meth, p, key, rnd), vs in sorted(acc.items()):
         mean, sd = _mean_sd(vs)
         curves[(meth, p, key)].append((rnd, mean, sd, len(vs)))
     return curves
 
 
-def write_summary(cells: Sequence[Cell], out: Path, title: str) -> dict:
-    """cells.csv, summary.csv, summary.md and the figures, all from the cells' metrics files."""
-    results = cell_results(cells, out)
-    summary, paired = summarize(results)
+def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric = GREEDY) -> dict:
+    """cells.csv, summary.csv, summary.md and the figures, all from the cells' metrics files, for
+    ``metric`` (``MissingMetric``, naming the cells, when a finished cell lacks it)."""
+    ks = check_metric(cells, out, metric)
+    results = cell_results(cells, out, metric)
+    summary, paired = summarize(results, metrics=metric.keys)
     initial = initial_eval(out)
     diagnostics = train_diagnostics(cells, out)
-    prompt_paired = paired_prompt_table(cells, out)
-    families = family_table(cells, out)
+    prompt_paired = paired_prompt_table(cells, out, metric)
+    families = family_table(cells, out, metric)
     methods = {c.method for c in cells}
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
-    efficiency = efficiency_table(cells, out, initial)
-    verdict_rows = verdicts([*prompt_paired, *efficiency], participants, stronger_participant(initial),
+    efficiency = efficiency_table(cells, out, initial, metric=metric)
+    verdict_rows = verdicts([*prompt_paired, *efficiency], participants, stronger_participant(initial, metric),
                             beyond) if prompt_paired else []
-    _write_csv(out / "cells.csv", results)
-    _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd"} for r in summary] +
-               [{**r, "kind": "paired_diff"} for r in paired] +
+    tag = {} if metric == GREEDY else {"metric": metric.name}          # greedy: the columns as before
+    _write_csv(out / "cells.csv", [{**r, **tag} for r in results])
+    _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd", **tag} for r in summary] +
+               [{**r, "kind": "paired_diff", **tag} for r in paired] +
                [{"method": "before-training", "participant": p, "seeds": 1, "kind": "initial",
-                 **{m + ":mean": num(r.get(m)) for m in METRICS}} for p, r in sorted(initial.items())] +
-               [{**r, "kind": "train_diagnostics"} for r in diagnostics] +
-               [{**r, "kind": "paired_prompts"} for r in prompt_paired] +
-               [{**r, "kind": "family"} for r in families] +
-               [{**r, "kind": "efficiency"} for r in efficiency] +
-               [{**r, "kind": "verdict"} for r in verdict_rows])
+                 **{m + ":mean": num(r.get(m)) for m in metric.keys}, **tag} for p, r in sorted(initial.items())] +
+               [{**r, "kind": "train_diagnostics", **tag} for r in diagnostics] +
+               [{**r, "kind": "paired_prompts", **tag} for r in prompt_paired] +
+               [{**r, "kind": "family", **tag} for r in families] +
+               [{**r, "kind": "efficiency", **tag} for r in efficiency] +
+               [{**r, "kind": "verdict", **tag} for r in verdict_rows])
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
-                                                     prompt_paired, families, verdict_rows, efficiency))
-    plot(summary, cells, out)
+                                                     prompt_paired, families, verdict_rows, efficiency, metric, ks))
+    plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
-            "verdicts": verdict_rows, "efficiency": efficiency}
+            "verdicts": verdict_rows, "efficiency": efficiency, "metric": metric.name, "ks": ks}
 

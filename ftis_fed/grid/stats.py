@@ -5,9 +5,11 @@ The design they serve: every cell of a grid is evaluated on the **same** held-ou
 and ``seed`` = the seed). A comparison of method A with method B for one participant therefore has
 a matrix of paired per-prompt differences
 
-    d[s, i] = solved_A(seed s, prompt i) - solved_B(seed s, prompt i)      in {-1, 0, 1}, shape (S, N)
+    d[s, i] = v_A(seed s, prompt i) - v_B(seed s, prompt i),      shape (S, N)
 
-whose mean over seeds and prompts is the paired accuracy difference. Its uncertainty has two
+with v the per-prompt value of the grid's metric (``grid.metric``): the greedy solved flag (d in
+{-1, 0, 1}) or the sampled pass@1 estimate solved/k (d in [-1, 1], multiples of 1/k). Its mean over
+seeds and prompts is the paired pass@1 difference. Nothing below needs d to be 0/1. Its uncertainty has two
 sources that are *crossed*, not nested: seeds (training randomness: prompts trained on, sampling)
 and prompts (which held-out items were drawn) — the same prompts appear in every seed.
 
@@ -23,16 +25,22 @@ treats the prompts as fixed. The replicates use a generator seeded from the comp
 (``stable_seed``), so a summary is reproduced byte for byte.
 
 **Eval-set size (``paired_eval_size``).** For one seed the paired difference of n prompts has
-variance (q - delta^2) / n ~ q / n, q the share of prompts where the two models disagree (the
-discordance rate). Averaged over S seeds with independent training the prompt part of the variance
-is q / (n S) (the seed part, sigma_seed^2 / S, does not shrink with n). A 95 % half-width of delta
-from the prompt part alone needs n >= z^2 q / (delta^2 S).
+variance (q - delta^2) / n ~ q / n, q = mean(d^2) the mean squared per-prompt difference: for 0/1
+flags the share of prompts where the two models disagree (the discordance rate), for sampled values
+the discordance weighted by how far apart the two estimates are (q <= the share of nonzero d).
+Averaged over S seeds with independent training the prompt part of the variance is q / (n S) (the
+seed part, sigma_seed^2 / S, does not shrink with n). A 95 % half-width of delta from the prompt
+part alone needs n >= z^2 q / (delta^2 S). This treats one prompt's differences in different seeds
+as independent: a prompt that favours one method in every seed adds a share that the pigeonhole
+interval carries and this size does not.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import operator
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -86,20 +94,22 @@ def pigeonhole_bootstrap(d: np.ndarray, draws: int = 4000, seed: int = 0) -> np.
 def paired_interval(d: np.ndarray, name: str = "", draws: int = 4000) -> dict[str, float]:
     """The paired difference of an (S, N) matrix: ``diff`` (the mean), ``lo`` / ``hi`` (pigeonhole
     bootstrap 95 %), ``t_lo`` / ``t_hi`` (paired t over the S per-seed means), ``seeds``, ``prompts``,
-    ``discord`` (share of nonzero entries) and ``se_prompt`` (sqrt(q / (N S)): the prompt part)."""
+    ``discord`` (q = mean(d^2): for 0/1 values the share of nonzero entries, module docstring) and
+    ``se_prompt`` (sqrt(q / (N S)): the prompt part)."""
     d = np.asarray(d, dtype=np.float64)
     S, N = d.shape
     reps = pigeonhole_bootstrap(d, draws, stable_seed("pigeonhole", name, S, N))
     lo, hi = np.percentile(reps, [2.5, 97.5])
     _, t_lo, t_hi = t_interval(d.mean(axis=1))
-    q = float((d != 0).mean())
+    q = float((d * d).mean())
     return {"diff": float(d.mean()), "lo": float(lo), "hi": float(hi), "t_lo": t_lo, "t_hi": t_hi,
             "seeds": S, "prompts": N, "discord": q, "se_prompt": math.sqrt(q / (N * S))}
 
 
 def paired_eval_size(delta: float, discord: float, seeds: int, z: float = Z975) -> int:
     """Prompts per held-out set so that the prompt part of a paired difference over ``seeds`` seeds has
-    a 95 % half-width of at most ``delta``: n = ceil(z^2 q / (delta^2 S)) (module docstring)."""
+    a 95 % half-width of at most ``delta``: n = ceil(z^2 q / (delta^2 S)), ``discord`` = q = mean(d^2)
+    (module docstring)."""
     if not 0 < delta < 1 or not 0 < discord <= 1 or seeds < 1:
         raise ValueError(f"delta={delta}, discord={discord}, seeds={seeds}: need 0<delta<1, 0<q<=1, S>=1")
     return math.ceil(z * z * discord / (delta * delta * seeds))
@@ -109,26 +119,61 @@ def paired_eval_size(delta: float, discord: float, seeds: int, z: float = Z975) 
 
 HELD, NOT_HELD, INCONCLUSIVE, MISSING = "held", "not held", "inconclusive", "no data"
 
+#: The comparison of an interval bound with a claim's margin, by the sign the rules are written with.
+OPS = {"≥": operator.ge, ">": operator.gt, "<": operator.lt, "≤": operator.le}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The verdict rule of a claim about one 95 % interval [lo, hi] of a difference (or ratio) and a
+    margin m, whatever metric the interval is of: **held** when ``held`` = (bound, sign) is true of
+    the interval's bound (``lower`` = lo, ``upper`` = hi) against m; **not held** when ``not_held`` is;
+    else **inconclusive**; no data when a bound is not finite. Its words (``words``) come from the
+    same two pairs, so the summary's rule column is the rule the code applies."""
+
+    held: tuple[str, str]
+    not_held: tuple[str, str]
+
+    def decide(self, lo: float, hi: float, margin: float) -> str:
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return MISSING
+        bound = {"lower": lo, "upper": hi}
+        (b1, s1), (b2, s2) = self.held, self.not_held
+        return HELD if OPS[s1](bound[b1], margin) else NOT_HELD if OPS[s2](bound[b2], margin) else INCONCLUSIVE
+
+    def words(self, margin: str, quantifiers: tuple[str, str] = ("", ""),
+              bound_name: tuple[str, str] = ("", "")) -> str:
+        """``held: <q> <bound> bound <sign> <margin>; not held: ...`` (quantifiers: the held and not-held
+        sides' ``every`` / ``some``, or none for one participant; ``bound_name``: words before and after
+        ``bound`` on the held side, e.g. ``("t ", " of the update ratio")``)."""
+        (b1, s1), (b2, s2) = self.held, self.not_held
+        held = " ".join(filter(None, [quantifiers[0], f"{bound_name[0]}{b1} bound{bound_name[1]}", s1, margin]))
+        not_held = " ".join(filter(None, [quantifiers[1], f"{b2} bound", s2, margin]))
+        return f"held: {held}; not held: {not_held}"
+
+
+#: The claims' rules by name: "difference >= m" (``at_least``), "> m" (``greater``), "< m" (``less``),
+#: "<= m" (``at_most``).
+RULES = {"at_least": Rule(("lower", "≥"), ("upper", "<")), "greater": Rule(("lower", ">"), ("upper", "≤")),
+         "less": Rule(("upper", "<"), ("lower", "≥")), "at_most": Rule(("upper", "≤"), ("lower", ">"))}
+
 
 def at_least(lo: float, hi: float, bound: float) -> str:
     """Claim "difference >= bound": held if the interval lies at or above it, not held if it lies
-    below, else inconclusive."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return MISSING
-    return HELD if lo >= bound else NOT_HELD if hi < bound else INCONCLUSIVE
+    below, else inconclusive (``RULES["at_least"]``)."""
+    return RULES["at_least"].decide(lo, hi, bound)
 
 
 def greater_than(lo: float, hi: float, bound: float = 0.0) -> str:
     """Claim "difference > bound": held if the interval lies above it, not held if it lies at or
-    below it, else inconclusive."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return MISSING
-    return HELD if lo > bound else NOT_HELD if hi <= bound else INCONCLUSIVE
+    below it, else inconclusive (``RULES["greater"]``)."""
+    return RULES["greater"].decide(lo, hi, bound)
 
 
 def less_than(lo: float, hi: float, bound: float = 0.0) -> str:
-    """Claim "difference < bound": ``greater_than`` of the negated difference (interval [-hi, -lo])."""
-    return greater_than(-hi, -lo, -bound)
+    """Claim "difference < bound": held if the interval lies below it, not held if it lies at or above
+    it, else inconclusive (``RULES["less"]``)."""
+    return RULES["less"].decide(lo, hi, bound)
 
 
 def _combine(verdicts: Sequence[str], decisive: str, other: str) -> str:

@@ -1,6 +1,7 @@
 """The grid's tables, computed from the finished cells' files: final accuracies per cell, mean ± sd
 over seeds, paired differences per seed, training diagnostics, and the paired per-prompt
-differences with their intervals (``grid.stats``) that the verdicts (``grid.claims``) read."""
+differences with their intervals (``grid.stats``) that the verdicts (``grid.claims``) read. Every
+accuracy is the grid's metric (``grid.metric``: greedy, the default, or sampled pass@1)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from typing import Sequence
 import numpy as np
 
 from ftis_fed.grid.claims import BASELINE, REFERENCE
+from ftis_fed.grid.metric import GREEDY, Metric, MissingMetric
 from ftis_fed.grid.plan import Cell, method_order
-from ftis_fed.grid.records import final_eval, num, participant_rows, prompt_records, prompt_vectors, read_rows
+from ftis_fed.grid.records import (evaluation_records, final_eval, num, participant_rows, prompt_records,
+                                   prompt_vectors, read_rows)
 
-METRICS = ("eval/id/accuracy", "eval/ood/accuracy")
+#: The keys of the greedy tables (``Metric.keys`` of another metric).
+METRICS = GREEDY.keys
 #: Training diagnostics the summary averages over rounds and seeds (what each method did to the peers'
 #: samples: how much of the own reward signal there was, how far the peers' samples were, what the
 #: filter dropped).
@@ -25,9 +29,37 @@ DIAGNOSTICS = ("reward/mean", "reward/groups_with_signal", "offpolicy/kl_mean", 
                "offpolicy/truncated_frac", "offpolicy/filtered_frac", "train/seconds")
 
 
-def cell_results(cells: Sequence[Cell], out: Path) -> list[dict]:
-    """One row per finished cell × participant: the final held-out accuracies, read from the cell's
-    metrics.jsonl (nothing is typed in)."""
+def check_metric(cells: Sequence[Cell], out: Path, metric: Metric) -> list[int]:
+    """The distinct ``k`` of the sampled evaluations the summary reads (sorted; [] for greedy, which
+    every cell has). Raises ``MissingMetric`` naming every finished cell whose final evaluation lacks
+    ``metric``: the metrics rows' ID key, or the per-prompt ``k`` / ``sampled`` counts."""
+    if metric == GREEDY:
+        return []
+    ks, bad = set(), []
+    for c in cells:
+        cell_dir = out / "cells" / c.name
+        if not (cell_dir / "done.json").exists():
+            continue
+        finals = final_eval(read_rows(cell_dir / "run" / "metrics.jsonl")).values()
+        recs = evaluation_records(prompt_records(cell_dir))
+        if finals and recs and all(math.isfinite(num(r.get(metric.key("id")))) for r in finals) \
+                and all(r.get("k") and r.get("sampled") is not None for r in recs):
+            ks |= {int(r["k"]) for r in recs}
+            continue
+        cfg = cell_dir / "run" / "config.json"
+        samples = f"= {json.loads(cfg.read_text()).get('eval_samples', 0)}" if cfg.exists() else "not recorded"
+        bad.append(f"{c.name} (eval-samples {samples})")
+    if bad:
+        raise MissingMetric(f"--metric {metric.name}: {len(bad)} finished cell(s) have no sampled evaluation "
+                            f"({metric.key('id')} in run/metrics.jsonl.gz, k / sampled in run/eval_prompts.jsonl.gz): "
+                            f"{', '.join(bad)}; run them with --run-config eval-samples=K (K >= 1), or summarise "
+                            "with --metric greedy")
+    return sorted(ks)
+
+
+def cell_results(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
+    """One row per finished cell × participant: the final held-out accuracies (``metric``'s keys), read
+    from the cell's metrics.jsonl (nothing is typed in)."""
     table = []
     for c in cells:
         done = out / "cells" / c.name / "done.json"
@@ -37,7 +69,7 @@ def cell_results(cells: Sequence[Cell], out: Path) -> list[dict]:
         for p, r in sorted(final_eval(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")).items()):
             row = {"cell": c.name, "method": c.method, "mode": c.mode, "groups": c.groups, "seed": c.seed,
                    "participant": p, "round": int(r["round"]), "cell_seconds": seconds}
-            for m in METRICS:
+            for m in metric.keys:
                 row[m] = num(r.get(m))
             row["eval/id/n"] = num(r.get("eval/id/n"))
             table.append(row)
@@ -52,8 +84,9 @@ def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def summarize(results: Sequence[dict], reference: str = REFERENCE) -> tuple[list[dict], list[dict]]:
-    """(per method × participant: mean ± sd over seeds of each metric;
+def summarize(results: Sequence[dict], reference: str = REFERENCE,
+              metrics: Sequence[str] = METRICS) -> tuple[list[dict], list[dict]]:
+    """(per method × participant: mean ± sd over seeds of each of ``metrics`` (keys of ``results``);
         per method × participant: paired difference reference − method over the seeds both have)."""
     by = defaultdict(dict)                               # (method, participant) -> seed -> row
     for r in results:
@@ -61,7 +94,7 @@ def summarize(results: Sequence[dict], reference: str = REFERENCE) -> tuple[list
     summary = []
     for (method, p), seeds in sorted(by.items()):
         row = {"method": method, "participant": p, "seeds": len(seeds)}
-        for m in METRICS:
+        for m in metrics:
             row[m + ":mean"], row[m + ":sd"] = _mean_sd([s[m] for s in seeds.values()])
         summary.append(row)
     paired = []
@@ -74,7 +107,7 @@ def summarize(results: Sequence[dict], reference: str = REFERENCE) -> tuple[list
         if not common:
             continue
         row = {"method": method, "reference": ref_method, "participant": p, "seeds": len(common)}
-        for m in METRICS:
+        for m in metrics:
             diffs = [ref[s][m] - seeds[s][m] for s in common]
             row[m + ":diff_mean"], row[m + ":diff_sd"] = _mean_sd(diffs)
             row[m + ":ref_wins"] = sum(d > 0 for d in diffs if math.isfinite(d))
@@ -107,12 +140,17 @@ def train_diagnostics(cells: Sequence[Cell], out: Path) -> list[dict]:
 
 
 
-def _final_vectors(cells: Sequence[Cell], out: Path) -> dict[tuple[str, str, int], dict]:
-    """(method, participant, seed) -> set key -> (ids, solved) of every finished cell."""
+def _final_vectors(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> dict[tuple[str, str, int], dict]:
+    """(method, participant, seed) -> set key -> (ids, per-prompt values of ``metric``) of every
+    finished cell."""
     got = {}
     for c in cells:
         if (out / "cells" / c.name / "done.json").exists():
-            for p, sets in prompt_vectors(prompt_records(out / "cells" / c.name)).items():
+            try:
+                vectors = prompt_vectors(prompt_records(out / "cells" / c.name), metric=metric)
+            except MissingMetric as e:
+                raise MissingMetric(f"cell {c.name}: {e}") from None
+            for p, sets in vectors.items():
                 got[(c.method, p, c.seed)] = sets
     return got
 
@@ -134,13 +172,13 @@ def comparisons(methods: Sequence[str]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))
 
 
-def paired_prompt_table(cells: Sequence[Cell], out: Path) -> list[dict]:
+def paired_prompt_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
     """One row per comparison (``comparisons``) × participant × set key: the paired per-prompt
-    difference A − B over the seeds both finished, with the pigeonhole-bootstrap and paired-t 95 %
-    intervals (``grid.stats.paired_interval``). Prompts are aligned by task id."""
+    difference A − B of ``metric``'s values over the seeds both finished, with the pigeonhole-bootstrap
+    and paired-t 95 % intervals (``grid.stats.paired_interval``). Prompts are aligned by task id."""
     from ftis_fed.grid.stats import paired_interval
 
-    vec = _final_vectors(cells, out)
+    vec = _final_vectors(cells, out, metric)
     methods = sorted({m for m, _, _ in vec}, key=method_order)
     participants = sorted({p for _, p, _ in vec})
     rows = []
@@ -165,10 +203,10 @@ def paired_prompt_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     return rows
 
 
-def family_table(cells: Sequence[Cell], out: Path) -> list[dict]:
-    """Final accuracy per method × participant × ID / OOD family: mean ± sd over seeds (from the
-    per-prompt records)."""
-    vec = _final_vectors(cells, out)
+def family_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
+    """Final accuracy (``metric``) per method × participant × ID / OOD family: mean ± sd over seeds
+    (from the per-prompt records)."""
+    vec = _final_vectors(cells, out, metric)
     acc: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for (m, p, _), sets in sorted(vec.items()):
         for key, (_, ok) in sets.items():
@@ -181,11 +219,11 @@ def family_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     return rows
 
 
-def stronger_participant(initial: dict[str, dict]) -> str | None:
-    """The participant with the highest ID accuracy before training; None when none was measured or
-    the best two tie (no stronger partner)."""
-    scored = sorted(((-num(r.get("eval/id/accuracy")), p) for p, r in initial.items()
-                     if math.isfinite(num(r.get("eval/id/accuracy")))))
+def stronger_participant(initial: dict[str, dict], metric: Metric = GREEDY) -> str | None:
+    """The participant with the highest ID accuracy (``metric``) before training; None when none was
+    measured or the best two tie (no stronger partner)."""
+    key = metric.key("id")
+    scored = sorted(((-num(r.get(key)), p) for p, r in initial.items() if math.isfinite(num(r.get(key)))))
     if not scored or (len(scored) > 1 and scored[0][0] == scored[1][0]):
         return None
     return scored[0][1]
