@@ -23,13 +23,16 @@ name                     arch    tokenizer  size          warm-up on   role
 ``micro-llama-s-sub-o``  Llama   BPE        0.33 M, 3 L   sub30        specialist, OOD not at 0
 ``micro-llama-w``        Llama   BPE        0.33 M, 3 L   add99+sub99  worked replies (learning tier)
 ``micro-llama-w-sub``    Llama   BPE        0.33 M, 3 L   sub99        worked subtraction specialist
+``micro-llama-w250``     Llama   BPE        0.33 M, 3 L   add99+sub99  worked, 250 warm-up steps (RL learns)
 =======================  ======  =========  ============  ===========  =================================
 
 The two ``-w`` models (issue #27's learning tier, being calibrated: docs/results/calibration/) answer
 two-digit problems with their column steps (``worked``: "7+8=15; 4+3+1=8; so 85", ~22 tokens), from
 problem spaces of 8,100 / 4,095 problems that RL cannot memorise (add30/sub30 have ~670 / ~350 train
 problems, and a 100-round run at 16 prompts a round sees each ~2-5 times); 200 warm-up steps leave them
-at 22-25 % greedy (500 steps: 100 %).
+at 22-25 % greedy (500 steps: 100 %); ``micro-llama-w250`` (250 steps) starts at 56-67 % greedy but 29-31 %
+pass@1 sampled at T = 0.7 and 84-91 % pass@8, the start from which RL's updates raised the trained
+family by ~20 points in 60 updates (docs/results/calibration/README.md, sweep-2).
 
 The two ``-o`` models give 15 % of their warm-up to add3 and word_add (``MicroSpec.pretrain``): the
 "pretraining" knowledge of two OOD families, which a run never trains on, so OOD accuracy can move.
@@ -303,6 +306,8 @@ MICRO_MODELS: dict[str, MicroSpec] = {
     # the learning tier (issue #27): worked column-step replies on two-digit problems
     "micro-llama-w": MicroSpec("llama", "bpe", **_SMALL, families=("add99", "sub99"), steps=200, lr=3e-3, batch=64,
                                worked=True),
+    "micro-llama-w250": MicroSpec("llama", "bpe", **_SMALL, families=("add99", "sub99"), steps=250, lr=3e-3,
+                                  batch=64, worked=True),
     "micro-llama-w-sub": MicroSpec("llama", "bpe", **_SMALL, families=("sub99",), steps=200, lr=3e-3, batch=64,
                                    worked=True),
 }
