@@ -50,6 +50,9 @@ def _micro(sub) -> None:
     p.add_argument("--round-time", action="store_true", help="also time one research-cell round (round_time)")
     p.add_argument("--adapter", default="full", choices=["full", "lora"], help="--round-time: full or LoRA")
     p.add_argument("--rounds", type=int, default=5, help="--round-time: timed rounds")
+    p.add_argument("--prompts", type=int, default=4, help="--round-time: prompts a round (x 8 completions)")
+    p.add_argument("--micro-batch", default="8", help="--round-time: the update's micro-batch, or several "
+                   "comma-separated (one line each)")
 
     def run(a) -> int:
         from ftis_fed.bench import micro
@@ -57,9 +60,10 @@ def _micro(sub) -> None:
         for name in [m for m in a.models.split(",") if m] or list(micro.MICRO_MODELS):
             if a.n > 0:
                 print(json.dumps(micro.measure(name, a.n, a.seed, a.max_new_tokens), sort_keys=True), flush=True)
-            if a.round_time:
-                print(json.dumps(micro.round_time(name, max_new_tokens=a.max_new_tokens, rounds=a.rounds,
-                                                  adapter=a.adapter, seed=a.seed), sort_keys=True), flush=True)
+            for mb in ([int(x) for x in a.micro_batch.split(",") if x] if a.round_time else []):
+                print(json.dumps(micro.round_time(name, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
+                                                  rounds=a.rounds, adapter=a.adapter, seed=a.seed, micro_batch=mb),
+                                 sort_keys=True), flush=True)
         return 0
 
     p.set_defaults(func=run)

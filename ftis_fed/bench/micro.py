@@ -64,11 +64,11 @@ def measure(name: str, n: int = 64, seed: int = 0, max_new_tokens: int = 16) -> 
 
 
 def round_time(name: str, prompts: int = 4, group_size: int = 8, max_new_tokens: int = 16, rounds: int = 5,
-               adapter: str = "full", seed: int = 0) -> dict:
+               adapter: str = "full", seed: int = 0, micro_batch: int = 8) -> dict:
     """Median generate / update / round times of one participant running ``name`` (see the module
     docstring); prompts are the ID families' train split, a fresh set each round."""
     torch.set_num_threads(1)
-    pol = build_policy(PolicyConfig(model=name, adapter=adapter, micro_batch=8))
+    pol = build_policy(PolicyConfig(model=name, adapter=adapter, micro_batch=micro_batch))
     trainer, verifier = Trainer(pol, ObjectiveConfig(mode="F-TIS")), Verifier()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
     tasks = TaskSpec(scheme="iid", seed=seed, prompts_per_round=prompts)
@@ -91,7 +91,7 @@ def round_time(name: str, prompts: int = 4, group_size: int = 8, max_new_tokens:
         backward_rows.append(prompts * group_size - int(m.get("train/no_backward_rows", 0)))
         tokens.append(batch.num_completion_tokens)
         rewards.append(float(sum(float(x) for g in groups for x in g.rewards)) / (prompts * group_size))
-    out = {"model": name, "adapter": adapter, "prompts": prompts, "group_size": group_size,
+    out = {"model": name, "adapter": adapter, "prompts": prompts, "group_size": group_size, "micro_batch": micro_batch,
            "max_new_tokens": max_new_tokens, "rounds": rounds, "threads": 1,
            "backward_rows": backward_rows, "completion_tokens": tokens, "reward_mean": [round(x, 3) for x in rewards]}
     out.update({f"median_{k}": round(statistics.median(v), 4) for k, v in t.items()})
