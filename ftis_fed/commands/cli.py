@@ -6,8 +6,10 @@ import argparse
 import sys
 
 
-def _bench(sub) -> None:
+def _bench(sub, full: bool = True) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (one JSON line each)")
+    if not full:                    # another command: the benchmarks' modules (torch) are not imported
+        return
     b = p.add_subparsers(dest="bench", required=True)
     lp = b.add_parser("loss", help="F-TIS vs plain GRPO: loss + backward time ratio")
     lp.add_argument("--model", default="smollm2")
@@ -57,10 +59,12 @@ def _eval(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given the arguments, ``bench``'s subcommands only when they name ``bench``
+    (their modules import torch: a few seconds of every other command's start)."""
     parser = argparse.ArgumentParser(prog="ftis-fed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _bench(sub)
+    _bench(sub, full=argv is None or "bench" in argv)
     _eval(sub)
     from ftis_fed.commands import deploy, experiment as grid, models as hub, sim as launch
     from ftis_fed.trust import deploy_keys
@@ -74,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     result = args.func(args)
     return int(result or 0)
 
