@@ -26,8 +26,25 @@ def run_dry(*extra: str, timeout: int = 900) -> dict:
     return res
 
 
-def test_dry_run_exercises_the_cpu_paths_and_skips_cuda():
-    res = run_dry("--skip", "participants")
+def dry_in_process(capfd, *extra: str) -> dict:
+    """``gpu_check.main(["--dry", ...])`` in this process (torch, transformers, peft and bitsandbytes
+    already imported: ~10 s of a fresh interpreter's start saved), held to what ``run_dry`` holds the
+    script to: exactly one JSON line on stdout (the file descriptor, so a library's C-level print
+    counts too), the exit status by ``ok``. The script's own start (``python sims/gpu_check.py``) is
+    run by the slow tier's tests below."""
+    from sims import gpu_check
+
+    rc = gpu_check.main(["--dry", *extra])
+    out = capfd.readouterr().out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1, out[-2000:]                                        # exactly one JSON line
+    res = json.loads(lines[0])
+    assert rc == (0 if res["ok"] else 1)
+    return res
+
+
+def test_dry_run_exercises_the_cpu_paths_and_skips_cuda(capfd):
+    res = dry_in_process(capfd, "--skip", "participants")
     assert res["ok"], res
     assert res["dry"] and res["device"] == "cpu" and res["cuda_verified"] is False
     assert res["dry_note"].startswith("DRY RUN") and "nothing ran on a GPU" in res["dry_note"]

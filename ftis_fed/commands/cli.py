@@ -49,6 +49,7 @@ def _eval(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole parser (no torch: bench/cli.py imports each benchmark only when it runs)."""
     parser = argparse.ArgumentParser(prog="ftis-fed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench(sub)

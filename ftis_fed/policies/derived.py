@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
+# torch is imported inside the builders: importing this module only registers them (the launcher's
+# model-name check does, and needs no torch)
 from ftis_fed.policies.store import OFFLINE_MODELS, resolve_model
 
 BPE_BASE_IDS = 252  # 17 special tokens + 235 byte-level base symbols precede the first merge
@@ -28,6 +28,7 @@ BPE_BASE_IDS = 252  # 17 special tokens + 235 byte-level base symbols precede th
 
 def build_truncated_bpe(out: Path, merges: int = 8000, source: str = "smollm2") -> None:
     """SmolLM2 with its BPE cut to the first ``merges`` merges and embeddings sliced to match."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = Path(resolve_model(source))
@@ -65,6 +66,7 @@ def build_sft(out: Path, base: str, families: tuple[str, ...], steps: int, lr: f
     EOS; the loss covers the reply tokens only. Seeded end to end (problems, order, init), so the
     result is reproducible on the same software versions.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ftis_fed.tasks.suite import task_at

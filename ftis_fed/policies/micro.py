@@ -64,8 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
+# torch is imported inside the builders: importing this module only registers them (the launcher's
+# model-name check does, and needs no torch)
 from ftis_fed.policies.store import OFFLINE_MODELS
 
 #: Special tokens, ids 0.. in this order: padding, end of reply (EOS), the two chat roles.
@@ -188,6 +188,7 @@ def model_config(spec: MicroSpec, tok):
 @contextlib.contextmanager
 def deterministic_cpu():
     """One thread and deterministic kernels for the block (bit-identical builds); restored after."""
+    import torch
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -230,6 +231,7 @@ def warmup_rows(tok, families: Sequence[str], n: int, seed: int, pretrain: Seque
 def _batch(rows: Sequence[tuple[list[int], list[int]]], pad_id: int):
     """Right-padded (ids (B,L), attention (B,L), targets (B,L): the next token where it is a reply
     token, else -100)."""
+    import torch
     L = max(len(p) + len(r) for p, r in rows)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)                       # (B,L)
     attn = torch.zeros((len(rows), L), dtype=torch.long)                             # (B,L)
@@ -244,6 +246,7 @@ def _batch(rows: Sequence[tuple[list[int], list[int]]], pad_id: int):
 def warm_up(model, tok, spec: MicroSpec, log: bool = True) -> list[float]:
     """The supervised warm-up of ``spec`` on ``model`` in place: cross-entropy of the reply tokens
     (the bare answer and EOS) given the chat-formatted train-split question. Returns the loss per step."""
+    import torch
     rows = warmup_rows(tok, spec.families, spec.steps * spec.batch, spec.seed, spec.pretrain, spec.pretrain_share,
                        spec.worked)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
@@ -270,6 +273,7 @@ def warm_up(model, tok, spec: MicroSpec, log: bool = True) -> list[float]:
 
 def build_micro(out: Path, spec: MicroSpec, log: bool = True) -> None:
     """Tokenizer, random-initialised model and warm-up of ``spec``, saved into ``out``."""
+    import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     with deterministic_cpu():

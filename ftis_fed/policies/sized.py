@@ -28,8 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
+# torch is imported inside the builders: importing this module only registers them (the launcher's
+# model-name check does, and needs no torch)
 from ftis_fed.policies.store import OFFLINE_MODELS, resolve_model
 
 #: SmolLM2's 30 layers -> the 20 the shallow model keeps: the first 14 and the last two whole, every
@@ -44,6 +44,7 @@ GROW_AFTER = (6, 10, 14, 18, 22, 26)
 def _remapped(base: str, src_layers: Sequence[int], zero: Sequence[int] = ()):
     """A model of ``base``'s architecture whose layer j is a copy of ``base``'s layer ``src_layers[j]``;
     layers whose new index is in ``zero`` get zero output projections (identity residual blocks)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src = resolve_model(base)
@@ -76,6 +77,7 @@ def _remapped(base: str, src_layers: Sequence[int], zero: Sequence[int] = ()):
 def _examples(tok, families: Sequence[str], seed: int, start: int, batch: int):
     """``batch`` chat-formatted train-split problems -> padded ids (B,L), attention (B,L), reply mask (B,L)
     (True where the *next* token is a reply token: the positions whose prediction the CE loss scores)."""
+    import torch
     from ftis_fed.tasks.suite import task_at
 
     rows = []
@@ -101,6 +103,7 @@ def _train(out: Path, tok, student, teacher, *, families: Sequence[str], steps: 
            seed: int, kd_weight: float) -> None:
     """Distil / fine-tune ``student``: kd_weight * KL(teacher || student) over all real positions
     + cross-entropy of the reply tokens. Seeded; prints the loss every 20 steps."""
+    import torch
     torch.manual_seed(seed)
     teacher.eval()
     student.train()
@@ -133,6 +136,7 @@ def build_shallow(out: Path, base: str = "smollm2", layers: Sequence[int] = SHAL
                   families: Sequence[str] = ("add30", "sub30"), steps: int = 40, lr: float = 1e-4,
                   batch: int = 8, seed: int = 0, kd_weight: float = 1.0) -> None:
     """``base`` with only ``layers`` kept, distilled from ``base`` (KL on every position + reply CE)."""
+    import torch
     from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
@@ -160,6 +164,7 @@ def build_grown(out: Path, base: str = "smollm2", after: Sequence[int] = GROW_AF
                 batch: int = 8, seed: int = 0) -> None:
     """``base`` with an identity-initialised copy inserted after each layer in ``after``, then
     ``steps`` of reply fine-tuning (no distillation term: at step 0 it *is* the teacher)."""
+    import torch
     from transformers import AutoConfig, AutoTokenizer
 
     torch.manual_seed(seed)
