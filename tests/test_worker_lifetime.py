@@ -34,7 +34,8 @@ def test_alive_tells_a_running_process_from_an_ended_or_reused_one():
 
 def test_anchors_are_the_simulation_actor_or_the_supernode_side_parent():
     assert liveness_anchors({"partition-id": 0, "num-partitions": 2}) == [[os.getpid(), process_start(os.getpid())]]
-    assert liveness_anchors({"participant": "alice"}) == [[os.getppid(), process_start(os.getppid())]]
+    parent = os.getppid()                                            # 1 when this test run was orphaned
+    assert liveness_anchors({"participant": "alice"}) == ([[parent, process_start(parent)]] if parent > 1 else [])
 
 
 def _run_config(tmp: Path, **over) -> dict:
