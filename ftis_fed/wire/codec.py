@@ -542,26 +542,10 @@ def parse_header(frame: bytes, limits: WireLimits = WireLimits(),
                       n_groups, n_compl, n_ptok, n_ctok, raw_len, payload_len, *strings, body_len)
 
 
-def _read_varint(next_byte, max_bytes: int, bits: int, where: str) -> int:
-    """One canonical unsigned LEB128 value from ``next_byte()`` (a bounded read that raises at the
-    end of its data): at most ``max_bytes`` bytes, no trailing zero byte, below ``2**bits``. The
-    header's values use (10, 64), the payload's (5, 32)."""
-    v = 0
-    for i in range(max_bytes):
-        b = next_byte()
-        v |= (b & 0x7F) << (7 * i)
-        if not b & 0x80:
-            if b == 0 and i > 0:
-                raise _bad("undecodable", f"{where}: varint not minimal")
-            if v >= 1 << bits:
-                raise _bad("undecodable", f"{where}: varint above 2**{bits}")
-            return v
-    raise _bad("undecodable", f"{where}: varint too long (more than {max_bytes} bytes)")
-
-
 def _varint_at(buf, pos: int, end: int, max_bytes: int, bits: int, where: str, ended) -> tuple[int, int]:
-    """:func:`_read_varint` over ``buf[pos:end]`` by index (no callable per byte) -> (value, next pos);
-    the same checks and messages; ``ended(left)``: the error when the data ends inside the value."""
+    """One canonical unsigned LEB128 value from ``buf[pos:end]`` -> (value, next pos): at most
+    ``max_bytes`` bytes, no trailing zero byte, below ``2**bits``; ``ended(left)``: the error when the
+    data ends inside the value. The header's values use (10, 64), the payload's (5, 32)."""
     v = 0
     for i in range(max_bytes):
         if pos >= end:
