@@ -272,20 +272,27 @@ def test_address_leaves_the_users_flower_configuration_as_it_was(tmp_path):
 # ----------------------------------------------------------------------------- models built first
 
 @pytest.mark.slow                       # builds two tiny models into a fresh cache: ~20 s here
-def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tmp_path, monkeypatch, capsys):
-    """In a fresh cache (SmolLM2 linked in: the tiny models take its tokenizer), the models a run
-    needs are listed, built with "building …" and the time, verified, and not built again."""
-    from ftis_fed.commands.sim import build_models
-    from ftis_fed.config.validation import models_to_build
+def _fresh_cache_run_config(tmp_path, monkeypatch, p0_model: str, p1_model: str) -> dict:
+    """A two-participant run config over an empty model cache (FTIS_FED_CACHE in tmp) with SmolLM2
+    linked in (the tiny models take its tokenizer)."""
     from ftis_fed.policies.models import resolve_model
 
     real = Path(resolve_model("smollm2"))
     monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache" / "models").mkdir(parents=True)
     (tmp_path / "cache" / "models" / "smollm2").symlink_to(real)
-    overrides, _, _ = launch.checked_run_config(ROOT, {"p0-model": "tiny-llama", "p1-model": "tiny-llama-b",
+    overrides, _, _ = launch.checked_run_config(ROOT, {"p0-model": p0_model, "p1-model": p1_model,
                                                     "p2-model": "", "output-dir": str(tmp_path / "out")})
-    cfg = launch.merged_run_config(ROOT, overrides)
+    return launch.merged_run_config(ROOT, overrides)
+
+
+def test_the_launcher_builds_and_verifies_missing_models_before_flower_starts(tmp_path, monkeypatch, capsys):
+    """In a fresh cache (SmolLM2 linked in: the tiny models take its tokenizer), the models a run
+    needs are listed, built with "building …" and the time, verified, and not built again."""
+    from ftis_fed.commands.sim import build_models
+    from ftis_fed.config.validation import models_to_build
+
+    cfg = _fresh_cache_run_config(tmp_path, monkeypatch, "tiny-llama", "tiny-llama-b")
     assert models_to_build(cfg) == {"tiny-llama": ["smol-full"], "tiny-llama-b": ["smol-lora"]}
     lines: list[str] = []
     built = build_models({"tiny-llama": ["smol-full"]}, say=lines.append, every_s=0.05)
@@ -306,17 +313,10 @@ def test_under_plain_flwr_run_the_serverapp_builds_before_the_first_hello(tmp_pa
     the ServerApp builds the missing offline models before it says hello to anyone, so the hello
     wait (wait-for-participants-s) only covers loading; it says which and names the command; the
     model is then in the cache, so the participants' workers load it instead of building it."""
-    from ftis_fed.config.federation import models_to_build
-    from ftis_fed.policies.models import resolve_model
+    from ftis_fed.config.validation import models_to_build
     from strategies.server_app import build_before_hello
 
-    real = Path(resolve_model("smollm2"))
-    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "cache" / "models").mkdir(parents=True)
-    (tmp_path / "cache" / "models" / "smollm2").symlink_to(real)
-    overrides, _, _ = launch.checked_run_config(ROOT, {"p0-model": "tiny-llama", "p1-model": "smollm2",
-                                                    "p2-model": "", "output-dir": str(tmp_path / "out")})
-    cfg = launch.merged_run_config(ROOT, overrides)
+    cfg = _fresh_cache_run_config(tmp_path, monkeypatch, "tiny-llama", "smollm2")
     assert models_to_build(cfg) == {"tiny-llama": ["smol-full"]}
     said: list[str] = []
     build_before_hello(cfg, log=lambda level, msg, *a: said.append(msg % a))
