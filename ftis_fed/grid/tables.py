@@ -172,8 +172,9 @@ def comparisons(methods: Sequence[str]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))
 
 
-def paired_prompt_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
-    """One row per comparison (``comparisons``) × participant × set key: the paired per-prompt
+def paired_prompt_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY,
+                        pairs: Sequence[tuple[str, str]] | None = None) -> list[dict]:
+    """One row per comparison (``pairs``, default ``comparisons``) × participant × set key: the paired per-prompt
     difference A − B of ``metric``'s values over the seeds both finished, with the pigeonhole-bootstrap
     and paired-t 95 % intervals (``grid.stats.paired_interval``). Prompts are aligned by task id."""
     from ftis_fed.grid.stats import paired_interval
@@ -182,7 +183,7 @@ def paired_prompt_table(cells: Sequence[Cell], out: Path, metric: Metric = GREED
     methods = sorted({m for m, _, _ in vec}, key=method_order)
     participants = sorted({p for _, p, _ in vec})
     rows = []
-    for a, b in comparisons(methods):
+    for a, b in (comparisons(methods) if pairs is None else pairs):
         for p in participants:
             seeds = sorted({s for m, q, s in vec if m == a and q == p} & {s for m, q, s in vec if m == b and q == p})
             if not seeds:
