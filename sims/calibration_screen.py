@@ -18,37 +18,31 @@ greedy and sampled (T = 0.7, mean of k) pass@1 per ID family, from the committed
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from pathlib import Path
 
 
-def family_scores(record: dict) -> dict[str, tuple[float, float]]:
-    """family -> (greedy pass@1, sampled pass@1) of one ID evaluation record."""
-    acc: dict[str, list[float]] = {}
-    k = max(1, int(record.get("k", 1)))
-    sampled = record.get("sampled") or [0] * len(record["ids"])
-    for task, solved, count in zip(record["ids"], record["solved"], sampled):
-        a = acc.setdefault(task.split("/")[0], [0.0, 0.0, 0])
-        a[0] += solved == "1"
-        a[1] += count / k
-        a[2] += 1
-    return {f: (a[0] / a[2], a[1] / a[2]) for f, a in sorted(acc.items())}
+def family_scores(records: list[dict], rnd: int) -> dict[str, tuple[float, float]]:
+    """ID family -> (greedy pass@1, sampled pass@1) of the participant's evaluation at round ``rnd``
+    (``grid.records.prompt_vectors``, the grid's own reading of the records)."""
+    from ftis_fed.grid.metric import GREEDY, SAMPLED
+    from ftis_fed.grid.records import prompt_vectors
+
+    greedy, sampled = (next(iter(prompt_vectors(records, rnd, metric=m).values())) for m in (GREEDY, SAMPLED))
+    return {k[3:]: (float(greedy[k][1].mean()), float(sampled[k][1].mean()))
+            for k in sorted(greedy) if k.startswith("id:")}
 
 
 def run_row(folder: Path) -> dict:
     """One run's reward curve (means over sixths of its rounds) and its evaluations by family."""
-    rows = [json.loads(x) for x in gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()]
+    from ftis_fed.grid.records import read_rows
+
+    rows = read_rows(folder / "metrics.jsonl")
     rewards = [r["reward/mean"] for r in rows if r.get("phase") == "train" and "reward/mean" in r]
     step = max(1, len(rewards) // 6)
     curve = [sum(rewards[i:i + step]) / len(rewards[i:i + step]) for i in range(0, len(rewards), step)]
-    evals = {}
-    path = folder / "eval_prompts.jsonl.gz"
-    if path.exists():
-        for x in gzip.decompress(path.read_bytes()).decode().splitlines():
-            r = json.loads(x)
-            if r["set"] == "id":
-                evals[int(r["round"])] = family_scores(r)
+    records = read_rows(folder / "eval_prompts.jsonl")
+    evals = {rnd: family_scores(records, rnd) for rnd in sorted({int(r["round"]) for r in records})}
     return {"rounds_trained": len(rewards), "reward_curve": curve, "evals": evals}
 
 
