@@ -142,8 +142,9 @@ def folder_files(path: Path, split: str, where: str) -> list[Path]:
 
 # ----------------------------------------------------------------------------- the two readers
 
-def _csv_header(path: Path, where: str) -> list[str]:
-    """The header of a CSV file, after checking every row has as many fields (both readers)."""
+def _csv_records(path: Path, where: str) -> tuple[list[str], list[list[str]]]:
+    """A CSV file's header and its non-empty records, after checking every record has as many fields
+    (both readers check this; one read of the file)."""
     reader = csv.reader(io.StringIO(path.read_text(encoding="utf-8-sig"), newline=""))
     header = next(reader, None)
     if not header:
@@ -151,17 +152,20 @@ def _csv_header(path: Path, where: str) -> list[str]:
     dup = sorted({c for c in header if header.count(c) > 1})
     if dup:
         raise ValueError(f"{where}: {path.name}'s header names {', '.join(map(repr, dup))} more than once")
+    records = []
     for n, fields in enumerate(reader, 2):
         if fields and len(fields) != len(header):
             raise ValueError(f"{where}: {path.name} record {n} has {len(fields)} fields, the header "
                              f"{len(header)}")
-    return header
+        if fields:
+            records.append(fields)
+    return header, records
 
 
 def read_file_stdlib(path: Path, where: str) -> list[dict]:
     if path.suffix == ".csv":
-        _csv_header(path, where)
-        return [dict(r) for r in csv.DictReader(io.StringIO(path.read_text(encoding="utf-8-sig"), newline=""))]
+        header, records = _csv_records(path, where)
+        return [dict(zip(header, fields)) for fields in records]
     if path.suffix in (".json", ".jsonl") and path.read_bytes()[:3] == b"\xef\xbb\xbf":
         text = path.read_text(encoding="utf-8-sig")           # datasets skips a BOM; so do we
         if path.suffix == ".json":
@@ -191,7 +195,7 @@ def read_file_datasets(path: Path, where: str) -> list[dict]:
     with _quiet_datasets() as (datasets, cache):
         kw: dict[str, Any] = {}
         if builder == "csv":                        # strings as written, the same as the csv module reads
-            header = _csv_header(path, where)
+            header, _ = _csv_records(path, where)
             kw = dict(features=datasets.Features({c: datasets.Value("string") for c in header}),
                       keep_default_na=False, na_filter=False, encoding="utf-8-sig")
         elif builder == "json":
