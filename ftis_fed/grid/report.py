@@ -20,7 +20,7 @@ from ftis_fed.grid.efficiency import efficiency_table
 from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import initial_eval, num, read_rows
-from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table,
+from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, gain_table,
                                   paired_prompt_table, stronger_participant, summarize, train_diagnostics)
 
 
@@ -66,7 +66,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      title: str, initial: dict[str, dict] | None = None,
                      diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
                      families: Sequence[dict] = (), verdict_rows: Sequence[dict] = (),
-                     efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = ()) -> str:
+                     efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = (),
+                     gains: Sequence[dict] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -87,6 +88,22 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "(same held-out prompts in every cell, other training prompts and sampling per seed), 95 % "
                   "pigeonhole bootstrap (seeds and prompts resampled independently, 4000 replicates, "
                   "`ftis_fed/grid/stats.py`); *t*: the paired t interval over the per-seed means.", ""]
+    if gains:
+        fams = sorted({r["set"] for r in gains if r["set"].startswith("id:")})
+        by = {(r["method"], r["participant"], r["set"]): r for r in gains}
+        lines += ["## Learning: final − before training (points; per seed, each cell's last evaluation minus its own "
+                  "before round 1 on the same prompts; 95 % pigeonhole-bootstrap CI; t interval; seeds gained)", "",
+                  "| method | participant | seeds | ID before → after | ID gain [95 % CI] | ID t-CI | seeds gained | "
+                  + " | ".join(fams) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(fams)]
+        for m, p in dict.fromkeys((r["method"], r["participant"]) for r in gains):
+            r = by.get((m, p, "id"))
+            if r is None:
+                continue
+            t = f"[{100 * r['t_lo']:+.1f}, {100 * r['t_hi']:+.1f}]" if math.isfinite(r["t_lo"]) else "–"
+            lines.append(f"| {m} | {p} | {r['seeds']} | {r['start']:.3f} → {r['final']:.3f} | {_ci(r)} | {t} | "
+                         f"{r['gained']}/{r['seeds']} | "
+                         + " | ".join(_ci(by[(m, p, k)]) if (m, p, k) in by else "–" for k in fams) + " |")
+        lines.append("")
     if verdict_rows:
         lines += ["## Verdicts", "", "| claim | statement | comparison | verdict | difference [95 % CI], points | rule |",
                   "|---|---|---|---|---|---|"]
@@ -277,6 +294,7 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
     diagnostics = train_diagnostics(cells, out)
     prompt_paired = paired_prompt_table(cells, out, metric)
     families = family_table(cells, out, metric)
+    gains = gain_table(cells, out, metric)
     methods = {c.method for c in cells}
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
@@ -293,11 +311,13 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
                [{**r, "kind": "paired_prompts", **tag} for r in prompt_paired] +
                [{**r, "kind": "family", **tag} for r in families] +
                [{**r, "kind": "efficiency", **tag} for r in efficiency] +
-               [{**r, "kind": "verdict", **tag} for r in verdict_rows])
+               [{**r, "kind": "verdict", **tag} for r in verdict_rows] +
+               [{**r, "kind": "gain", **tag} for r in gains])
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
-                                                     prompt_paired, families, verdict_rows, efficiency, metric, ks))
+                                                     prompt_paired, families, verdict_rows, efficiency, metric, ks,
+                                                     gains))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
-            "verdicts": verdict_rows, "efficiency": efficiency, "metric": metric.name, "ks": ks}
+            "verdicts": verdict_rows, "efficiency": efficiency, "gains": gains, "metric": metric.name, "ks": ks}
 

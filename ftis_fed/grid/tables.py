@@ -204,6 +204,46 @@ def paired_prompt_table(cells: Sequence[Cell], out: Path, metric: Metric = GREED
     return rows
 
 
+def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
+    """One row per method × participant × set key (``id``, ``ood``, ``id:<family>``): what training did,
+    final − before training, as the paired per-prompt difference of ``metric``'s values between a cell's
+    last evaluation and its own evaluation before round 1 (a cell without one: the grid's shared one, the
+    first finished cell's by name, as ``initial_eval``: the same models before training; same prompts),
+    over the seeds with both, with the pigeonhole-bootstrap and t 95 % intervals
+    (``grid.stats.paired_interval``). The calibration's table: a method learns where the lower bound of
+    its ID gain is above 0."""
+    from ftis_fed.grid.stats import paired_interval
+
+    final = _final_vectors(cells, out, metric)
+    start: dict[tuple[str, str, int], dict] = {}
+    shared: dict[str, dict] = {}                  # the grid's evaluation before round 1 (``initial_eval``)
+    for c in sorted(cells, key=lambda c: c.name):
+        if (out / "cells" / c.name / "done.json").exists():
+            for p, sets in prompt_vectors(prompt_records(out / "cells" / c.name), 0, metric=metric).items():
+                start[(c.method, p, c.seed)] = sets
+                shared.setdefault(p, sets)
+    for m, p, s in final:
+        if (m, p, s) not in start and p in shared:
+            start[(m, p, s)] = shared[p]
+    rows = []
+    for m in sorted({k[0] for k in final}, key=method_order):
+        for p in sorted({k[1] for k in final if k[0] == m}):
+            seeds = sorted(s for (mm, q, s) in final if mm == m and q == p and (m, p, s) in start)
+            if not seeds:
+                continue
+            keys = sorted(set.intersection(*[set(final[(m, p, s)]) & set(start[(m, p, s)]) for s in seeds]),
+                          key=lambda k: (k not in ("id", "ood"), k))
+            for key in keys:
+                if key.startswith("ood:") or any(final[(m, p, s)][key][0] != start[(m, p, s)][key][0] for s in seeds):
+                    continue
+                F = np.stack([final[(m, p, s)][key][1] for s in seeds])                    # (S,N)
+                B = np.stack([start[(m, p, s)][key][1] for s in seeds])                    # (S,N)
+                st = paired_interval(F - B, f"gain|{m}|{p}|{key}")
+                rows.append({"method": m, "participant": p, "set": key, "start": float(B.mean()),
+                             "final": float(F.mean()), **st, "gained": int(((F - B).mean(axis=1) > 0).sum())})
+    return rows
+
+
 def family_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
     """Final accuracy (``metric``) per method × participant × ID / OOD family: mean ± sd over seeds
     (from the per-prompt records)."""
