@@ -172,31 +172,43 @@ def comparisons(methods: Sequence[str]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))
 
 
+def _paired_sets(a: dict[int, dict], b: dict[int, dict], name: str) -> list[tuple[str, np.ndarray, np.ndarray, dict]]:
+    """The paired per-prompt comparison of two sides given per seed as set key -> (ids, values): for each
+    set key both sides have in every seed they share (``id`` and ``ood`` first), when every seed of both
+    sides holds the same prompts, (key, A (S,N), B (S,N), ``paired_interval(A - B, name|key)``)."""
+    from ftis_fed.grid.stats import paired_interval
+
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return []
+    keys = sorted(set.intersection(*[set(a[s]) & set(b[s]) for s in seeds]), key=lambda k: (k not in ("id", "ood"), k))
+    out = []
+    for key in keys:
+        ids = a[seeds[0]][key][0]
+        if any(side[s][key][0] != ids for side in (a, b) for s in seeds):
+            continue                                   # not the same prompts: not paired
+        A = np.stack([a[s][key][1] for s in seeds])                                           # (S,N)
+        B = np.stack([b[s][key][1] for s in seeds])                                           # (S,N)
+        out.append((key, A, B, paired_interval(A - B, f"{name}|{key}")))
+    return out
+
+
+def _by_seed(vec: dict[tuple[str, str, int], dict], method: str, participant: str) -> dict[int, dict]:
+    return {s: sets for (m, p, s), sets in vec.items() if m == method and p == participant}
+
+
 def paired_prompt_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY,
                         pairs: Sequence[tuple[str, str]] | None = None) -> list[dict]:
     """One row per comparison (``pairs``, default ``comparisons``) × participant × set key: the paired per-prompt
     difference A − B of ``metric``'s values over the seeds both finished, with the pigeonhole-bootstrap
     and paired-t 95 % intervals (``grid.stats.paired_interval``). Prompts are aligned by task id."""
-    from ftis_fed.grid.stats import paired_interval
-
     vec = _final_vectors(cells, out, metric)
     methods = sorted({m for m, _, _ in vec}, key=method_order)
     participants = sorted({p for _, p, _ in vec})
     rows = []
     for a, b in (comparisons(methods) if pairs is None else pairs):
         for p in participants:
-            seeds = sorted({s for m, q, s in vec if m == a and q == p} & {s for m, q, s in vec if m == b and q == p})
-            if not seeds:
-                continue
-            keys = sorted(set.intersection(*[set(vec[(a, p, s)]) & set(vec[(b, p, s)]) for s in seeds]),
-                          key=lambda k: (k not in ("id", "ood"), k))
-            for key in keys:
-                ids = vec[(a, p, seeds[0])][key][0]
-                if any(vec[(m, p, s)][key][0] != ids for m in (a, b) for s in seeds):
-                    continue                                   # not the same prompts: not paired
-                A = np.stack([vec[(a, p, s)][key][1] for s in seeds])                        # (S,N)
-                B = np.stack([vec[(b, p, s)][key][1] for s in seeds])                        # (S,N)
-                st = paired_interval(A - B, f"{a}|{b}|{p}|{key}")
+            for key, A, B, st in _paired_sets(_by_seed(vec, a, p), _by_seed(vec, b, p), f"{a}|{b}|{p}"):
                 rows.append({"a": a, "b": b, "participant": p, "set": key, "a_acc": float(A.mean()),
                              "b_acc": float(B.mean()), **st,
                              "a_wins": int(((A - B).mean(axis=1) > 0).sum()),
@@ -212,14 +224,13 @@ def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> lis
     over the seeds with both, with the pigeonhole-bootstrap and t 95 % intervals
     (``grid.stats.paired_interval``). The calibration's table: a method learns where the lower bound of
     its ID gain is above 0."""
-    from ftis_fed.grid.stats import paired_interval
-
     final = _final_vectors(cells, out, metric)
     start: dict[tuple[str, str, int], dict] = {}
     shared: dict[str, dict] = {}                  # the grid's evaluation before round 1 (``initial_eval``)
     for c in sorted(cells, key=lambda c: c.name):
         if (out / "cells" / c.name / "done.json").exists():
             for p, sets in prompt_vectors(prompt_records(out / "cells" / c.name), 0, metric=metric).items():
+                sets = {k: v for k, v in sets.items() if not k.startswith("ood:")}     # OOD: pooled only
                 start[(c.method, p, c.seed)] = sets
                 shared.setdefault(p, sets)
     for m, p, s in final:
@@ -228,17 +239,7 @@ def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> lis
     rows = []
     for m in sorted({k[0] for k in final}, key=method_order):
         for p in sorted({k[1] for k in final if k[0] == m}):
-            seeds = sorted(s for (mm, q, s) in final if mm == m and q == p and (m, p, s) in start)
-            if not seeds:
-                continue
-            keys = sorted(set.intersection(*[set(final[(m, p, s)]) & set(start[(m, p, s)]) for s in seeds]),
-                          key=lambda k: (k not in ("id", "ood"), k))
-            for key in keys:
-                if key.startswith("ood:") or any(final[(m, p, s)][key][0] != start[(m, p, s)][key][0] for s in seeds):
-                    continue
-                F = np.stack([final[(m, p, s)][key][1] for s in seeds])                    # (S,N)
-                B = np.stack([start[(m, p, s)][key][1] for s in seeds])                    # (S,N)
-                st = paired_interval(F - B, f"gain|{m}|{p}|{key}")
+            for key, F, B, st in _paired_sets(_by_seed(final, m, p), _by_seed(start, m, p), f"gain|{m}|{p}"):
                 rows.append({"method": m, "participant": p, "set": key, "start": float(B.mean()),
                              "final": float(F.mean()), **st, "gained": int(((F - B).mean(axis=1) > 0).sum())})
     return rows
