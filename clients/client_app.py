@@ -68,9 +68,16 @@ def worker_payload(run_config: dict, node_config: dict, fed, spec, run_key: str)
 
 def worker_host(fed, spec, node_config) -> tuple[str, int]:
     """(the worker this participant lives in, participants per worker): its own (``spec.name``),
-    or with ``participants-per-worker`` k > 1 in simulation the one of partitions [i*k, (i+1)*k)."""
+    or with ``participants-per-worker`` k > 1 in simulation worker i of W = ceil(N / k), which hosts
+    partitions i, i + W, i + 2W, ... (at most k of them). Dealt round-robin, not in blocks of k
+    consecutive ids: Flower's simulation hands the messages of a phase to its ClientApp actors in
+    partition order, so the first W messages (the hello at the start too) reach W different workers,
+    which start and answer in parallel; in blocks, every actor would wait on worker 0 first."""
     per = 1 if "participant" in node_config else fed.participants_per_worker
-    return (spec.name if per <= 1 else f"host{spec.partition_id // per}-of-{per}"), per
+    if per <= 1:
+        return spec.name, per
+    workers = -(-max(1, spec.num_partitions) // per)
+    return f"host{spec.partition_id % workers}-of-{per}", per
 
 
 def _node_facts(context: Context) -> dict:

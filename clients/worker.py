@@ -187,12 +187,14 @@ class WorkerError(RuntimeError):
 
 
 def _connect(sock: Path, authkey: bytes, timeout: float = 2.0):
-    """Connect, or None when nobody listens there."""
+    """Connect, or None when nobody listens there, or the worker closed the connection before the
+    handshake was done (EOFError: it is exiting, e.g. a process-mate's ``finish`` ended it while
+    this node's ``finish`` connected)."""
     if not sock.exists():
         return None
     try:
         return Client(str(sock), family="AF_UNIX", authkey=authkey)
-    except (ConnectionRefusedError, FileNotFoundError, OSError):
+    except (ConnectionRefusedError, FileNotFoundError, OSError, EOFError):
         return None
 
 

@@ -47,7 +47,7 @@ from ftis_fed.trust.attacks import Attacker, payload_poisoner
 from ftis_fed.learn.rollouts import scored_groups_with_scores
 from ftis_fed.tasks.scores import per_function_metrics
 from ftis_fed.metrics.completions import append_log, completion_records
-from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_key_directory, load_private_key,
+from ftis_fed.trust.signing import (ReplayGuard, fingerprint, key_paths, load_private_key, shared_key_directory,
                                    run_name_of, sign_batch, sign_challenge)
 from ftis_fed.learn.training import Trainer, samples_from_batches
 from ftis_fed.wire.codec import send_options
@@ -125,7 +125,7 @@ class Participant:
         self.model_loads = self._count_load()
         paths = key_paths(spec.name, spec.keys_dir)
         self.key = load_private_key(paths.private)
-        self.keys = load_key_directory(Path(spec.keys_dir) / "public")
+        self.keys = shared_key_directory(Path(spec.keys_dir) / "public")   # one parse per worker process
         if self.keys.get(spec.name) is None or fingerprint(self.keys[spec.name]) != fingerprint(self.key):
             raise ValueError(f"participant {spec.name!r}: its public key is missing from {spec.keys_dir}/public "
                              "or does not match its private key")

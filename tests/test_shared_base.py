@@ -82,3 +82,85 @@ def test_shared_base_equals_a_model_per_participant(tmp_path):
 def test_share_base_needs_lora_on_the_hf_backend():
     with pytest.raises(ValueError, match=r"policy.share_base=True: .*needs adapter='lora'.*adapter is 'full'"):
         PolicyConfig(model="micro-llama-s", adapter="full", share_base=True)
+
+
+def test_adding_and_switching_adapters_touch_two_of_them_and_match_peft_over_all(tmp_path):
+    """#31: 256 participants in 8 workers spent ~10 s per worker in peft's add_adapter / set_adapter,
+    which walk every adapter's modules (O(k) each, O(k^2) per worker). The shared base shows the
+    model with its active adapter alone (peft: the two it switches between): every parameter (name, order, value, trainable flag),
+    every layer's active adapter and the logits equal peft's own calls over all adapters, after each
+    of five adapters (ranks 4, 8, 2, 16, 4, two with dropout) and six switches; and the modules
+    ``add_adapter`` walks, and those the model shows between calls (what ``train()``, ``eval()`` and
+    the shared-prefix check walk), stay as many with the 5th adapter as with the 2nd."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from transformers import AutoModelForCausalLM
+
+    from ftis_fed.policies.models import resolve_model
+
+    path = resolve_model("micro-llama-s")
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(path)
+
+    def lora(r: int, dropout: float) -> LoraConfig:
+        return LoraConfig(r=r, lora_alpha=32.0, lora_dropout=dropout, target_modules="all-linear",
+                          task_type="CAUSAL_LM")
+
+    def state(model) -> list:
+        return [(n, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()]
+
+    def same(base, ref) -> None:
+        model = base.model
+        with base.everything():                                         # every adapter, as peft holds them
+            a = state(model)
+            assert sum(1 for _ in model.modules()) == sum(1 for _ in ref.modules())
+        b = state(ref)
+        assert [(n, g) for n, g, _ in a] == [(n, g) for n, g, _ in b]
+        assert all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(a, b))
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        ref_layers = [m for m in ref.modules() if isinstance(m, BaseTunerLayer)]
+        assert [m.active_adapters for m in layers] == [m.active_adapters for m in ref_layers]
+        assert model.active_adapter == ref.active_adapter
+        shown.append(sum(1 for _ in model.modules()))                   # between calls: the active one alone
+        ids = torch.arange(1, 13).reshape(2, 6)
+        model.eval(), ref.eval()
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+    adapters = [(4, 0.0, 11), (8, 0.1, 12), (2, 0.0, 13), (16, 0.05, 14), (4, 0.0, 15)]
+    key = (str(tmp_path), "fp32", "none")
+    walked, shown = [], []
+    try:
+        base, _ = shared_base.attach(key, load, lora(*adapters[0][:2]), adapters[0][2], lambda m: m.generation_config)
+        add = base.model.add_adapter
+
+        def counting_add(*args, **kwargs):
+            walked.append(sum(1 for _ in base.model.modules()))
+            return add(*args, **kwargs)
+
+        base.model.add_adapter = counting_add
+        ref = load()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        torch.manual_seed(adapters[0][2])
+        ref = get_peft_model(ref, lora(*adapters[0][:2]), adapter_name="a0")
+        for i, (r, dropout, seed) in enumerate(adapters[1:], 1):
+            got, name = shared_base.attach(key, load, lora(r, dropout), seed, lambda m: m.generation_config)
+            assert got is base and name == f"a{i}"
+            torch.manual_seed(seed)
+            ref.add_adapter(name, lora(r, dropout))
+            ref.set_adapter(name)
+            same(base, ref)
+        assert len(walked) == 4 and len(set(walked)) == 1               # as many modules with 4 adapters as with 1
+        with base.everything():
+            assert sum(1 for _ in base.model.modules()) > walked[0]     # while the model holds more
+        for name in ("a1", "a3", "a0", "a3", "a4", "a2"):
+            base.activate(name)
+            ref.set_adapter(name)
+            same(base, ref)
+        assert len(set(shown)) == 1                                     # the same with 1 adapter shown of 2 ... 5
+        assert [n for n, _ in base.parameters_of("a3")] == [n for n, _ in shared_base.adapter_parameters(ref, "a3")]
+        assert base.model.active_adapter == "a2" and shown[-1] == sum(1 for _ in base.model.modules())
+    finally:
+        shared_base._BASES.pop(key, None)

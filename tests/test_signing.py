@@ -413,3 +413,30 @@ def test_tls_files_make_a_real_handshake_for_the_named_hosts(tmp_path):
         t.join(timeout=10)
     with pytest.raises(FileExistsError):
         generate_tls(tmp_path / "certs", ["127.0.0.1"])
+
+
+def test_a_shared_key_directory_is_parsed_once_until_a_key_file_changes(tmp_path, monkeypatch):
+    """#31: the 32 participants a worker hosts each parsed all N public keys at their hello (N^2
+    parses a run). ``shared_key_directory`` parses the folder once per process and reads it anew
+    when a key file is added, removed or rewritten."""
+    from pathlib import Path
+
+    from ftis_fed.trust import signing
+
+    for name in ("alice", "bob"):
+        generate_keypair(name, tmp_path / "keys")
+    parsed = []
+    real = signing.load_public_key
+    monkeypatch.setattr(signing, "load_public_key", lambda p: parsed.append(Path(p).stem) or real(p))
+    signing._SHARED_DIRS.clear()
+    first = signing.shared_key_directory(tmp_path / "keys" / "public")
+    assert signing.shared_key_directory(tmp_path / "keys" / "public") is first
+    assert sorted(parsed) == ["alice", "bob"] and sorted(first) == ["alice", "bob"]
+    generate_keypair("carol", tmp_path / "keys")                     # a key added: read anew
+    again = signing.shared_key_directory(tmp_path / "keys" / "public")
+    assert again is not first and sorted(again) == ["alice", "bob", "carol"]
+    old_bob = again["bob"]
+    generate_keypair("bob", tmp_path / "keys", overwrite=True)      # a key rewritten: read anew
+    fresh = signing.shared_key_directory(tmp_path / "keys" / "public")
+    assert fingerprint(fresh["bob"]) != fingerprint(old_bob)        # bob's new key, not the cached one
+    signing._SHARED_DIRS.clear()

@@ -56,3 +56,31 @@ def test_a_worker_of_another_run_of_the_same_state_dir_is_ended(tmp_path):
     finally:
         if old.poll() is None:
             old.kill()
+
+
+def test_a_worker_closing_during_the_handshake_counts_as_no_worker(tmp_path, monkeypatch):
+    """#31, 256 participants in 8 workers: the first ``finish`` of a worker's 32 ends it; a
+    process-mate's ``finish`` that connected meanwhile saw the socket close before the handshake
+    (EOFError), which the ClientApp raised as an error reply. No worker there is what it means."""
+    import socket
+    import threading
+
+    from clients.worker import existing_worker, runtime_dir, worker_id
+
+    monkeypatch.setenv("FTIS_FED_RUNTIME", str(tmp_path / "rt"))
+    rt = runtime_dir()
+    wid = worker_id("r1", "host0-of-32")
+    (rt / f"{wid}.key").write_bytes(b"k" * 32)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(rt / f"{wid}.sock"))
+    server.listen(1)
+
+    def close_at_once() -> None:                                  # an exiting worker: accepted, then gone
+        conn, _ = server.accept()
+        conn.close()
+
+    t = threading.Thread(target=close_at_once, daemon=True)
+    t.start()
+    assert existing_worker("r1", "host0-of-32") is None
+    t.join(5)
+    server.close()

@@ -210,7 +210,8 @@ class FederationConfig:
         a participant that was asked and did not reply (or is no longer connected) this many rounds
         in a row is retired: no longer asked; it may come back with a new hello. >= 0; 0 = never.""")
     participants_per_worker: int = knob("participants-per-worker", 1, """
-        simulation: this many participants (consecutive partition ids) share one worker process, so
+        simulation: this many participants share one worker process (partition ids dealt round-robin
+        to ceil(N / this) processes, so a phase's first messages start them all at once), so
         torch and the libraries are loaded once per process instead of once per participant (memory,
         docs/scale.md); 1 = a process each. Co-hosted participants are served one request at a time;
         an error in one is that participant's error reply only, but a crash or hang of one also drops

@@ -428,7 +428,8 @@ class Engine:
         """Hello with proof of key possession (see the module docstring). Only admitted nodes count:
         while fewer than ``min-participants`` are, newly connected nodes are said hello to until
         ``wait-for-participants-s`` (a refused node never takes a real participant's place)."""
-        deadline = self.clock() + self.fed.wait_for_participants_s
+        start = self.clock()
+        deadline = start + self.fed.wait_for_participants_s
         asked: set[Address] = set()
         while len(self.nodes) < self.fed.min_participants:
             new = [a for a in self.wait_for_addresses(deadline, asked) if a not in asked]
@@ -439,6 +440,8 @@ class Engine:
                 self._stop_if_all_refused(asked)
         self._check_partitions()
         self.roster_changed()
+        self.log(INFO, "admission: %d admitted of %d said hello to in %.1f s", len(self.nodes), len(asked),
+                 self.clock() - start)
         for node, info in sorted(self.nodes.items(), key=lambda kv: kv[1]["participant"])[:16]:
             self.log(INFO, "participant %-12s node %s model %-22s tokenizer %s key %s%s", info["participant"], node,
                      info["model_id"], info["tokenizer_fp"], info["key_fp"], _loaded(info))

@@ -37,7 +37,7 @@ from ftis_fed.policies.config import WEIGHT_DTYPES, PolicyConfig
 from ftis_fed.policies.models import load_tokenizer, resolve_model
 from ftis_fed.policies.logprobs import token_logprobs
 from ftis_fed.policies.scoring import unwrap_causal_lm
-from ftis_fed.policies.shared_base import adapter_parameters, attach, existing
+from ftis_fed.policies.shared_base import attach, existing
 
 
 def cpu_has_bf16() -> bool:
@@ -193,7 +193,7 @@ class HFPolicy(Policy):
         self.tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
         self.vocab_size = int(max(len(self.tokenizer), self.model.get_input_embeddings().weight.shape[0]))
         if self.shared is not None:                     # its own adapter's weights only, in model order
-            self.own_parameters = dict(adapter_parameters(self.model, self.adapter_name))
+            self.own_parameters = dict(self.shared.parameters_of(self.adapter_name))
             self.trainable = list(self.own_parameters.values())
         else:
             self.trainable = [p for p in self.model.parameters() if p.requires_grad]
