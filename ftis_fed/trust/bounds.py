@@ -13,6 +13,7 @@ byte is decompressed (a 4 KB frame that would decompress to 122 MiB is refused i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ftis_fed.wire.batch import SamplingParams
 from ftis_fed.wire.codec import MAX_HEADER_LEN, SIGNATURE_LEN, WireLimits
@@ -101,7 +102,7 @@ class ReceiveBounds:
         """Tokens the completion texts of one batch of another tokenizer may become here."""
         return RETOKENIZE_FACTOR * self.max_completion_tokens + self.max_completions
 
-    @property
+    @cached_property
     def max_raw_bytes(self) -> int:
         """Largest decompressed payload of an honest frame (worst case per field over wire v1 and v2:
         4-byte ids, a log-prob code (v2: a LEB128 varint of up to 3 bytes) plus an escaped f32 each,
@@ -114,7 +115,7 @@ class ReceiveBounds:
         return (self.max_groups * per_group + self.max_completions * per_completion
                 + self.max_completion_tokens * per_token)
 
-    @property
+    @cached_property
     def max_frame_bytes(self) -> int:
         """Largest signed frame: header (4 strings of <= 1 KiB, either wire version) + payload (stored
         raw at worst) + signature."""
@@ -122,6 +123,10 @@ class ReceiveBounds:
 
     def wire_limits(self) -> WireLimits:
         """The wire-format limits these bounds imply (checked from the header, before decompressing)."""
+        return self._wire_limits
+
+    @cached_property
+    def _wire_limits(self) -> WireLimits:                  # once per bounds (frozen): every frame asks
         return WireLimits(max_frame_bytes=self.max_frame_bytes, max_raw_bytes=self.max_raw_bytes,
                           max_tokens=self.max_completion_tokens,
                           max_prompt_tokens=self.max_groups * self.max_prompt_tokens,

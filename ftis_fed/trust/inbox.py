@@ -43,7 +43,7 @@ from ftis_fed.trust.run_id import task_mismatch
 from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError, CompletionBatch
 from ftis_fed.trust.bounds import CHARS_PER_TOKEN, ReceiveBounds
 from ftis_fed.trust.signing import ReplayGuard, verify_frame
-from ftis_fed.wire.codec import WireHeader, WireLimits, check_header_limits, decode_payload
+from ftis_fed.wire.codec import WireHeader, WireLimits, check_header_limits, decode_payload_flat
 
 REASONS = (
     "missing_field", "undecodable", "unsupported_version", "too_large", "unknown_sender",
@@ -129,6 +129,7 @@ class Inbox:
         self._late: set[tuple[str, int]] = set()     # ... but these, counted after it rose
         self.quarantined: set[str] = set()
         self.strikes: Counter[str] = Counter()       # signed batches per sender that disagreed (receive.py)
+        self._limits_for: tuple | None = None         # (key, limits) of _frame_limits
 
     def accept(self, frame: bytes | None, expected_round: int | None = None,
                bounds: ReceiveBounds | None = None, expected_sender: str | None = None) -> Accepted:
@@ -169,13 +170,22 @@ class Inbox:
             raise BatchValidationError("missing_field", "frame: no batch bytes in the message")
         limits = cfg.limits
         if bounds is not None:                         # only the frame size before the signature holds
-            limits = dataclasses.replace(limits, max_frame_bytes=min(limits.max_frame_bytes, bounds.max_frame_bytes))
+            limits = self._frame_limits(limits, bounds.max_frame_bytes)
         h, body = verify_frame(frame, self.keys, limits, expected_sender)
         try:
             return self._authenticated(h, body, bytes(frame), expected_round, bounds)
         except BatchValidationError as e:
             e.sender = h.sender
             raise
+
+    def _frame_limits(self, limits: WireLimits, max_frame_bytes: int) -> WireLimits:
+        """``limits`` with at most ``max_frame_bytes`` per frame (the last answer kept: it is the same
+        for every frame of a run)."""
+        key = (limits, max_frame_bytes)
+        if self._limits_for is None or self._limits_for[0] != key:
+            self._limits_for = (key, dataclasses.replace(limits, max_frame_bytes=min(limits.max_frame_bytes,
+                                                                                    max_frame_bytes)))
+        return self._limits_for[1]
 
     def _authenticated(self, h: WireHeader, body: bytes, frame: bytes, expected_round,
                        bounds: ReceiveBounds | None) -> Accepted:
@@ -221,13 +231,13 @@ class Inbox:
         if h.n_completion_tokens > max_tokens:
             raise BatchValidationError("too_large", f"batch has {h.n_completion_tokens} completion tokens: "
                                                     f"limit {max_tokens}")
-        batch = decode_payload(h, body)
+        batch, flat = decode_payload_flat(h, body)
         if bounds is None:
-            return batch.validate(max_tokens)
+            return batch.validate(max_tokens, flat=flat)
         batch.validate(max_tokens, max_new_tokens=bounds.max_new_tokens, max_text_chars=bounds.max_text_chars,
                        max_prompt_chars=bounds.max_prompt_chars, max_string_chars=bounds.max_string_chars,
                        max_prompt_tokens=bounds.max_prompt_tokens, max_group_size=bounds.max_group_size,
-                       max_chars_per_token=CHARS_PER_TOKEN)
+                       max_chars_per_token=CHARS_PER_TOKEN, flat=flat)
         if bounds.sampling is not None and batch.sampling != bounds.sampling:
             raise BatchValidationError("wrong_sampling", f"sampling={batch.sampling}: this run samples with "
                                                          f"{bounds.sampling}")

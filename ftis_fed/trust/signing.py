@@ -452,19 +452,21 @@ class ReplayGuard:
 
     def check(self, run_id: str, sender: str, round: int, seq: int, expected_round: int | None = None) -> None:
         """Raise BatchValidationError ``replay`` (old round / seen seq) or ``wrong_round`` (future)."""
-        where = f"batch from {sender!r} (run {run_id!r}, round {round}, seq {seq})"
+        def refuse(reason: str, why: str) -> BatchValidationError:
+            return BatchValidationError(reason, f"batch from {sender!r} (run {run_id!r}, round {round}, seq {seq}): {why}")
+
         if seq >= MAX_SEQ:
-            raise BatchValidationError("bad_header", f"{where}: seq must be below 2**63")
+            raise refuse("bad_header", "seq must be below 2**63")
         if expected_round is not None and round < expected_round:
-            raise BatchValidationError("replay", f"{where}: round is older than the current round {expected_round}")
+            raise refuse("replay", f"round is older than the current round {expected_round}")
         if expected_round is not None and round > expected_round:
-            raise BatchValidationError("wrong_round", f"{where}: round is ahead of the current round {expected_round}")
+            raise refuse("wrong_round", f"round is ahead of the current round {expected_round}")
         last = self._last.get((run_id, sender))
         if last is not None:
             if seq <= last[1]:
-                raise BatchValidationError("replay", f"{where}: seq must exceed the last accepted seq {last[1]}")
+                raise refuse("replay", f"seq must exceed the last accepted seq {last[1]}")
             if round < last[0]:
-                raise BatchValidationError("replay", f"{where}: round is older than the last accepted round {last[0]}")
+                raise refuse("replay", f"round is older than the last accepted round {last[0]}")
 
     def commit(self, run_id: str, sender: str, round: int, seq: int) -> None:
         last = self._last.get((run_id, sender), (round, seq))

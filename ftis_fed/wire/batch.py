@@ -103,6 +103,31 @@ class PromptGroup:
 
 
 @dataclass(frozen=True)
+class FlatGroups:
+    """A decoded batch's groups as the flat arrays their views were cut from (``codec.decode_payload_flat``):
+    what :meth:`CompletionBatch.validate` checks all at once, with ``flat=``, instead of group by group.
+
+    group_sizes / prompt_lengths: per group (prompt_lengths all 0 in a batch that carries only the
+    prompt digest); lengths: per completion, in order. prompt_ids / completion_ids: (sum of the
+    lengths,) int64, read from unsigned integers; rewards: (n_completions,) float32; logprobs:
+    (sum of lengths,) float32; free_logprobs: those not read from a fixed-point code (escaped values, or
+    all of them in a float32 frame), the only ones that can be non-finite or positive. names: per
+    group (task_id, reference); texts: per group (prompt_text, completion_texts: () or one per completion).
+    """
+
+    group_sizes: list[int]
+    prompt_lengths: list[int]
+    lengths: list[int]
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    rewards: np.ndarray
+    logprobs: np.ndarray
+    free_logprobs: np.ndarray
+    names: list[tuple[str, str]]
+    texts: list[tuple[str, tuple[str, ...]]]
+
+
+@dataclass(frozen=True)
 class CompletionBatch:
     """All groups one participant generated in one round, with who/what/when generated them.
 
@@ -147,7 +172,8 @@ class CompletionBatch:
     def validate(self, max_tokens: int = DEFAULT_MAX_TOKENS, *, max_new_tokens: int | None = None,
                  max_text_chars: int | None = None, max_prompt_chars: int | None = None,
                  max_string_chars: int | None = None, max_prompt_tokens: int | None = None,
-                 max_group_size: int | None = None, max_chars_per_token: int | None = None) -> "CompletionBatch":
+                 max_group_size: int | None = None, max_chars_per_token: int | None = None,
+                 flat: FlatGroups | None = None) -> "CompletionBatch":
         """Check every field; raise BatchValidationError naming the first violation.
 
         The keyword limits are a receiver's own (``bounds.ReceiveBounds``), applied on top of what the
@@ -158,6 +184,11 @@ class CompletionBatch:
         (``too_large``); ``max_chars_per_token`` each completion text against its own ids (at most that
         many characters per id, ``text_too_long``: a text that is not the decoding of its ids). None: not
         checked. ``seq`` must be below ``MAX_SEQ``.
+
+        ``flat``: the flat arrays this batch's groups are views of, as the decoder returned them
+        (``codec.decode_payload_flat``); when every group's checks hold over them at once (a few
+        min / max over the whole batch), the group-by-group checks are skipped; when any does not,
+        they run and name the first failure, as without ``flat``.
         """
         for name in ("sender", "run_id", "model_id", "tokenizer_fp"):
             v = getattr(self, name)
@@ -179,7 +210,9 @@ class CompletionBatch:
             _fail("missing_field", "sampling: must be a SamplingParams")
         if not self.groups:
             _fail("missing_field", "groups: a batch needs at least one prompt group")
-        total = self.num_completion_tokens
+        if flat is not None and len(flat.group_sizes) != len(self.groups):
+            flat = None                                 # not this batch's: checked group by group
+        total = sum(flat.lengths) if flat is not None else self.num_completion_tokens
         if total > max_tokens:
             _fail("too_large", f"batch has {total} completion tokens: limit {max_tokens}")
         mnt = self.sampling.max_new_tokens if max_new_tokens is None else min(max_new_tokens,
@@ -188,6 +221,10 @@ class CompletionBatch:
         if not isinstance(digest, bytes) or len(digest) not in (0, PROMPT_DIGEST_LEN):
             _fail("bad_header", f"prompt_digest: {len(digest) if isinstance(digest, bytes) else type(digest).__name__}"
                                 f" bytes, must be empty or {PROMPT_DIGEST_LEN}")
+        if flat is not None and _flat_pass(
+                flat, self.vocab_size, mnt, bool(digest), max_text_chars, max_prompt_chars, max_string_chars,
+                max_prompt_tokens, max_group_size, max_chars_per_token):
+            return self
         for gi, g in enumerate(self.groups):
             _validate_group(g, gi, self.vocab_size, mnt, bool(digest))
             _validate_sizes(g, gi, max_text_chars, max_prompt_chars, max_string_chars, max_prompt_tokens,
@@ -225,6 +262,43 @@ def _completions_pass(ids_list, lps, vocab_size: int, max_new_tokens: int) -> bo
         return False
     lp = np.concatenate(lps)
     return not lp.size or (bool(np.isfinite(lp).all()) and float(lp.max()) <= 0.0)
+
+
+def _flat_pass(f: FlatGroups, vocab_size: int, max_new_tokens: int, digest: bool, max_text_chars: int | None,
+               max_prompt_chars: int | None, max_string_chars: int | None, max_prompt_tokens: int | None,
+               max_group_size: int | None, max_chars_per_token: int | None) -> bool:
+    """True only when every group of a decoded batch passes :func:`_validate_group` and
+    :func:`_validate_sizes`, checked over its flat arrays at once. What the decoder guarantees is not
+    checked again: 1-D int64 ids and float32 log-probs, one log-prob per id and G rewards per group,
+    string fields that are strings, 0 or G completion texts, ids >= 0, fixed-point log-probs finite and <= 0."""
+    sizes, plens, lengths = f.group_sizes, f.prompt_lengths, f.lengths
+    if not sizes or min(sizes) < 1 or (max_group_size is not None and max(sizes) > max_group_size):
+        return False
+    if (any(plens) if digest else min(plens) < 1) or (max_prompt_tokens is not None and max(plens) > max_prompt_tokens):
+        return False
+    if lengths and max(lengths) > max_new_tokens:
+        return False
+    for ids in (f.prompt_ids, f.completion_ids):               # read from unsigned integers: never < 0
+        if ids.size and int(ids.max()) >= vocab_size:
+            return False
+    if f.rewards.size and bool(np.isinf(f.rewards).any()):
+        return False
+    lp = f.free_logprobs
+    if lp.size and not (bool(np.isfinite(lp).all()) and float(lp.max()) <= 0.0):
+        return False
+    for task_id, reference in f.names:
+        if not task_id or (max_string_chars is not None and max(len(task_id), len(reference)) > max_string_chars):
+            return False
+    j = 0                                                       # the group's first completion
+    for size, (prompt_text, texts) in zip(sizes, f.texts):
+        if max_prompt_chars is not None and len(prompt_text) > max_prompt_chars:
+            return False
+        for t, n in zip(texts, lengths[j:j + size]):
+            if (max_text_chars is not None and len(t) > max_text_chars) or (
+                    max_chars_per_token is not None and len(t) > max_chars_per_token * n):
+                return False
+        j += size
+    return True
 
 
 def _validate_group(g: PromptGroup, gi: int, vocab_size: int, max_new_tokens: int, digest: bool = False) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import zstandard as zstd
@@ -58,6 +59,7 @@ from ftis_fed.wire.batch import (
     DEFAULT_MAX_TOKENS,
     BatchValidationError,
     CompletionBatch,
+    FlatGroups,
     PromptGroup,
     PROMPT_DIGEST_LEN,
     SamplingParams,
@@ -562,6 +564,36 @@ def _varint_at(buf, pos: int, end: int, max_bytes: int, bits: int, where: str, e
     raise _bad("undecodable", f"{where}: varint too long (more than {max_bytes} bytes)")
 
 
+def _varint_run(buf, pos: int, end: int, count: int, max_bytes: int, bits: int) -> tuple[list[int], int] | None:
+    """``count`` values as :func:`_varint_at` reads them from ``buf[pos:end]``, in one pass over the bytes
+    -> (values, next pos); None wherever it would refuse one (read them one by one then: it says why)."""
+    out = []
+    append = out.append
+    v = shift = 0
+    left, top = count, 7 * max_bytes
+    for i, b in enumerate(buf[pos:min(end, pos + count * max_bytes)]):
+        if b < 0x80:
+            if shift:
+                if not b:                                    # not minimal
+                    return None
+                v |= b << shift
+                if v >> bits:                                # too large
+                    return None
+                append(v)
+                v = shift = 0
+            else:
+                append(b)
+            left -= 1
+            if not left:
+                return out, pos + i + 1
+        else:
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if shift == top:                                 # one byte more than max_bytes
+                return None
+    return None
+
+
 #: up to this many values, :meth:`_Reader.varints` decodes in a Python loop (a few us per value, where
 #: the vectorised decoder's ~20 numpy calls cost ~50 us whatever the count: a small frame has 2-64)
 SMALL_VARINTS = 128
@@ -571,27 +603,9 @@ def _small_varints(buf, pos: int, count: int) -> tuple[list[int], int] | None:
     """``count`` canonical LEB128 values < 2**32 of at most 5 bytes each, all within ``5 * count`` bytes
     of ``pos`` -> (values, next pos); None when any is not (the vectorised decoder then names the error)."""
     head = buf[pos:pos + count]
-    if len(head) == count and max(head) < 0x80:              # every value one byte (sizes, lengths): as is
+    if len(head) == count and max(head, default=0) < 0x80:  # every value one byte (sizes, lengths): as is
         return list(head), pos + count
-    out = []
-    end = min(len(buf), pos + 5 * count)
-    for _ in range(count):
-        v = shift = 0
-        while True:
-            if pos >= end:
-                return None
-            b = buf[pos]
-            pos += 1
-            v |= (b & 0x7F) << shift
-            if b < 0x80:
-                break
-            shift += 7
-            if shift == 35:                                  # a sixth byte: too long
-                return None
-        if (b == 0 and shift) or v >> 32:                    # not minimal, or above 2**32
-            return None
-        out.append(v)
-    return out, pos
+    return _varint_run(buf, pos, len(buf), count, 5, 32)
 
 
 class _HeadCursor:
@@ -615,6 +629,15 @@ class _HeadCursor:
         v, self.pos = _varint_at(self.frame, self.pos, self.end, 10, 64, f"header.{what}", ended)
         return v
 
+    def varints(self, *what: str) -> list[int]:
+        """One varint per name in ``what``, in one pass (where that declines, one by one: the first
+        that fails is named)."""
+        got = _varint_run(self.frame, self.pos, self.end, len(what), 10, 64)
+        if got is None:
+            return [self.varint(w) for w in what]
+        values, self.pos = got
+        return values
+
     def real(self, what: str) -> float:
         d = self.take(1, what)[0]
         if d == 0xFF:
@@ -624,8 +647,13 @@ class _HeadCursor:
         return self.varint(what) / 10 ** d
 
     def string(self, what: str, limit: int) -> str:
-        ln = self.varint(f"len({what})")
-        _limit(f"len({what})", ln, limit)
+        pos = self.pos
+        if pos < self.end and self.frame[pos] < 0x80:         # a length below 128: one byte
+            ln, self.pos = self.frame[pos], pos + 1
+        else:
+            ln = self.varint(f"len({what})")
+        if ln > limit:
+            _limit(f"len({what})", ln, limit)
         return _utf8(self.take(ln, what), f"header.{what}")
 
 
@@ -646,12 +674,11 @@ def _parse_header_v2(frame, limits: WireLimits, signature_len: int) -> WireHeade
                                               f"{sorted(wiredict.DICTIONARIES)}")
         if not flags & FLAG_ZSTD:
             raise _bad("undecodable", f"dict_id={dict_id} without a zstd payload")
-    rnd, seq, vocab = c.varint("round"), c.varint("seq"), c.varint("vocab_size")
+    rnd, seq, vocab = c.varints("round", "seq", "vocab_size")
     temp, top_p = c.real("temperature"), c.real("top_p")
-    top_k, max_new = c.varint("top_k"), c.varint("max_new_tokens")
-    n_groups, n_compl, n_ptok, n_ctok = (c.varint(f) for f in ("n_groups", "n_completions", "n_prompt_tokens",
-                                                               "n_completion_tokens"))
-    raw_len, payload_len = c.varint("raw_len"), c.varint("payload_len")
+    top_k, max_new, n_groups, n_compl, n_ptok, n_ctok, raw_len, payload_len = c.varints(
+        "top_k", "max_new_tokens", "n_groups", "n_completions", "n_prompt_tokens", "n_completion_tokens", "raw_len",
+        "payload_len")
     _check_counts(n_groups, n_compl, n_ptok, n_ctok, raw_len, limits)
     digest_mode = bool(flags & FLAG_PROMPT_DIGEST)
     if digest_mode and n_ptok:
@@ -793,6 +820,16 @@ class _Reader:
     def str(self, what: str) -> str:
         return _utf8(self.take(self.u32(what), what), f"payload.{what}")
 
+    def varint_list(self, count: int, what: str) -> list[int]:
+        """``count`` canonical LEB128 values < 2**32 (<= 5 bytes each) -> Python ints (sizes, lengths:
+        what the groups are cut by); reads at most 5 * count bytes."""
+        if 0 < count <= SMALL_VARINTS:
+            got = _small_varints(self.buf, self.pos, count)
+            if got is not None:
+                self.pos = got[1]
+                return got[0]
+        return self.varints(count, what).tolist()
+
     def varints(self, count: int, what: str) -> np.ndarray:
         """``count`` canonical LEB128 values < 2**32 (<= 5 bytes each) -> (count,) int64, vectorised;
         reads at most 5 * count bytes."""
@@ -840,6 +877,12 @@ def decode_payload(h: WireHeader, body: bytes) -> CompletionBatch:
 
     Hostile input raises only BatchValidationError; memory stays within the header's checked sizes.
     """
+    return decode_payload_flat(h, body)[0]
+
+
+def decode_payload_flat(h: WireHeader, body: bytes) -> tuple[CompletionBatch, FlatGroups]:
+    """:func:`decode_payload` and the flat arrays the batch's groups are views of
+    (``CompletionBatch.validate(flat=...)`` checks them all at once instead of group by group)."""
     try:
         return _decode_payload(h, body)
     except BatchValidationError:
@@ -848,45 +891,53 @@ def decode_payload(h: WireHeader, body: bytes) -> CompletionBatch:
         raise _bad("undecodable", f"payload: {type(e).__name__}: {e}") from e
 
 
-def _decode_payload(h: WireHeader, body: bytes) -> CompletionBatch:
+def _decode_payload(h: WireHeader, body: bytes) -> tuple[CompletionBatch, FlatGroups]:
     """The payload's sections in order; v1 and v2 differ only in how sizes, counts and string
     lengths are written (u32 vs varint), in v2's optional prompt ids (prompt digest) and in the
-    log-prob codes (``_read_logprobs``)."""
+    log-prob codes (``_read_logprobs``). Sizes are read as Python ints (the groups are cut by them)."""
     payload = body[h.body_len - h.payload_len:]
     raw = _decompress(payload, h.raw_len, h.dict_id) if h.flags & FLAG_ZSTD else payload
     r = _Reader(raw)
     v2 = h.version == 2
     if v2:
-        g_sizes = r.varints(h.n_groups, "group_sizes")
-        p_lens = (np.zeros(h.n_groups, dtype=np.int64) if h.flags & FLAG_PROMPT_DIGEST
-                  else r.varints(h.n_groups, "prompt_lengths"))
+        g_sizes = r.varint_list(h.n_groups, "group_sizes")
+        p_lens = ([0] * h.n_groups if h.flags & FLAG_PROMPT_DIGEST
+                  else r.varint_list(h.n_groups, "prompt_lengths"))
     else:
         table = r.array("<u4", 2 * h.n_groups, "groups").reshape(-1, 2)      # (n_groups, 2)
-        p_lens, g_sizes = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
-    if int(g_sizes.sum()) != h.n_completions or int(p_lens.sum()) != h.n_prompt_tokens:
-        raise _bad("undecodable", f"payload.groups: sizes sum to {int(g_sizes.sum())} completions / "
-                                  f"{int(p_lens.sum())} prompt tokens, header says {h.n_completions} / "
+        p_lens, g_sizes = table[:, 0].tolist(), table[:, 1].tolist()
+    if sum(g_sizes) != h.n_completions or sum(p_lens) != h.n_prompt_tokens:
+        raise _bad("undecodable", f"payload.groups: sizes sum to {sum(g_sizes)} completions / "
+                                  f"{sum(p_lens)} prompt tokens, header says {h.n_completions} / "
                                   f"{h.n_prompt_tokens}")
-    lengths = (r.varints(h.n_completions, "lengths") if v2
-               else r.array("<u4", h.n_completions, "lengths").astype(np.int64))   # (n_completions,)
-    if int(lengths.sum()) != h.n_completion_tokens:
-        raise _bad("undecodable", f"payload.lengths: sum {int(lengths.sum())}, "
+    lengths = (r.varint_list(h.n_completions, "lengths") if v2
+               else r.array("<u4", h.n_completions, "lengths").tolist())   # (n_completions,)
+    if sum(lengths) != h.n_completion_tokens:
+        raise _bad("undecodable", f"payload.lengths: sum {sum(lengths)}, "
                                   f"header n_completion_tokens={h.n_completion_tokens}")
     rewards = r.array("<f4", h.n_completions, "rewards").astype(np.float32)
     dt = _ID_DTYPES[h.id_width]
     prompt_ids = r.array(dt, h.n_prompt_tokens, "prompt_ids").astype(np.int64)
     comp_ids = r.array(dt, h.n_completion_tokens, "completion_ids").astype(np.int64)
-    logprobs = _read_logprobs(h, r)
-    names, texts = _read_strings(h, g_sizes, *((r.vstr, r.varint) if v2 else (r.str, r.u32)))
+    logprobs, free = _read_logprobs(h, r)
+    names, texts = _read_strings(h, g_sizes, r, v2)
     if r.pos != len(raw):
         raise _bad("undecodable", f"payload: {len(raw) - r.pos} unread bytes at the end")
-    return _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logprobs, names, texts)
+    flat = FlatGroups(g_sizes, p_lens, lengths, prompt_ids, comp_ids, rewards, logprobs, free, names, texts)
+    return _assemble(h, flat), flat
 
 
-def _read_strings(h: WireHeader, g_sizes: np.ndarray, read_str, read_int) -> tuple[list, list]:
+def _read_strings(h: WireHeader, g_sizes: list[int], r: _Reader, v2: bool) -> tuple[list, list]:
     """The payload's string sections, the same in both versions up to how a string and a count are
     written (v1: u32 length / u32; v2: varint length / varint): per group the task id and reference,
-    then with the texts flag the prompt text and 0 or the group's size completion texts."""
+    then with the texts flag the prompt text and 0 or the group's size completion texts. Read in one
+    pass without naming each field (``_strings_fast``); where that declines, read again field by
+    field, naming the first that fails."""
+    got = _strings_fast(r.buf, r.pos, g_sizes, h.has_texts, v2)
+    if got is not None:
+        names, texts, r.pos = got
+        return names, texts
+    read_str, read_int = (r.vstr, r.varint) if v2 else (r.str, r.u32)
     names = [(read_str(f"groups[{i}].task_id"), read_str(f"groups[{i}].reference")) for i in range(h.n_groups)]
     texts = [("", ())] * h.n_groups
     if h.has_texts:
@@ -901,11 +952,81 @@ def _read_strings(h: WireHeader, g_sizes: np.ndarray, read_str, read_int) -> tup
     return names, texts
 
 
-def _read_logprobs(h: WireHeader, r: _Reader) -> np.ndarray:
+def _count_at(buf, pos: int, v2: bool) -> tuple[int, int] | None:
+    """A string length or count at ``pos`` (v2: canonical varint < 2**32; v1: u32) -> (value, next pos);
+    None when it is not there or not canonical."""
+    if v2:
+        if pos < len(buf) and buf[pos] < 0x80:
+            return buf[pos], pos + 1
+        got = _small_varints(buf, pos, 1)
+        return None if got is None else (got[0][0], got[1])
+    if pos + 4 > len(buf):
+        return None
+    return int.from_bytes(buf[pos:pos + 4], "little"), pos + 4
+
+
+def _str_at(buf, pos: int, v2: bool) -> tuple[str, int] | None:
+    """A length-prefixed UTF-8 string at ``pos`` -> (text, next pos); None when it is not all there or not UTF-8."""
+    got = _count_at(buf, pos, v2)
+    if got is None:
+        return None
+    n, pos = got
+    end = pos + n
+    if end > len(buf):
+        return None
+    try:
+        return buf[pos:end].decode("utf-8"), end
+    except UnicodeDecodeError:
+        return None
+
+
+def _strings_fast(buf, pos: int, g_sizes: list[int], has_texts: bool, v2: bool) -> tuple[list, list, int] | None:
+    """What :func:`_read_strings` reads, -> (names, texts, next pos); None wherever it would refuse."""
+    names = []
+    for _ in g_sizes:
+        task = _str_at(buf, pos, v2)
+        ref = task and _str_at(buf, task[1], v2)
+        if ref is None:
+            return None
+        names.append((task[0], ref[0]))
+        pos = ref[1]
+    if not has_texts:
+        return names, [("", ())] * len(g_sizes), pos
+    texts = []
+    for size in g_sizes:
+        prompt = _str_at(buf, pos, v2)
+        k = prompt and _count_at(buf, prompt[1], v2)
+        if k is None or k[0] not in (0, size):
+            return None
+        pos, comps = k[1], []
+        for _ in range(k[0]):
+            got = _str_at(buf, pos, v2)
+            if got is None:
+                return None
+            comps.append(got[0])
+            pos = got[1]
+        texts.append((prompt[0], tuple(comps)))
+    return names, texts, pos
+
+
+def _read_logprobs(h: WireHeader, r: _Reader) -> tuple[np.ndarray, np.ndarray]:
+    """-> (log-probs, the ones not read from fixed-point codes): the escaped values, or all of them
+    in a float32 frame (a code gives a finite value <= 0 by construction; only these need checking)."""
     n = h.n_completion_tokens
     if h.flags & FLAG_LOGP_F32:
-        return r.array("<f4", n, "logprobs").astype(np.float32)
+        lp = r.array("<f4", n, "logprobs").astype(np.float32)
+        return lp, lp
     if h.version == 2:                                                       # LEB128 codes <= 0xFFFF
+        if n <= SMALL_VARINTS:                                               # a Python list, no array of codes
+            got = _small_varints(r.buf, r.pos, n) if n else ([], r.pos)
+            if got is not None and max(got[0], default=0) <= LOGP_ESCAPE:
+                codes, r.pos = got
+                n_esc = codes.count(LOGP_ESCAPE)
+                escapes = r.array("<f4", n_esc, "logprob_escapes").astype(np.float32)
+                out = np.float32(0.0) - np.array(codes, dtype=np.float32) * np.float32(2.0 ** -h.logp_frac_bits)
+                if n_esc:
+                    out[np.array(codes) == LOGP_ESCAPE] = escapes
+                return out, escapes
         codes = r.varints(n, "logprob_codes")
         if n and int(codes.max()) > LOGP_ESCAPE:
             raise _bad("undecodable", f"payload.logprob_codes: code {int(codes.max())} above {LOGP_ESCAPE}")
@@ -915,24 +1036,25 @@ def _read_logprobs(h: WireHeader, r: _Reader) -> np.ndarray:
         codes = planes[0].astype(np.uint16) | (planes[1].astype(np.uint16) << 8)
     n_esc = int((codes == LOGP_ESCAPE).sum())
     escapes = r.array("<f4", n_esc, "logprob_escapes").astype(np.float32)
-    return dequantize_logprobs(codes, escapes, h.logp_frac_bits)
+    return dequantize_logprobs(codes, escapes, h.logp_frac_bits), escapes
 
 
-def _assemble(h, p_lens, g_sizes, lengths, rewards, prompt_ids, comp_ids, logprobs, names, texts) -> CompletionBatch:
-    """Cut the flat arrays back into groups (views sliced from the flat arrays)."""
-    p_off = [0, *np.cumsum(p_lens).tolist()]                 # Python ints: slicing with numpy scalars is slower
-    g_off = [0, *np.cumsum(g_sizes).tolist()]
-    t_off = [0, *np.cumsum(lengths).tolist()]
+def _assemble(h: WireHeader, flat: FlatGroups) -> CompletionBatch:
+    """Cut the flat arrays back into groups (views sliced from the flat arrays, by Python int offsets)."""
+    p_off = [0, *accumulate(flat.prompt_lengths)]
+    g_off = [0, *accumulate(flat.group_sizes)]
+    t_off = [0, *accumulate(flat.lengths)]
+    prompt_ids, comp_ids, logprobs, rewards = flat.prompt_ids, flat.completion_ids, flat.logprobs, flat.rewards
     groups = []
-    for i in range(h.n_groups):
-        ci = range(g_off[i], g_off[i + 1])
+    for i, ((task_id, reference), (prompt_text, completion_texts)) in enumerate(zip(flat.names, flat.texts)):
+        a, b = g_off[i], g_off[i + 1]
+        spans = list(zip(t_off[a:b], t_off[a + 1:b + 1]))
         groups.append(PromptGroup(
             prompt_ids=prompt_ids[p_off[i]:p_off[i + 1]],
-            completion_ids=tuple(comp_ids[t_off[j]:t_off[j + 1]] for j in ci),
-            logprobs=tuple(logprobs[t_off[j]:t_off[j + 1]] for j in ci),
-            rewards=rewards[g_off[i]:g_off[i + 1]],
-            task_id=names[i][0], reference=names[i][1],
-            prompt_text=texts[i][0], completion_texts=texts[i][1]))
+            completion_ids=tuple([comp_ids[s:e] for s, e in spans]),
+            logprobs=tuple([logprobs[s:e] for s, e in spans]),
+            rewards=rewards[a:b], task_id=task_id, reference=reference,
+            prompt_text=prompt_text, completion_texts=completion_texts))
     sampling = SamplingParams(temperature=h.temperature, top_p=h.top_p, top_k=h.top_k,
                               max_new_tokens=h.max_new_tokens)
     return CompletionBatch(sender=h.sender, run_id=h.run_id, round=h.round, seq=h.seq,
