@@ -1,7 +1,12 @@
 """One row per ``ftis-fed sim`` run measured with ``sims.mem_sample``: docs/scale.md's flwr-run table.
 
-    python -m sims.scale_table --out docs/scale_flwr_run.csv \
-        NAME=LOG,MEM_SUMMARY,OUTPUT_DIR ...              # the launch's log, mem_sample's summary, output-dir
+    python -m sims.scale_table --out flwr-run.csv NAME=LOG,MEM_SUMMARY,OUTPUT_DIR ...   # the launch's log,
+                                                                 # mem_sample's summary line, output-dir
+    python -m sims.scale_table --committed docs/results/scale        # the committed runs (n4 ... n256)
+
+``--committed DIR`` reads the runs packed there (``<name>.log.gz``, ``<name>.summary.json``,
+``<name>.config.json``, ``<name>.metrics.jsonl.gz``; docs/results/scale/README.md) and rewrites
+``DIR/flwr-run.csv`` and ``.jsonl`` from them.
 
 Per run: participants N, participants per worker and worker processes, the hello (the engine's
 ``admission: ... in X s`` line) with the CPU seconds every process of the launch had used by then
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import re
 import statistics
@@ -31,13 +37,22 @@ def _plain(line: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
 
 
-def row(name: str, log: Path, summary: Path, out: Path) -> dict:
-    lines = [_plain(x) for x in log.read_text(errors="replace").splitlines()]
+def _text(path: Path) -> str:
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text(errors="replace")
+
+
+def row(name: str, log: Path, summary: Path, out: Path | None = None, *, config: Path | None = None,
+        metrics: Path | None = None) -> dict:
+    """One run's row: its log, mem_sample's summary line, and its output-dir (or its ``config.json``
+    and ``metrics.jsonl``, either may be gzipped)."""
+    config = config or out / "config.json"
+    metrics = metrics or out / "metrics.jsonl"
+    lines = [_plain(x) for x in _text(log).splitlines()]
     hello = next((HELLO.search(x) for x in lines if HELLO.search(x)), None)
     rounds = {int(m.group(1)): float(m.group(3)) for m in (ROUND.search(x) for x in lines) if m}
     s = json.loads(summary.read_text())
-    cfg = json.loads((out / "config.json").read_text())
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    cfg = json.loads(_text(config))
+    rows = [json.loads(x) for x in _text(metrics).splitlines()]
     fed = {r["round"]: r for r in rows if r.get("participant") == "_federation" and r.get("phase") == "train"}
     later = [r for r in sorted(fed) if r > 1] or sorted(fed)
     train = [r for r in rows if r.get("phase") == "train" and "reward/mean" in r]
@@ -75,15 +90,25 @@ def row(name: str, log: Path, summary: Path, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="the CSV to write (and its .jsonl)")
-    ap.add_argument("runs", nargs="+", help="NAME=LOG,MEM_SUMMARY,OUTPUT_DIR")
+    ap.add_argument("--out", help="the CSV to write (and its .jsonl); default with --committed: DIR/flwr-run.csv")
+    ap.add_argument("--committed", metavar="DIR", help="the runs packed in DIR (module docstring)")
+    ap.add_argument("runs", nargs="*", help="NAME=LOG,MEM_SUMMARY,OUTPUT_DIR")
     a = ap.parse_args(argv)
+    if bool(a.committed) == bool(a.runs):
+        ap.error("give either --committed DIR or NAME=LOG,MEM_SUMMARY,OUTPUT_DIR runs")
     rows = []
+    if a.committed:
+        d = Path(a.committed)
+        names = sorted((p.name.removesuffix(".summary.json") for p in d.glob("*.summary.json")),
+                       key=lambda n: int("".join(filter(str.isdigit, n)) or 0))
+        for name in names:
+            rows.append(row(name, d / f"{name}.log.gz", d / f"{name}.summary.json",
+                            config=d / f"{name}.config.json", metrics=d / f"{name}.metrics.jsonl.gz"))
     for spec in a.runs:
         name, _, paths = spec.partition("=")
         log, summary, out = (Path(p) for p in paths.split(","))
         rows.append(row(name, log, summary, out))
-    out = Path(a.out)
+    out = Path(a.out or Path(a.committed) / "flwr-run.csv")
     with open(out, "w", newline="") as fh:
         w = csv.DictWriter(fh, [k for k in rows[0] if k != "marks"])
         w.writeheader()
