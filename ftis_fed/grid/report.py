@@ -7,6 +7,7 @@ figures' axes."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -20,7 +21,7 @@ from ftis_fed.grid.efficiency import efficiency_table
 from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import initial_eval, num, read_rows
-from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, gain_table,
+from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
                                   paired_prompt_table, stronger_participant, summarize, train_diagnostics)
 
 
@@ -67,7 +68,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
                      families: Sequence[dict] = (), verdict_rows: Sequence[dict] = (),
                      efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = (),
-                     gains: Sequence[dict] = ()) -> str:
+                     gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -174,6 +175,21 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
         for r in efficiency:
             ci = f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if math.isfinite(r["lo"]) else f"{r['diff']:.2f}"
             lines.append(f"| {r['a']} | {r['participant']} | {r['seeds']} | {r['reached']} | {ci} | {r['ratios']} |")
+        lines.append("")
+    if filters:
+        g = f"g = {filter_g:g}" if filter_g is not None else "g"
+        lines += [f"## The filter: per-sample KL of the peers' samples at each receiver ({g})", "",
+                  "Each training round's first update, over the peer's samples in it: the KL estimate of the median, "
+                  "90th and 99th percentile sample (summed over the completion's tokens, nats), averaged over the "
+                  f"rounds and seeds; the largest sample KL of any round and seed; the share of samples with KL ≥ {g} "
+                  "whatever their advantage; the share the filter dropped (negative advantage and KL ≥ g: F- modes "
+                  "only, 0 elsewhere).", "",
+                  "| method | receiver | peer | seeds | KL p50 | KL p90 | KL p99 | largest KL | KL ≥ g | dropped |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in filters:
+            lines.append(f"| {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | {r['kl_p50']:.2f} | "
+                         f"{r['kl_p90']:.2f} | {r['kl_p99']:.2f} | {r['kl_max']:.2f} | {100 * r['kl_ge_g_frac']:.1f} % | "
+                         f"{100 * r['filtered_frac']:.1f} % |")
         lines.append("")
     if diagnostics:
         lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
@@ -295,6 +311,7 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
     prompt_paired = paired_prompt_table(cells, out, metric)
     families = family_table(cells, out, metric)
     gains = gain_table(cells, out, metric)
+    filters = filter_table(cells, out)
     methods = {c.method for c in cells}
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
@@ -312,12 +329,26 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
                [{**r, "kind": "family", **tag} for r in families] +
                [{**r, "kind": "efficiency", **tag} for r in efficiency] +
                [{**r, "kind": "verdict", **tag} for r in verdict_rows] +
-               [{**r, "kind": "gain", **tag} for r in gains])
+               [{**r, "kind": "gain", **tag} for r in gains] +
+               [{**r, "kind": "filter", **tag} for r in filters])
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
-                                                     gains))
+                                                     gains, filters, _filter_g(cells, out) if filters else None))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
-            "verdicts": verdict_rows, "efficiency": efficiency, "gains": gains, "metric": metric.name, "ks": ks}
+            "verdicts": verdict_rows, "efficiency": efficiency, "gains": gains, "filters": filters,
+            "metric": metric.name, "ks": ks}
+
+
+def _filter_g(cells: Sequence[Cell], out: Path) -> float | None:
+    """The cells' filter threshold g (``filter_g`` of their config.json), when they all share one."""
+    gs = set()
+    for c in cells:
+        cfg = out / "cells" / c.name / "run" / "config.json"
+        if (out / "cells" / c.name / "done.json").exists() and cfg.exists():
+            g = json.loads(cfg.read_text()).get("objective", {}).get("filter_g")
+            if g is not None:
+                gs.add(float(g))
+    return gs.pop() if len(gs) == 1 else None
 

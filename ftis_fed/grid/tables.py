@@ -140,6 +140,44 @@ def train_diagnostics(cells: Sequence[Cell], out: Path) -> list[dict]:
 
 
 
+#: per-sample KL columns of ``filter_table``: (metrics key suffix, how a cell's rounds combine)
+FILTER_COLUMNS = (("kl_p50", "mean"), ("kl_p90", "mean"), ("kl_p99", "mean"), ("kl_max", "max"),
+                  ("kl_ge_g_frac", "mean"), ("filtered_frac", "mean"))
+
+
+def filter_table(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """Per method × receiver × peer source: the per-sample KL of the peer's samples at the receiver,
+    from the cells whose rows carry the quantiles (``offpolicy/<peer>/kl_p50``, ...: cells made before
+    them give no row). Per cell over its training rounds: the mean of each round's quantiles
+    (``kl_p50``, ``kl_p90``, ``kl_p99``: of that round's first update's samples), the largest
+    ``kl_max``, the mean share at or above g (``kl_ge_g_frac``) and the mean share the filter dropped
+    (``filtered_frac``); then per method the mean over the seeds (``kl_max``: their largest)."""
+    per: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        rows = participant_rows(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"), "train")
+        keys = {(r["participant"], k.split("/")[1]) for r in rows for k in r
+                if k.startswith("offpolicy/") and k.endswith("/kl_p50")}
+        for receiver, peer in sorted(keys):
+            if peer == receiver:
+                continue
+            mine = [r for r in rows if r["participant"] == receiver]
+            for col, how in FILTER_COLUMNS:
+                vs = [num(r.get(f"offpolicy/{peer}/{col}")) for r in mine]
+                vs = [v for v in vs if math.isfinite(v)]
+                if vs:
+                    per[(c.method, receiver, peer)][col].append(max(vs) if how == "max" else statistics.fmean(vs))
+    table = []
+    for (method, receiver, peer), cols in sorted(per.items(), key=lambda kv: (method_order(kv[0][0]), kv[0][1:])):
+        row = {"method": method, "participant": receiver, "peer": peer, "seeds": len(cols.get("kl_p50", []))}
+        for col, how in FILTER_COLUMNS:
+            vs = cols.get(col, [])
+            row[col] = (max(vs) if how == "max" else statistics.fmean(vs)) if vs else math.nan
+        table.append(row)
+    return table
+
+
 def _final_vectors(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> dict[tuple[str, str, int], dict]:
     """(method, participant, seed) -> set key -> (ids, per-prompt values of ``metric``) of every
     finished cell."""

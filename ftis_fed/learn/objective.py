@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -289,6 +289,9 @@ class LossOutput:
 
     loss: Tensor
     stats: dict[str, float]
+    #: (B,) each row's KL estimate (the filter's, before the implausible rows' inf), NaN where the row
+    #: is not in the loss: what ``kl_quantiles`` reads over a whole update's micro-batches
+    row_kl: Tensor | None = None
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -331,7 +334,8 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     with torch.no_grad():
         stats = source_stats(raw.detach(), mask, rows, kl, dropped, x, cfg, implausible, surprising, top)
         stats["loss/value"] = float(loss.detach())
-    return LossOutput(loss, stats)
+        row_kl = torch.where(rows, kl, torch.full_like(kl, math.nan))
+    return LossOutput(loss, stats, row_kl)
 
 
 def sanitize_generator_logprobs(x: LossInputs, mask: Tensor, seq_level: Tensor,
@@ -416,6 +420,29 @@ def source_stats(log_ratio: Tensor, mask: Tensor, rows: Tensor, kl: Tensor, drop
             out[p + "ratio_min"] = float(r.min())
             out[p + "log_ratio_sum"] = float(lr.sum())
             out[p + "truncated"] = float((r > cfg.trunc_c).sum())
+    return out
+
+
+#: the per-sample KL quantiles ``kl_quantiles`` reports (``offpolicy/<source>/kl_p50`` ...)
+KL_QUANTILES = (0.5, 0.9, 0.99)
+
+
+def kl_quantiles(row_kl: Tensor, source: Tensor, names: Sequence[str], g: float) -> dict[str, float]:
+    """Per source, over the rows in the loss (``row_kl`` not NaN): the per-sample KL estimate's
+    quantiles (``kl_p50``, ``kl_p90``, ``kl_p99``: the KL of the median / 90th / 99th percentile
+    sample, in the estimator's unit — summed nats for ``sum-*``) and ``kl_ge_g_frac``, the share of
+    samples at or above the filter's threshold g whatever their advantage (the filter drops those
+    among them with a negative advantage: ``filtered_frac``, in the F- modes only). Exact over an
+    update: pass every micro-batch's rows at once."""
+    out: dict[str, float] = {}
+    for s, name in enumerate(names):
+        v = row_kl[(source == s) & ~torch.isnan(row_kl)].double()
+        if not v.numel():
+            continue
+        p = f"offpolicy/{name}/"
+        for q in KL_QUANTILES:
+            out[f"{p}kl_p{round(q * 100)}"] = float(torch.quantile(v, q))
+        out[p + "kl_ge_g_frac"] = float((v >= g).double().mean())
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 from ftis_fed.atomic import atomic_path
 from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.learn.objective import (LOGP_GEN_FLOOR, LossInputs, ObjectiveConfig, compute_advantages, count_denominators,
-                        ftis_loss, merge_stats, finalize_stats, MODES)
+                        ftis_loss, kl_quantiles, merge_stats, finalize_stats, MODES)
 from ftis_fed.policies.config import PolicyConfig
 
 if TYPE_CHECKING:
@@ -262,6 +262,7 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
                       zero=[s.advantage == 0.0 for s in samples])
     limits = any(s.surprisal_limit is not None for s in samples)   # peer-surprisal-max on in this update
     stats: dict[str, float] = {}
+    row_kl, row_source = [], []                 # every scored row's KL and source: the update's quantiles
     loss_total = 0.0
     skipped_rows = unscored_rows = 0
     for start in range(0, len(order), micro_batch):
@@ -297,6 +298,8 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
         loss_total += float(out.loss.detach())
         out.stats.pop("loss/value", None)
         stats = merge_stats(stats, out.stats)
+        row_kl.append(out.row_kl)
+        row_source.append(x.source)
     if skipped_rows == len(order):        # no backward ran: the zero gradient every backward would have given
         for p in params:                    # (AdamW still steps: momentum, weight decay)
             if p.requires_grad and p.grad is None:
@@ -307,6 +310,8 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     metrics = finalize_stats(stats)
+    if row_kl:
+        metrics.update(kl_quantiles(torch.cat(row_kl), torch.cat(row_source), names, cfg.filter_g))
     metrics.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm),
                     "train/skipped_nonfinite": float(not finite), "train/samples": float(len(samples)),
                     "train/no_backward_rows": float(skipped_rows), "train/unscored_rows": float(unscored_rows),
