@@ -26,7 +26,7 @@ name                     arch    tokenizer  size          warm-up on   role
 ``micro-llama-w250``     Llama   BPE        0.33 M, 3 L   add99+sub99  worked, 250 warm-up steps (RL learns)
 =======================  ======  =========  ============  ===========  =================================
 
-The two ``-w`` models (issue #27's learning tier, being calibrated: docs/results/calibration/) answer
+The ``-w`` models (issue #27's learning tier, calibrated: docs/results/calibration/) answer
 two-digit problems with their column steps (``worked``: "7+8=15; 4+3+1=8; so 85", ~22 tokens), from
 problem spaces of 8,100 / 4,095 problems that RL cannot memorise (add30/sub30 have ~670 / ~350 train
 problems, and a 100-round run at 16 prompts a round sees each ~2-5 times); 200 warm-up steps leave them
