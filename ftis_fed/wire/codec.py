@@ -1021,12 +1021,8 @@ def _read_logprobs(h: WireHeader, r: _Reader) -> tuple[np.ndarray, np.ndarray]:
             got = _small_varints(r.buf, r.pos, n) if n else ([], r.pos)
             if got is not None and max(got[0], default=0) <= LOGP_ESCAPE:
                 codes, r.pos = got
-                n_esc = codes.count(LOGP_ESCAPE)
-                escapes = r.array("<f4", n_esc, "logprob_escapes").astype(np.float32)
-                out = np.float32(0.0) - np.array(codes, dtype=np.float32) * np.float32(2.0 ** -h.logp_frac_bits)
-                if n_esc:
-                    out[np.array(codes) == LOGP_ESCAPE] = escapes
-                return out, escapes
+                escapes = r.array("<f4", codes.count(LOGP_ESCAPE), "logprob_escapes").astype(np.float32)
+                return dequantize_logprobs(np.array(codes, dtype=np.uint16), escapes, h.logp_frac_bits), escapes
         codes = r.varints(n, "logprob_codes")
         if n and int(codes.max()) > LOGP_ESCAPE:
             raise _bad("undecodable", f"payload.logprob_codes: code {int(codes.max())} above {LOGP_ESCAPE}")
