@@ -197,13 +197,18 @@ class KeyDirectory(Mapping):
         return [n for n in self if fingerprint(self._keys[n]) in gone]
 
 
+def key_folder(path: str | os.PathLike) -> Path:
+    """Where the ``<participant>.pub`` files of a key directory are: ``path/public``, or ``path``
+    itself if it has none."""
+    d = Path(path)
+    return d / "public" if (d / "public").is_dir() else d
+
+
 def load_key_directory(path: str | os.PathLike,
                        revocations: str | os.PathLike | None = None) -> KeyDirectory:
     """Every ``<participant>.pub`` in ``path/public`` (or in ``path`` itself if it has none), with
     the revocation file ``revocations`` (default: :func:`revocation_path` of ``path``)."""
-    d = Path(path)
-    if (d / "public").is_dir():
-        d = d / "public"
+    d = key_folder(path)
     if not d.is_dir():
         raise FileNotFoundError(f"{path}: no key directory (expected <dir>/public/<participant>.pub)")
     revoked = RevocationList(revocations if revocations is not None else revocation_path(path))
@@ -219,8 +224,7 @@ def shared_key_directory(path: str | os.PathLike) -> KeyDirectory:
     hosts (``participants-per-worker``) share one read-only directory, instead of each parsing all
     N keys (N^2 parses per run: ~4 s of a 256-participant hello). A changed, added or removed key
     file is read anew; the revocation file is re-read on change as always."""
-    d = Path(path)
-    folder = d / "public" if (d / "public").is_dir() else d
+    folder = key_folder(path)
     try:
         stamp = tuple((p.name, st.st_size, st.st_mtime_ns, st.st_ino)
                       for p in sorted(folder.glob("*.pub")) for st in (p.stat(),))
