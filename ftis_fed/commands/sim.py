@@ -242,25 +242,33 @@ def own_superlink(home: Path, address: str) -> int | None:
     return None
 
 
+def check_superlink_address(address: str, home: Path, reuse: bool = False) -> None:
+    """Raise LaunchError when ``acquire_superlink`` would refuse ``address`` (a foreign SuperLink
+    without ``reuse``, or a port another program holds): ``simulate`` asks before it builds any model,
+    so a refusal costs a second, not a model conversion."""
+    if _healthy(address):
+        if own_superlink(home, address) is None and not reuse:
+            raise LaunchError(f"{address}: a SuperLink that ftis-fed did not start is already running there "
+                              "(plain `flwr run` starts one of its own); stop it, pick another address with "
+                              "--address HOST:PORT, or pass --reuse-superlink to run on it")
+    elif _listening(address):
+        raise LaunchError(f"{address}: the port is in use by another program (not a SuperLink); "
+                          "pick another address with --address HOST:PORT")
+
+
 def acquire_superlink(address: str, home: Path, env: dict, reuse: bool = False) -> subprocess.Popen | None:
     """A simulation SuperLink on ``address``: the one this launcher started earlier (kept), a foreign
     one only when ``reuse``, else a new one (returned, to be stopped by the caller). Says which."""
-    mine = own_superlink(home, address)
+    check_superlink_address(address, home, reuse)
     if _healthy(address):
+        mine = own_superlink(home, address)
         if mine is not None:
             print(f"[ftis-fed] SuperLink: reusing the one ftis-fed started on {address} (pid {mine}, "
                   f"--keep-superlink; log {home / 'superlink.log'})", flush=True)
-            return None
-        if reuse:
+        else:
             print(f"[ftis-fed] SuperLink: using the one already running on {address} (--reuse-superlink; "
                   "not started by ftis-fed)", flush=True)
-            return None
-        raise LaunchError(f"{address}: a SuperLink that ftis-fed did not start is already running there "
-                          "(plain `flwr run` starts one of its own); stop it, pick another address with "
-                          "--address HOST:PORT, or pass --reuse-superlink to run on it")
-    if _listening(address):
-        raise LaunchError(f"{address}: the port is in use by another program (not a SuperLink); "
-                          "pick another address with --address HOST:PORT")
+        return None
     print(f"[ftis-fed] SuperLink: starting a simulation SuperLink on {address} (FLWR_HOME={home}, "
           f"log {home / 'superlink.log'})", flush=True)
     proc = start_superlink(address, home, env)
@@ -497,6 +505,8 @@ def simulate(app: str | Path = ".", connection: str | None = None, run_config: l
                         "PYTHONUNBUFFERED": "1"})     # progress lines reach a redirected log as they come
     cfg = merged_run_config(app, overrides)                      # the merged items (the parse is ``fed``)
     gpu_check_at_start(cfg, n, *launcher_cuda(env))
+    if conn.get("ftis-managed"):                                 # refused before minutes of model builds
+        check_superlink_address(conn["address"], home, reuse_superlink)
     build_first(cfg)
     merged = merge_flower_config(app, home, connection)
     print(f"[ftis-fed] FLWR_HOME={home}: flower.toml's connections merged into {merged}", flush=True)
