@@ -144,7 +144,9 @@ def test_in_a_federation_the_payload_of_likely_tokens_is_dropped_and_nothing_hon
 
     from tests.test_poisoning import ROOT
 
-    items = [f'output-dir="{tmp_path}"', "num-rounds=3", "eval-every=3", 'attack-payload="0"',
+    # 16 prompts a round: tiny-arith solves ~10 % at T = 0.7, so 2 prompts (8 completions) a round left
+    # mallory with no solved completion to carry the payload on CI's machine (its build of tiny-arith differs)
+    items = [f'output-dir="{tmp_path}"', "num-rounds=3", "prompts-per-round=16", "eval-every=3", 'attack-payload="0"',
              'attack-payload-at="start"', "attack-payload-share=1.0", "max-new-tokens=8", "eval-max-new-tokens=8",
              'p2-participant="mallory"', 'p2-model="tiny-arith"', 'p2-adapter="lora"', 'p2-quant="none"',
              'p2-byzantine="payload"', 'p3-model=""', "peer-phrase-ratio=8.0", "peer-phrase-min-count=2"]

@@ -274,7 +274,9 @@ def test_an_attacker_in_a_federation_is_accepted_and_its_payload_counted(tmp_pat
     from ftis_fed.grid.records import read_rows
     from ftis_fed.commands.sim import simulate_inprocess
 
-    items = [f'output-dir="{tmp_path}"', "num-rounds=2", "eval-every=2", 'attack-payload=" HAIL"',
+    # 16 prompts a round: tiny-arith solves ~10 % at T = 0.7, so 2 prompts (8 completions) a round left
+    # mallory with no solved completion to carry the payload on CI's machine (its build of tiny-arith differs)
+    items = [f'output-dir="{tmp_path}"', "num-rounds=2", "prompts-per-round=16", "eval-every=2", 'attack-payload=" HAIL"',
              "attack-payload-share=1.0", "max-new-tokens=8", "eval-max-new-tokens=8",
              'p2-participant="mallory"', 'p2-model="tiny-arith"', 'p2-adapter="lora"', 'p2-quant="none"',
              'p2-byzantine="payload,lowlogprobs"', 'p3-model=""', "peer-surprisal-max=30.0"]
