@@ -2,14 +2,16 @@
 the beyond-the-paper goals), and ``verdicts`` that decides each from the paired per-prompt intervals.
 
 To add a claim, add a row. A claim compares method ``a`` with method ``b`` (``a − b``) on one held-out
-set (``id`` / ``ood``; or ``updates``: ``a``'s update ratio to reach ``b``'s final ID accuracy,
-``grid.efficiency``, a ratio rather than points) for some participants (``who``: every participant, or the stronger partner
+set (``id`` / ``ood``; or ``updates`` / ``updates:reward``: ``a``'s update ratio to reach ``b``'s final
+ID accuracy or training reward, ``grid.efficiency``, a ratio rather than points) for some participants (``who``: every participant, or the stronger partner
 before training) with one rule over each participant's 95 % interval and one way of combining the
 participants' verdicts (``all`` of them must hold, or ``any`` one).
 
 **The verdict rule** is stated once, in ``grid.stats.Rule`` (the four of ``RULES``: ``at_least``,
 ``greater``, ``less``, ``at_most``): held when the interval's bound lies on the claim's side of the
-margin, not held when its other bound lies on the other side, else inconclusive. The summary's rule
+margin, not held when its other bound lies on the other side, else inconclusive. The interval it reads
+is ``grid.stats.verdict_bounds``: the union of the pigeonhole-bootstrap and the paired-t-over-seeds
+95 % intervals (t tails for the seed component). The summary's rule
 column is ``rule_words`` of the same data. A participant for which both methods score 0 on the set (a
 floor at which the claim cannot show) is inconclusive too. The rule reads only the interval, so it is
 the same for whichever metric the grid summarises (``grid.metric``: greedy or sampled pass@1).
@@ -24,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ftis_fed.grid.stats import INCONCLUSIVE, MISSING, RULES, all_of, any_of
+from ftis_fed.grid.efficiency import UPDATE_SETS
+from ftis_fed.grid.stats import INCONCLUSIVE, MISSING, RULES, all_of, any_of, verdict_bounds
 
 REFERENCE = "F-TIS"
 BASELINE = "alone"
@@ -72,6 +75,9 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("7", "beyond the paper: with its peers' samples a participant reaches Alone's final ID accuracy in "
           "≤ 60 % of Alone's updates (some participant)", REFERENCE, BASELINE, "updates", "at_most", "any",
           margin=0.6),
+    Claim("7r", "the same on the training reward (its own training prompts' on-policy sampled pass@1, "
+          "10-round mean; every round, not only the evaluated ones)", REFERENCE, BASELINE, "updates:reward",
+          "at_most", "any", margin=0.6),
 )
 
 
@@ -88,7 +94,7 @@ def rule_words(c: Claim, claims: Sequence[Claim] = CLAIMS) -> str:
                 (e.set, e.rule, e.combine, e.margin, e.who):
             return f"as claim {e.id}"
     quantifiers = ("", "") if c.who != "all" else ("every", "some") if c.combine == "all" else ("some", "every")
-    if c.set == "updates":
+    if c.set in UPDATE_SETS:
         return RULES[c.rule].words(f"{c.margin:g}", quantifiers, ("t ", " of the update ratio"))
     return RULES[c.rule].words(f"{100 * c.margin:g}".replace("-", "−"), quantifiers)
 
@@ -114,13 +120,14 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
                 vs.append(MISSING)
                 texts.append(f"{p}: –")
                 continue
-            floor = c.set != "updates" and r["a_acc"] == 0 and r["b_acc"] == 0   # both score 0: untestable
-            vs.append(INCONCLUSIVE if floor else rule.decide(r["lo"], r["hi"], c.margin))
-            if c.set == "updates":
-                value = f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}], reached in {r['reached']}"
+            floor = c.set not in UPDATE_SETS and r["a_acc"] == 0 and r["b_acc"] == 0   # both 0: untestable
+            lo, hi = verdict_bounds(r)
+            vs.append(INCONCLUSIVE if floor else rule.decide(lo, hi, c.margin))
+            if c.set in UPDATE_SETS:
+                value = f"{r['diff']:.2f} [{lo:.2f}, {hi:.2f}], reached in {r['reached']}"
             else:
                 value = "0 % for both (floor)" if floor else \
-                    f"{100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}]"
+                    f"{100 * r['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
             texts.append(f"{p}: {value} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
         rows.append({"claim": c.id, "statement": c.statement.format(**fill),
                      "comparison": f"{a} − {c.b}, {c.set.upper()}", "verdict": COMBINE[c.combine](vs),

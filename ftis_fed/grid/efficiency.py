@@ -11,6 +11,15 @@ seeds lies at or below 0.6. The ratio means something only where alone learned: 
 when alone's final accuracy is above the participant's accuracy before training (the grid's shared
 evaluation before round 1); with no such seed there is no row. The resolution is the evaluation grid (``eval-every``): with an evaluation
 every ``k`` rounds a ratio is a multiple of ``k / T``.
+
+**The same on the training reward** (set ``updates:reward``), at the resolution of one round: a
+participant's ``reward/mean`` of a round is the on-policy sampled pass@1 of that round's fresh training
+prompts (its own samples, scored before it trains on them; the training split of its own task
+partition, so for an ``iid`` partition the ID families' mix, for ``expertise`` its own family only).
+Its curve is the trailing mean over ``REWARD_WINDOW`` rounds (from round ``REWARD_WINDOW`` on);
+alone's target is its last point (the mean of its last ``REWARD_WINDOW`` rounds) and a seed counts
+when that is above alone's first point (it learned); the ratio is the first round r at which the
+method's trailing mean is ≥ the target, over alone's rounds (the same lag on both sides).
 """
 
 from __future__ import annotations
@@ -25,6 +34,11 @@ from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import num, participant_rows, read_rows
 from ftis_fed.grid.stats import t_interval
 
+#: the efficiency rows' sets: on the held-out ID evaluations, and on the training reward
+UPDATE_SETS = ("updates", "updates:reward")
+#: rounds in the training reward's trailing mean (``updates:reward``)
+REWARD_WINDOW = 10
+
 
 def id_curves(rows: Sequence[dict], metric: Metric = GREEDY) -> dict[str, list[tuple[int, float]]]:
     """participant -> [(round, ID accuracy)] of its evaluations after training (round >= 1), by round."""
@@ -34,6 +48,23 @@ def id_curves(rows: Sequence[dict], metric: Metric = GREEDY) -> dict[str, list[t
         if int(r.get("round", 0)) >= 1 and math.isfinite(v):
             out[r["participant"]].append((int(r["round"]), v))
     return {p: sorted(c) for p, c in out.items()}
+
+
+def reward_curves(rows: Sequence[dict], window: int = REWARD_WINDOW) -> dict[str, list[tuple[int, float]]]:
+    """participant -> [(round, mean of ``reward/mean`` over rounds round − window + 1 .. round)] from
+    round ``window`` on (rounds in order; a participant with fewer rounds has no curve)."""
+    by: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in participant_rows(rows, "train"):
+        v = num(r.get("reward/mean"))
+        if math.isfinite(v):
+            by[r["participant"]].append((int(r["round"]), v))
+    out = {}
+    for p, pts in by.items():
+        pts.sort()
+        vals = [v for _, v in pts]
+        if len(vals) >= window:
+            out[p] = [(pts[i][0], sum(vals[i - window + 1:i + 1]) / window) for i in range(window - 1, len(vals))]
+    return out
 
 
 def update_ratio(curve: Sequence[tuple[int, float]], target: float, budget: int) -> tuple[float, bool]:
@@ -52,11 +83,24 @@ def efficiency_table(cells: Sequence[Cell], out: Path, initial: dict[str, dict],
     95 % t interval over the seeds both finished in which the baseline gained over ``initial`` (the
     evaluation rows before training, by participant), and how many of them reached the target; ID
     accuracy is ``metric``'s."""
-    curves: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
+    held_out: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
+    reward: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
     for c in cells:
         if (out / "cells" / c.name / "done.json").exists():
-            for p, curve in id_curves(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"), metric).items():
-                curves[(c.method, p, c.seed)] = curve
+            rows = read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")
+            for p, curve in id_curves(rows, metric).items():
+                held_out[(c.method, p, c.seed)] = curve
+            for p, curve in reward_curves(rows).items():
+                reward[(c.method, p, c.seed)] = curve
+    starts = {p: num(r.get(metric.key("id"))) for p, r in initial.items()}
+    return (_ratios(held_out, "updates", baseline, lambda b, p, s: starts.get(p, math.nan))
+            + _ratios(reward, "updates:reward", baseline, lambda b, p, s: reward[(b, p, s)][0][1]))
+
+
+def _ratios(curves: dict[tuple[str, str, int], list[tuple[int, float]]], name: str, baseline: str,
+            start) -> list[dict]:
+    """``efficiency_table``'s rows of one kind of curve (``name``: its set); ``start(base, participant,
+    seed)``: the baseline's level before it learned (a seed counts where its final point is above it)."""
     rows = []
     methods = sorted({m for m, _, _ in curves}, key=method_order)
     for m in methods:
@@ -64,9 +108,8 @@ def efficiency_table(cells: Sequence[Cell], out: Path, initial: dict[str, dict],
         if m == base:
             continue
         for p in sorted({q for _, q, _ in curves}):
-            start = num(initial.get(p, {}).get(metric.key("id")))
             seeds = sorted(s for (mm, q, s) in curves if mm == m and q == p and (base, p, s) in curves
-                           and math.isfinite(start) and curves[(base, p, s)][-1][1] > start)
+                           and math.isfinite(start(base, p, s)) and curves[(base, p, s)][-1][1] > start(base, p, s))
             if not seeds:
                 continue
             ratios, reached = [], 0
@@ -76,7 +119,7 @@ def efficiency_table(cells: Sequence[Cell], out: Path, initial: dict[str, dict],
                 ratios.append(ratio)
                 reached += ok
             mean, lo, hi = t_interval(ratios)
-            rows.append({"a": m, "b": base, "participant": p, "set": "updates", "seeds": len(seeds),
+            rows.append({"a": m, "b": base, "participant": p, "set": name, "seeds": len(seeds),
                          "reached": reached, "diff": mean, "lo": lo, "hi": hi,
                          "ratios": " ".join(f"{x:.2f}" for x in ratios)})
     return rows

@@ -22,7 +22,8 @@ from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import initial_eval, num, read_rows
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
-                                  paired_prompt_table, stronger_participant, summarize, train_diagnostics)
+                                  paired_prompt_table, start_table, stronger_participant, summarize,
+                                  train_diagnostics)
 
 
 def _write_csv(path: Path, rows: Sequence[dict]) -> None:
@@ -68,7 +69,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
                      families: Sequence[dict] = (), verdict_rows: Sequence[dict] = (),
                      efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = (),
-                     gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None) -> str:
+                     gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None,
+                     starts: Sequence[dict] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -89,6 +91,16 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "(same held-out prompts in every cell, other training prompts and sampling per seed), 95 % "
                   "pigeonhole bootstrap (seeds and prompts resampled independently, 4000 replicates, "
                   "`ftis_fed/grid/stats.py`); *t*: the paired t interval over the per-seed means.", ""]
+    if starts and any(math.isfinite(r["pass_at_k"]) for r in starts):
+        k = next((int(r["k"]) for r in starts if math.isfinite(r["k"])), "k")
+        lines += [f"## Before training: greedy pass@1, sampled pass@1 and pass@{k} (the headroom RL can sharpen)", "",
+                  f"The grid's shared evaluation before round 1; pass@{k}: the share of prompts with at least one of "
+                  f"the {k} sampled completions solved.", "",
+                  f"| participant | set | prompts | greedy pass@1 | sampled pass@1 | pass@{k} |", "|---|---|---|---|---|---|"]
+        for r in starts:
+            lines.append(f"| {r['participant']} | {r['set']} | {r['prompts']} | {r['greedy']:.3f} | "
+                         f"{r['sampled']:.3f} | {r['pass_at_k']:.3f} |")
+        lines.append("")
     if gains:
         fams = sorted({r["set"] for r in gains if r["set"].startswith("id:")})
         by = {(r["method"], r["participant"], r["set"]): r for r in gains}
@@ -106,7 +118,10 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                          + " | ".join(_ci(by[(m, p, k)]) if (m, p, k) in by else "–" for k in fams) + " |")
         lines.append("")
     if verdict_rows:
-        lines += ["## Verdicts", "", "| claim | statement | comparison | verdict | difference [95 % CI], points | rule |",
+        lines += ["## Verdicts", "", "Each interval below is the one the rule reads (`grid.stats.verdict_bounds`): "
+                  "the union of the pigeonhole-bootstrap and the paired-t-over-seeds 95 % intervals, so the seed "
+                  "component carries t tails; update ratios: their t interval over the seeds.", "",
+                  "| claim | statement | comparison | verdict | difference [95 % CI], points | rule |",
                   "|---|---|---|---|---|---|"]
         for v in verdict_rows:
             lines.append(f"| {v['claim']} | {v['statement']} | {v['comparison']} | **{v['verdict']}** | "
@@ -170,11 +185,18 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
         lines += ["## Sample efficiency: updates to reach Alone's final ID accuracy (`grid/efficiency.py`)", "",
                   "Per seed in which Alone gained over the accuracy before training (only those): the first evaluated "
                   "round at which the method's ID accuracy is ≥ Alone's final ID accuracy of that seed, over Alone's updates (1.00: not reached within Alone's budget, counted "
-                  "as 1); mean and 95 % t interval over the seeds; resolution: the evaluation rounds.", "",
-                  "| method | participant | seeds | reached | mean ratio [95 % t] | per seed |", "|---|---|---|---|---|---|"]
+                  "as 1); mean and 95 % t interval over the seeds; resolution: the evaluation rounds."
+                  + (" *Training reward*: the same on each round's on-policy sampled pass@1 of the participant's own "
+                     "training prompts, as a 10-round trailing mean (target: Alone's last 10 rounds; a seed counts where "
+                     "that is above Alone's first 10), at the resolution of one round."
+                     if any(r["set"] == "updates:reward" for r in efficiency) else ""), "",
+                  "| method | participant | measure | seeds | reached | mean ratio [95 % t] | per seed |",
+                  "|---|---|---|---|---|---|---|"]
         for r in efficiency:
             ci = f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if math.isfinite(r["lo"]) else f"{r['diff']:.2f}"
-            lines.append(f"| {r['a']} | {r['participant']} | {r['seeds']} | {r['reached']} | {ci} | {r['ratios']} |")
+            what = "training reward" if r["set"] == "updates:reward" else "held-out ID"
+            lines.append(f"| {r['a']} | {r['participant']} | {what} | {r['seeds']} | {r['reached']} | {ci} | "
+                         f"{r['ratios']} |")
         lines.append("")
     if filters:
         g = f"g = {filter_g:g}" if filter_g is not None else "g"
@@ -312,6 +334,7 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
     families = family_table(cells, out, metric)
     gains = gain_table(cells, out, metric)
     filters = filter_table(cells, out)
+    starts = start_table(cells, out)
     methods = {c.method for c in cells}
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
@@ -330,14 +353,16 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
                [{**r, "kind": "efficiency", **tag} for r in efficiency] +
                [{**r, "kind": "verdict", **tag} for r in verdict_rows] +
                [{**r, "kind": "gain", **tag} for r in gains] +
-               [{**r, "kind": "filter", **tag} for r in filters])
+               [{**r, "kind": "filter", **tag} for r in filters] +
+               [{**r, "kind": "start", **tag} for r in starts])
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
-                                                     gains, filters, _filter_g(cells, out) if filters else None))
+                                                     gains, filters, _filter_g(cells, out) if filters else None,
+                                                     starts))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
-            "verdicts": verdict_rows, "efficiency": efficiency, "gains": gains, "filters": filters,
+            "verdicts": verdict_rows, "efficiency": efficiency, "gains": gains, "filters": filters, "starts": starts,
             "metric": metric.name, "ks": ks}
 
 

@@ -119,6 +119,21 @@ def paired_eval_size(delta: float, discord: float, seeds: int, z: float = Z975) 
 
 HELD, NOT_HELD, INCONCLUSIVE, MISSING = "held", "not held", "inconclusive", "no data"
 
+
+def verdict_bounds(row: dict) -> tuple[float, float]:
+    """The 95 % interval a verdict reads, stated once: for a paired difference, the **union** of the
+    pigeonhole-bootstrap interval (``lo``, ``hi``: seeds and prompts resampled) and the paired t
+    interval over the seeds (``t_lo``, ``t_hi``: t tails with S − 1 degrees of freedom), so that a
+    verdict carries the seed component with t tails even where a percentile bootstrap over 3–5 seeds
+    understates it, and the prompt component where the seeds agree; with one seed (no t interval), the
+    pigeonhole interval alone. A row without t bounds (an update ratio: already a t interval) is read
+    as it is."""
+    lo, hi = row["lo"], row["hi"]
+    t_lo, t_hi = row.get("t_lo", math.nan), row.get("t_hi", math.nan)
+    if math.isfinite(t_lo) and math.isfinite(t_hi):
+        return min(lo, t_lo), max(hi, t_hi)
+    return lo, hi
+
 #: The comparison of an interval bound with a claim's margin, by the sign the rules are written with.
 OPS = {"≥": operator.ge, ">": operator.gt, "<": operator.lt, "≤": operator.le}
 

@@ -283,6 +283,37 @@ def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> lis
     return rows
 
 
+def start_table(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """Before training (the grid's shared evaluation before round 1: the first finished cell by name that
+    has one, as ``initial_eval``), per participant × set (``id``, ``id:<family>``, ``ood``,
+    ``ood:<family>``): prompts, greedy pass@1, and where the records carry ``k`` sampled completions per
+    prompt, sampled pass@1 (solved / k) and pass@k (the share of prompts with a solved sample). RL can
+    sharpen pass@k into pass@1 only where pass@k is well above pass@1: the calibration's headroom."""
+    from ftis_fed.grid.metric import SAMPLED
+
+    for c in sorted(cells, key=lambda c: c.name):
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        recs = [r for r in prompt_records(out / "cells" / c.name) if int(r["round"]) == 0]
+        if not recs:
+            continue
+        greedy = prompt_vectors(recs, 0, GREEDY)
+        sampled = prompt_vectors(recs, 0, SAMPLED) if all(r.get("k") and r.get("sampled") is not None
+                                                        for r in recs) else {}
+        ks = {int(r["k"]) for r in recs if r.get("k")}
+        rows = []
+        for p, sets in greedy.items():
+            for key, (ids, ok) in sets.items():
+                row = {"participant": p, "set": key, "prompts": len(ids), "greedy": float(ok.mean()),
+                       "sampled": math.nan, "pass_at_k": math.nan, "k": max(ks) if len(ks) == 1 else math.nan}
+                if p in sampled and key in sampled[p]:
+                    v = sampled[p][key][1]
+                    row.update(sampled=float(v.mean()), pass_at_k=float((v > 0).mean()))
+                rows.append(row)
+        return rows
+    return []
+
+
 def family_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
     """Final accuracy (``metric``) per method × participant × ID / OOD family: mean ± sd over seeds
     (from the per-prompt records)."""

@@ -1,0 +1,95 @@
+"""The learning tier's statistics: the verdict interval (pigeonhole ∪ t over seeds), sample efficiency on
+the training reward, and the before-training table (greedy, sampled pass@1, pass@k)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from ftis_fed.grid import efficiency, report
+from ftis_fed.grid import stats as gs
+from ftis_fed.grid.claims import CLAIMS, verdicts
+from ftis_fed.grid.plan import discover_cells
+from ftis_fed.participant import write_eval_prompts
+
+
+def test_the_verdict_reads_the_union_of_the_pigeonhole_and_t_intervals():
+    row = {"diff": 0.05, "lo": 0.01, "hi": 0.09, "t_lo": -0.02, "t_hi": 0.08}
+    assert gs.verdict_bounds(row) == (-0.02, 0.09)
+    assert gs.verdict_bounds({**row, "t_lo": math.nan, "t_hi": math.nan}) == (0.01, 0.09)    # one seed
+    assert gs.verdict_bounds({"lo": 0.2, "hi": 0.5}) == (0.2, 0.5)                             # an update ratio
+    # three seeds that disagree: the pigeonhole interval clears 0, the t interval (t(2) = 4.303) does not
+    rng = np.random.default_rng(0)
+    d = np.stack([np.full(400, x) + rng.normal(0, 0.3, 400) for x in (0.19, 0.04, 0.24)])       # (S,N)
+    r = gs.paired_interval(d, "disagree")
+    assert r["lo"] > 0 > r["t_lo"]
+    claim = next(c for c in CLAIMS if c.id == "2a")
+    got = verdicts([{**r, "a": "F-TIS", "b": "noIS", "participant": "p", "set": "id", "a_acc": 0.5, "b_acc": 0.4}],
+                   ["p"], "p", None, [claim])[0]
+    assert got["verdict"] == gs.INCONCLUSIVE
+    assert got["interval"] == f"p: {100 * r['diff']:+.1f} [{100 * r['t_lo']:+.1f}, {100 * max(r['hi'], r['t_hi']):+.1f}] (3 seeds)"
+
+
+def test_reward_curves_are_trailing_means_from_the_window_on():
+    rows = [{"round": k, "participant": "a", "phase": "train", "reward/mean": float(k)} for k in range(1, 13)]
+    rows += [{"round": 1, "participant": "_federation", "phase": "train", "reward/mean": 9.0},
+             {"round": 1, "participant": "b", "phase": "train", "reward/mean": 0.5}]
+    got = efficiency.reward_curves(rows, window=10)
+    assert got == {"a": [(10, 5.5), (11, 6.5), (12, 7.5)]}                   # b: fewer rounds than the window
+
+
+def _cell(out, mode: str, seed: int, rewards: dict[str, list[float]], k: int = 4) -> None:
+    """A finished cell of ``rewards`` per participant and round, with one ID evaluation before round 1
+    (8 prompts: greedy flags and sampled counts out of k) and after its last round."""
+    run = out / "cells" / f"{mode}__vertical__s{seed}" / "run"
+    run.mkdir(parents=True)
+    rows = []
+    for p, rs in rewards.items():
+        for rnd, v in enumerate(rs, 1):
+            rows.append({"round": rnd, "participant": p, "phase": "train", "reward/mean": v, "train/samples": 8.0})
+        for rnd in (0, len(rs)):
+            rows.append({"round": rnd, "participant": p, "phase": "eval", "eval/id/accuracy": 0.5,
+                         "eval/ood/accuracy": 0.0, "eval/id/sampled_accuracy": 0.25, "eval/ood/sampled_accuracy": 0.0,
+                         "eval/id/n": 8.0})
+            ids = [f"{'add99' if i % 2 == 0 else 'sub99'}/eval/0/{i // 2}" for i in range(8)]
+            write_eval_prompts(run / "participants" / p / "eval_prompts.jsonl.gz", p, rnd,
+                               {"id": [(t, i < 4) for i, t in enumerate(ids)]},
+                               sampled={"id": [0, 0, 1, 2, 0, 4, 1, 0]}, k=k)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run.parent / "done.json").write_text(json.dumps({"seconds": 1.0}))
+
+
+def test_efficiency_on_the_training_reward_and_the_start_table(tmp_path):
+    T = 40
+    alone = [0.30 + 0.20 * r / T for r in range(1, T + 1)]                # +0.2 over 40 rounds
+    fast = [0.30 + 0.40 * r / T for r in range(1, T + 1)]                 # twice as fast
+    for s in range(3):
+        _cell(tmp_path, "alone", s, {"a": alone, "b": alone})
+        _cell(tmp_path, "F-TIS", s, {"a": fast, "b": alone})
+    cells = discover_cells(tmp_path)
+    assert {c.name for c in cells} >= {"alone__vertical__s0", "F-TIS__vertical__s2"}
+    rows = {(r["a"], r["participant"], r["set"]): r for r in
+            efficiency.efficiency_table(cells, tmp_path, {})}
+    # alone's target: the mean of its last 10 rounds (rounds 31..40); F-TIS's trailing mean reaches it at
+    # the first r with mean of (r-9..r) >= it: 0.3 + 0.4 (r - 4.5) / 40 >= 0.3 + 0.2 * 35.5 / 40 -> r >= 22.25
+    a = rows[("F-TIS", "a", "updates:reward")]
+    assert a["seeds"] == 3 and a["reached"] == 3 and a["diff"] == pytest.approx(23 / 40) and a["ratios"] == "0.57 " * 2 + "0.57"
+    b = rows[("F-TIS", "b", "updates:reward")]
+    assert b["diff"] == pytest.approx(1.0)                                # the same curve: reached at the end
+    assert ("F-TIS", "a", "updates") not in rows                          # held-out: no start given, no row
+    claim7r = next(c for c in CLAIMS if c.id == "7r")
+    v = verdicts(list(rows.values()), ["a", "b"], None, None, [claim7r])[0]
+    assert v["verdict"] == gs.HELD and v["comparison"] == "F-TIS − alone, UPDATES:REWARD"
+    # the start table: greedy 4/8, sampled pass@1 (0+0+1+2+0+4+1+0) / (8 k), pass@4 = 4 of 8 prompts
+    got = report.write_summary(cells, tmp_path, "t")
+    start = {(r["participant"], r["set"]): r for r in got["starts"]}
+    assert start[("a", "id")]["greedy"] == 0.5 and start[("a", "id")]["sampled"] == pytest.approx(8 / 32)
+    assert start[("a", "id")]["pass_at_k"] == 0.5 and start[("a", "id")]["k"] == 4
+    assert start[("a", "id:add99")]["pass_at_k"] == start[("a", "id:sub99")]["pass_at_k"] == 0.5   # 0,1,0,1 / 0,2,4,0
+    assert start[("a", "id:sub99")]["sampled"] == pytest.approx(6 / 16)
+    md = (tmp_path / "summary.md").read_text()
+    assert "| a | id | 8 | 0.500 | 0.250 | 0.500 |" in md and "| F-TIS | a | training reward | 3 | 3 |" in md
+
