@@ -250,7 +250,9 @@ def freeze_startup_objects() -> bool:
     batches, rows), which the collector promotes to its oldest generation; each full collection it
     then starts (~2 a round at 4,096) walked the whole heap, startup objects included: ~0.1 s each.
     Frozen, they are not walked; they are still freed by reference counting as ever, only garbage
-    cycles among them wait for the end of the run. A collection first, so that no garbage is frozen.
+    cycles among them wait for the end of the run (so what waits is at most what was alive at
+    admission: a participant replaced later, say, is freed when the run ends). A collection first,
+    so that no garbage is frozen.
     False (nothing done) where the collector is disabled: the process decides its own collection."""
     if not gc.isenabled():
         return False
