@@ -1,7 +1,8 @@
-"""InProcessTransport: a request's thread takes further requests of the same send once done (fewer
-threads than requests), and still each participant's failure costs only itself: hung participants
-taken first do not delay the others' replies, every request is handled exactly once, a participant
-handles one request at a time, errors and time-outs are per address."""
+"""InProcessTransport: a send's requests are taken in turn by one thread, more only when none ended
+for ``STALL_S`` (fewer threads than requests), and still each participant's failure costs only
+itself: hung participants taken first, or a slow one holding the GIL, do not delay the others'
+replies, every request is handled exactly once, a participant handles one request at a time, errors
+and time-outs are per address."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from ftis_fed.engine import inprocess
 from ftis_fed.engine.inprocess import InProcessTransport
 from ftis_fed.engine.transport import Delivered, Failure
 
@@ -61,11 +63,16 @@ def test_hung_participants_taken_first_cost_only_themselves():
     assert all(len(s.calls) == 1 for s in {**hung, **good}.values())   # each request handled once
 
 
-def test_every_request_is_handled_once_by_fewer_threads_than_requests():
+def test_every_request_is_handled_once_by_fewer_threads_than_requests(monkeypatch):
     stubs = {f"p{i:03d}": Stub() for i in range(300)}
     t = InProcessTransport(stubs)
     before = threading.active_count()
+    starts = []
+    real = inprocess._thread.start_new_thread
+    monkeypatch.setattr(inprocess._thread, "start_new_thread", lambda *a: starts.append(1) or real(*a))
     out = t.send("generate", {a: {"round": 2, "who": a} for a in stubs}, 10.0)
+    monkeypatch.undo()
+    assert 1 <= len(starts) <= 16                   # one, doubled only after a STALL_S without a reply
     assert all(isinstance(r, Delivered) for r in out.values()) and list(out) == list(stubs)
     assert all(s.calls == [("generate", {"round": 2, "who": a})] for a, s in stubs.items())
     time.sleep(0.05)
@@ -92,3 +99,25 @@ def test_an_empty_send_and_only_unknown_addresses():
     t = InProcessTransport({"a": Stub()})
     assert t.send("learn", {}, 1.0) == {}
     assert t.send("learn", {"x": {}}, 1.0)["x"].reason == "unknown_node"
+
+
+def test_many_hung_participants_taken_first_and_a_slow_one_holding_the_gil():
+    hung = {f"h{i:03d}": Stub(hang=True) for i in range(200)}
+
+    class Spin(Stub):
+        def handle(self, action, request):
+            end = time.monotonic() + 0.6                # holds the GIL but for the switch interval
+            while time.monotonic() < end:
+                pass
+            return super().handle(action, request)
+
+    slow = {"slow": Spin()}
+    good = {f"g{i:02d}": Stub() for i in range(20)}
+    t = InProcessTransport({**slow, **hung, **good})
+    ended = {}
+    t0 = time.monotonic()
+    out = t.send("learn", {a: {} for a in [*slow, *hung, *good]}, 3.0,
+                 on_reply=lambda a: ended.setdefault(a, time.monotonic() - t0))
+    assert all(isinstance(out[a], Delivered) for a in [*slow, *good])
+    assert all(out[a].reason == "timeout" for a in hung)
+    assert max(ended[a] for a in good) < 2.0        # taken within ~STALL_S x log2(201), not at the deadline
