@@ -15,7 +15,10 @@ previous one runs). So light participants are served by one thread in turn, with
 threads contending for the GIL (a thread per request cost the server ~0.13 ms of CPU per request
 to start and end, and the GIL hand-offs between them cost the participants' threads as much
 again), while a hung participant holds up only its own thread: with H of them taken first, the
-others are taken within about ``STALL_S`` x log2(H). The call waits until every request is done or
+others are taken within about ``STALL_S`` x log2(H). The price: participants that wait (sleep, I/O)
+for less than ``STALL_S`` per request are served in turn too, so such a send takes the sum of their
+waits rather than the longest (the research tier's participants take turns anyway,
+``commands/inprocess.py``; a wait of ``STALL_S`` or more brings more threads). The call waits until every request is done or
 the deadline passes (counted from when the last request was taken). A participant still running
 at the deadline is reported as ``Failure("timeout")`` and left behind (its thread cannot be
 killed; a hung participant stays hung, as a hung worker process would). Like the worker process,
