@@ -393,3 +393,52 @@ def test_lora_init_does_not_depend_on_a_warm_model_cache(monkeypatch):
     assert lora
     a, b = dict(warm.model.named_parameters()), dict(cold.model.named_parameters())
     assert all(torch.equal(a[n], b[n]) for n in lora)
+
+
+def test_the_tokenizer_fingerprint_hashes_a_folders_vocabulary_once_and_again_after_any_change(tmp_path):
+    """base.tokenizer_fingerprint keeps the vocabulary's hash per unchanged tokenizer folder (a test run
+    loads the same tokenizer ~130 times): a second load of the folder does not read its vocabulary again
+    and gives the fingerprint of the uncached computation; a token added after loading is hashed again,
+    another special token changes the fingerprint as uncached, and an edited file is read again."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from ftis_fed.policies import tokenizer_fingerprint
+    from ftis_fed.policies.models import load_tokenizer, resolve_model
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for f in Path(resolve_model("tiny-llama")).iterdir():                     # the tokenizer's files, no weights
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, folder / f.name)
+    reads = []
+
+    def load():
+        tok = load_tokenizer(str(folder))
+        real = tok.get_vocab
+        tok.get_vocab = lambda: reads.append(1) or real()
+        return tok
+
+    def uncached(tok) -> str:
+        source = vars(tok).pop("_ftis_fed_source")
+        try:
+            return tokenizer_fingerprint(tok)
+        finally:
+            tok._ftis_fed_source = source
+
+    a = load()
+    first = tokenizer_fingerprint(a)
+    assert len(reads) == 1
+    b = load()
+    assert tokenizer_fingerprint(b) == first and len(reads) == 1                 # cached: not read again
+    assert uncached(b) == first and len(reads) == 2
+    b.add_tokens(["<zz-new>"])
+    assert tokenizer_fingerprint(b) == uncached(b) != first and len(reads) == 4  # grown: read, not cached
+    a.pad_token = a.convert_ids_to_tokens(5)                                     # special tokens: every time
+    assert tokenizer_fingerprint(a) != first and len(reads) == 4
+    assert tokenizer_fingerprint(a) == uncached(a) and len(reads) == 5
+    tj = folder / "tokenizer.json"
+    st = tj.stat()
+    os.utime(tj, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))                  # an edited file: read again
+    assert tokenizer_fingerprint(load()) == first and len(reads) == 6

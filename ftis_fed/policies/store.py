@@ -66,8 +66,25 @@ def load_tokenizer(path: str):
 
     cfg = Path(path) / "tokenizer_config.json"
     if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
+    tok._ftis_fed_source = (tokenizer_files_key(path), len(tok))       # base.tokenizer_fingerprint's cache key
+    return tok
+
+
+def tokenizer_files_key(path: str | Path) -> tuple | None:
+    """What a tokenizer loaded from folder ``path`` depends on: the folder and each of its files' name,
+    mtime and size (a file replaced or edited gives another key); None for a hub name (not cached)."""
+    folder = Path(path).resolve()
+    if not folder.is_dir():
+        return None
+    stats = []
+    for f in sorted(folder.iterdir()):
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            stats.append((f.name, st.st_mtime_ns, st.st_size))
+    return (str(folder), tuple(stats))
 
 
 def smollm2_gguf_dir() -> Path:
