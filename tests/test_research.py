@@ -65,7 +65,10 @@ def test_paired_eval_size_and_verdict_rules():
     assert gs.all_of([gs.HELD, gs.INCONCLUSIVE]) == gs.INCONCLUSIVE
     assert gs.all_of([gs.HELD, gs.NOT_HELD]) == gs.NOT_HELD and gs.any_of([gs.NOT_HELD, gs.HELD]) == gs.HELD
     assert gs.any_of([gs.NOT_HELD, gs.INCONCLUSIVE]) == gs.INCONCLUSIVE
-    assert gs.all_of([gs.HELD, gs.MISSING]) == gs.MISSING
+    assert gs.all_of([gs.HELD, gs.MISSING]) == gs.MISSING and gs.any_of([gs.NOT_HELD, gs.MISSING]) == gs.MISSING
+    # a decisive part decides whatever the others lack: "some participant" held, "every participant" not held
+    assert gs.any_of([gs.HELD, gs.MISSING]) == gs.HELD and gs.all_of([gs.NOT_HELD, gs.MISSING]) == gs.NOT_HELD
+    assert gs.any_of([]) == gs.all_of([]) == gs.MISSING
 
 
 # ----------------------------------------------------------------------------- paired per-prompt table

@@ -192,11 +192,13 @@ def less_than(lo: float, hi: float, bound: float = 0.0) -> str:
 
 
 def _combine(verdicts: Sequence[str], decisive: str, other: str) -> str:
-    """``decisive`` if any part is it, ``other`` if every part is, else inconclusive (no data wins)."""
-    if not verdicts or MISSING in verdicts:
-        return MISSING
+    """``decisive`` if any part is it (a part without data cannot undo it: "some participant" holds
+    once one does), else no data if a part has none, else ``other`` if every part is, else
+    inconclusive."""
     if decisive in verdicts:
         return decisive
+    if not verdicts or MISSING in verdicts:
+        return MISSING
     return other if all(v == other for v in verdicts) else INCONCLUSIVE
 
 
