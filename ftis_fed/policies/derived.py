@@ -21,7 +21,7 @@ from pathlib import Path
 
 # torch is imported inside the builders: importing this module only registers them (the launcher's
 # model-name check does, and needs no torch)
-from ftis_fed.policies.store import OFFLINE_MODELS, resolve_model
+from ftis_fed.policies.store import OFFLINE_MODELS, TRAINED_BUILDS, resolve_model
 
 BPE_BASE_IDS = 252  # 17 special tokens + 235 byte-level base symbols precede the first merge
 
@@ -117,3 +117,4 @@ OFFLINE_MODELS["tiny-arith"] = lambda out: build_sft(out, "tiny-llama", ("add1",
 #: Expertise heterogeneity: SmolLM2-135M-Instruct after a short supervised fine-tune on two-digit
 #: subtraction (train split only; replies are the bare number). Built once on first use, seeded.
 OFFLINE_MODELS["smollm2-sub30"] = lambda out: build_sft(out, "smollm2", ("sub30",), steps=80, lr=3e-5, batch=16)
+TRAINED_BUILDS.update({"tiny-arith", "smollm2-sub30"})   # SFT: built with pinned kernels (store.TRAINED_BUILDS)

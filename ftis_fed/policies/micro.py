@@ -66,7 +66,7 @@ from typing import Sequence
 
 # torch is imported inside the builders: importing this module only registers them (the launcher's
 # model-name check does, and needs no torch)
-from ftis_fed.policies.store import OFFLINE_MODELS
+from ftis_fed.policies.store import OFFLINE_MODELS, TRAINED_BUILDS
 
 #: Special tokens, ids 0.. in this order: padding, end of reply (EOS), the two chat roles.
 PAD, EOS, USER, ASSISTANT, SYSTEM = "<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"
@@ -318,3 +318,4 @@ MICRO_MODELS: dict[str, MicroSpec] = {
 
 for _name, _spec in MICRO_MODELS.items():
     OFFLINE_MODELS[_name] = lambda out, spec=_spec: build_micro(out, spec)
+TRAINED_BUILDS.update(MICRO_MODELS)               # warm-ups: built with pinned kernels (store.TRAINED_BUILDS)

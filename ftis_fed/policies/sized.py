@@ -30,7 +30,7 @@ from typing import Sequence
 
 # torch is imported inside the builders: importing this module only registers them (the launcher's
 # model-name check does, and needs no torch)
-from ftis_fed.policies.store import OFFLINE_MODELS, resolve_model
+from ftis_fed.policies.store import OFFLINE_MODELS, TRAINED_BUILDS, resolve_model
 
 #: SmolLM2's 30 layers -> the 20 the shallow model keeps: the first 14 and the last two whole, every
 #: third one in between (late-middle layers are the most redundant ones in Llama-style models; keeping
@@ -203,3 +203,5 @@ def build_shallow_sft(out: Path, base: str = "smollm2-l20", **kw) -> None:
 
 #: The small participant of the grid: smollm2-l20 made competent (docs/models.md).
 OFFLINE_MODELS["smollm2-l20-sft"] = build_shallow_sft
+#: Distillation and SFT: built with pinned kernels (store.TRAINED_BUILDS).
+TRAINED_BUILDS.update({"smollm2-l20", "smollm2-d36", "smollm2-l20-sft"})

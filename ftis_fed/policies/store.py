@@ -24,7 +24,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -141,10 +144,76 @@ OFFLINE_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-llama-b": lambda out: build_tiny(out, seed=1, layers=3),
 }
 
+# ----------------------------------------------------------------------------- builds that train
+
+#: Registered models whose build trains (a warm-up, SFT, distillation), added by their modules. Their
+#: weights depend on the CPU's float kernels: the same code and seeds gave other ``micro-llama-w250``
+#: weights on an AVX-512 machine than on the AVX2 machine that built the committed learning-tier
+#: cells' models (greedy ID 0.672 vs 0.617 on 128 held-out prompts; ``tiny-arith`` solved none of 16
+#: completions in one CI build). So on an x86-64 CPU with AVX2 such a build runs in a child process
+#: pinned to AVX2 kernels (``PINNED_KERNELS``: ATen's and MKL's dispatch), and every such CPU builds
+#: the same weights; the folder records how it was built (``BUILD_STAMP``), and a trained model of an
+#: older cache, or built otherwise, is rebuilt on its next use. Elsewhere (no AVX2: ARM, old x86) the
+#: build runs as it is and its weights may differ from the committed ones.
+TRAINED_BUILDS: set[str] = set()
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+BUILD_STAMP = "ftis_fed_build.json"
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        return any(line.startswith("flags") and " avx2" in line for line in open("/proc/cpuinfo"))
+    except OSError:
+        return False
+
+
+def build_kernels() -> str:
+    """The kernels a trained build runs with on this machine: ``"avx2"`` (pinned) on a CPU with AVX2,
+    else ``"native"``. Read from /proc/cpuinfo, so a launcher need not import torch to ask."""
+    return "avx2" if _cpu_has_avx2() else "native"
+
+
+def _pinned_here() -> bool:
+    return all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items())
+
+
+def _stamp_ok(folder: Path) -> bool:
+    try:
+        return json.loads((folder / BUILD_STAMP).read_text()).get("kernels") == build_kernels()
+    except (OSError, ValueError):
+        return False
+
+
+def _build_trained(name: str, out: Path) -> None:
+    """Builds ``name`` into ``out`` with the kernels ``build_kernels`` names (a child process pinned to
+    AVX2 unless this one is), then stamps it with them and the building process's ATen capability."""
+    if build_kernels() == "avx2" and not _pinned_here():
+        done = subprocess.run([sys.executable, "-m", "ftis_fed.policies.build_pinned", name, str(out)],
+                              env={**os.environ, **PINNED_KERNELS})
+        if done.returncode != 0:
+            raise RuntimeError(f"building the offline model {name!r} with AVX2 kernels failed "
+                               f"(exit {done.returncode}; its output is above)")
+    else:
+        build_here(name, out)
+
+
+def build_here(name: str, out: Path) -> None:
+    """Runs ``name``'s builder in this process and stamps the folder (the pinned child's body)."""
+    import torch
+
+    OFFLINE_MODELS[name](out)
+    (out / BUILD_STAMP).write_text(json.dumps(
+        {"model": name, "kernels": build_kernels() if _pinned_here() or build_kernels() == "native" else "unpinned",
+         "aten_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}, indent=1) + "\n")
+
+
+def _cached(name: str, out: Path) -> bool:
+    return (out / "config.json").exists() and (name not in TRAINED_BUILDS or _stamp_ok(out))
+
 
 def is_built(name: str) -> bool:
     """Whether the registered offline model ``name`` is in the cache already (not built on use)."""
-    return (cache_root() / "models" / name / "config.json").exists()
+    return _cached(name, cache_root() / "models" / name)
 
 
 def resolve_model(name: str) -> str:
@@ -155,12 +224,15 @@ def resolve_model(name: str) -> str:
     """
     if name in OFFLINE_MODELS:
         out = cache_root() / "models" / name
-        if (out / "config.json").exists():
+        if _cached(name, out):
             return str(out)
         with file_lock(cache_root() / "locks" / f"{name}.lock"):
-            if not (out / "config.json").exists():
+            if not _cached(name, out):                  # absent, or a trained build of other kernels
                 with atomic_dir(out) as tmp:
-                    OFFLINE_MODELS[name](tmp)
+                    if name in TRAINED_BUILDS:
+                        _build_trained(name, tmp)
+                    else:
+                        OFFLINE_MODELS[name](tmp)
         return str(out)
     if Path(name).expanduser().exists():
         return str(Path(name).expanduser())

@@ -1,0 +1,84 @@
+"""Builds that train (warm-ups, SFT, distillation) run with AVX2-pinned kernels on any x86-64 CPU with
+AVX2, are stamped with how they were built, and a cached copy built otherwise is rebuilt on its next use
+(``ftis_fed.policies.store``, TRAINED_BUILDS)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from ftis_fed.policies import store
+from ftis_fed.policies.models import resolve_model
+
+
+@pytest.fixture
+def fake_trained(tmp_path, monkeypatch):
+    """A registered trained build that writes a config and counts its builds, in a tmp cache, in a
+    process that is already pinned (so it builds here, where the test can see it)."""
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
+    for k, v in store.PINNED_KERNELS.items():
+        monkeypatch.setenv(k, v)
+    calls = []
+
+    def build(out):
+        out.mkdir(parents=True)
+        calls.append(out)
+        (out / "config.json").write_text(json.dumps({"build": len(calls)}))
+    monkeypatch.setitem(store.OFFLINE_MODELS, "fake-trained", build)
+    monkeypatch.setattr(store, "TRAINED_BUILDS", store.TRAINED_BUILDS | {"fake-trained"})
+    return calls
+
+
+def test_a_trained_build_is_stamped_and_a_copy_built_otherwise_is_rebuilt(fake_trained):
+    out = store.cache_root() / "models" / "fake-trained"
+    assert resolve_model("fake-trained") == str(out) and len(fake_trained) == 1
+    stamp = json.loads((out / store.BUILD_STAMP).read_text())
+    assert stamp["model"] == "fake-trained" and stamp["kernels"] == store.build_kernels()
+    assert store.is_built("fake-trained")
+    resolve_model("fake-trained")
+    assert len(fake_trained) == 1                                     # cached: not built again
+    for other in ({"kernels": "unpinned"}, None):                     # another machine's build; an old cache
+        if other is None:
+            (out / store.BUILD_STAMP).unlink()
+        else:
+            (out / store.BUILD_STAMP).write_text(json.dumps(other))
+        assert not store.is_built("fake-trained")
+        resolve_model("fake-trained")
+        assert json.loads((out / "config.json").read_text())["build"] == len(fake_trained)   # replaced
+        assert json.loads((out / store.BUILD_STAMP).read_text())["kernels"] == store.build_kernels()
+    assert len(fake_trained) == 3
+
+
+def test_an_untrained_build_needs_no_stamp(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setitem(store.OFFLINE_MODELS, "fake-init",
+                        lambda out: (out.mkdir(parents=True), calls.append(1), (out / "config.json").write_text("{}")))
+    resolve_model("fake-init")
+    resolve_model("fake-init")
+    assert calls == [1] and not (tmp_path / "models" / "fake-init" / store.BUILD_STAMP).exists()
+
+
+def test_the_trained_builds_are_registered():
+    assert {"micro-llama-w250", "micro-llama-w-sub", "tiny-arith", "smollm2-sub30", "smollm2-l20",
+            "smollm2-l20-sft"} <= store.TRAINED_BUILDS <= set(store.OFFLINE_MODELS)
+    assert not {"smollm2", "tiny-llama", "tiny-llama-b", "smollm2-bpe8k"} & store.TRAINED_BUILDS
+
+
+@pytest.mark.slow
+def test_the_learning_tier_model_is_the_committed_one_on_any_avx2_cpu():
+    """``micro-llama-w250`` (the learning tier's model) resolved from the cache, built through the pinned
+    child if it is not there: stamped with ATen's AVX2 capability and byte for byte the weights that built
+    every committed learning-tier cell (an AVX-512 build without the pin gave other weights: greedy ID
+    0.672 instead of 0.617 in ``tests/test_research.py``'s calibrated cell). ~80 s of CPU when it builds."""
+    if store.build_kernels() != "avx2":
+        pytest.skip("this CPU has no AVX2: its builds are its own")
+    from pathlib import Path
+
+    folder = Path(resolve_model("micro-llama-w250"))
+    stamp = json.loads((folder / store.BUILD_STAMP).read_text())
+    assert stamp["kernels"] == "avx2" and stamp["aten_capability"] == "AVX2"
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == "d1504431e22c0e5da3c8a6c5d2f32fa941dc679baeec1004e1ac145d50420451"
