@@ -228,17 +228,32 @@ def row_order(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
     return order
 
 
+def step_rows(samples: Sequence[TrainSample], cfg: ObjectiveConfig, group_prompts: bool) -> tuple[list[int], list[int]]:
+    """(keep, order): the samples an update trains on (all; in a local-only mode, ``alone``, the own ones)
+    as indices into ``samples``, and the order ``ftis_step`` cuts them into micro-batches, as indices into
+    ``keep`` (``row_order``)."""
+    keep = [i for i, s in enumerate(samples) if s.local or not MODES[cfg.mode].local_only]
+    kept = [samples[i] for i in keep]
+    return keep, row_order([s.prompt_ids for s in kept], [s.completion_ids for s in kept], group_prompts,
+                           zero=[s.advantage == 0.0 for s in kept])
+
+
 ScoreFn = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]], bool], torch.Tensor]
 
 
 def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
               samples: Sequence[TrainSample], cfg: ObjectiveConfig, micro_batch: int,
               max_grad_norm: float, logp_old: Sequence[torch.Tensor] | None = None,
-              group_prompts: bool = False, score_zero_advantage: bool = True) -> dict[str, float]:
+              group_prompts: bool = False, score_zero_advantage: bool = True,
+              reference_out: list | None = None) -> dict[str, float]:
     """One optimizer step of the F-TIS objective over ``samples``.
 
     score(prompt_ids, completion_ids, grad) -> (b,T) padded log-probs under the current weights.
     logp_old: per-sample (T_i,) log-probs before this update (multi-epoch PPO); None = first epoch.
+    reference_out: a list of len(samples) whose None entries get each scored row's (T_i,) log-probs under
+        this step's weights as a no-grad ``score`` gives them (the next steps' ``logp_old``); ``score`` then
+        returns (log-probs, reference) pairs (``Policy.score_padded_and_reference``). Unscored rows stay None
+        (the next steps leave them unscored too: advantages, and so the micro-batches, do not change).
     group_prompts: micro-batches keep the rows of one prompt together (see ``row_order``), so a
         shared-prefix ``score`` computes each prompt once.
     A micro-batch whose rows all have advantage 0 is scored with ``grad=False`` and gets no backward
@@ -247,10 +262,9 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     gradient and step are the same, only the off-policy diagnostics then cover the other rows.
     Returns finalised metrics: loss, grad norm, per-source off-policy diagnostics.
     """
-    if MODES[cfg.mode].local_only:
-        keep = [i for i, s in enumerate(samples) if s.local]
-        samples = [samples[i] for i in keep]
-        logp_old = [logp_old[i] for i in keep] if logp_old is not None else None
+    keep, order = step_rows(samples, cfg, group_prompts)      # keep: each row's index in the caller's list
+    samples = [samples[i] for i in keep]
+    logp_old = [logp_old[i] for i in keep] if logp_old is not None else None
     optimizer.zero_grad(set_to_none=True)
     if not samples:
         return {"train/samples": 0.0}
@@ -258,8 +272,6 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
     lengths = torch.tensor([len(s.completion_ids) for s in samples])
     all_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     denominators = count_denominators(all_mask, torch.ones(len(samples), dtype=torch.bool))
-    order = row_order([s.prompt_ids for s in samples], [s.completion_ids for s in samples], group_prompts,
-                      zero=[s.advantage == 0.0 for s in samples])
     limits = any(s.surprisal_limit is not None for s in samples)   # peer-surprisal-max on in this update
     stats: dict[str, float] = {}
     row_kl, row_source = [], []                 # every scored row's KL and source: the update's quantiles
@@ -278,6 +290,11 @@ def ftis_step(score: ScoreFn, params: Sequence[torch.nn.Parameter], optimizer: t
             unscored_rows += len(mb)
             continue
         logp = score([s.prompt_ids for s in mb], [s.completion_ids for s in mb], grad)  # (b,T)
+        if reference_out is not None:
+            logp, ref = logp
+            for r, i in enumerate(idx):
+                if reference_out[keep[i]] is None:
+                    reference_out[keep[i]] = ref[r, :len(samples[i].completion_ids)].clone()
         T = logp.shape[1]
         mask = torch.arange(T)[None, :] < torch.tensor([len(s.completion_ids) for s in mb])[:, None]
         x = LossInputs(
@@ -377,8 +394,8 @@ class Trainer:
         with the last step's loss and gradient norm when there are several; ``source_kl`` then holds
         each peer source's mean sample KL of the first step (what ``source-adapt`` adapts to)."""
         n = int(self.cfg.updates_per_round)
-        old = self.old_logprobs(samples, sampling) if n > 1 else None
-        metrics = self.one_step(samples, sampling, None)
+        old, rest = self._references_outside_first_step(samples, sampling) if n > 1 else (None, False)
+        metrics = self.one_step(samples, sampling, None, reference_out=old if rest else None)   # fills the rest
         for _ in range(n - 1):
             last = self.one_step(samples, sampling, old)
             metrics.update({k: last[k] for k in ("train/loss", "train/grad_norm", "train/lr") if k in last})
@@ -391,8 +408,8 @@ class Trainer:
         return metrics
 
     def old_logprobs(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> list[torch.Tensor]:
-        """Each sample's (T_i,) log-probs under the weights before the round's first step (no gradient):
-        the PPO clip's reference for the round's further steps."""
+        """Each sample's (T_i,) log-probs under the current weights (no gradient): what ``step`` reads off
+        its first step's forward as the PPO clip's reference for the round's further steps."""
         pol, mb = self.policy, max(1, self.cfg.micro_batch)
         out: list[torch.Tensor] = []
         with torch.no_grad():
@@ -403,20 +420,58 @@ class Trainer:
                 out += [logp[i, :len(s.completion_ids)].detach().clone() for i, s in enumerate(chunk)]
         return out
 
+    def _references_outside_first_step(self, samples: Sequence[TrainSample],
+                                       sampling: "SamplingParams") -> tuple[list[torch.Tensor | None], bool]:
+        """The PPO clip's reference of the round's further steps is ``old_logprobs``: the round-start
+        log-probs of micro-batches of ``samples`` in their order. The first step computes the same rows
+        in its own micro-batches (``step_rows``), and reads a row's reference off that forward when its
+        micro-batch is laid out as its ``old_logprobs`` chunk (``Policy.score_layout``: then the values are
+        the same, bit for bit). This computes the others, before the first step (at the round-start
+        weights): the chunk's rows the step scores in another layout, scored with the chunk's layout, or,
+        for a chunk of unknown layout, the whole chunk as ``old_logprobs`` scores it (dropout: the same
+        draws). Returns (per sample its reference or None, whether the first step must read some: the
+        rows it scores that are still None; rows the steps never score stay None)."""
+        pol, mb = self.policy, self.cfg.micro_batch                # micro_batch >= 1 (PolicyConfig)
+        keep, order = step_rows(samples, self.objective, self.cfg.share_prefix)
+        layout_in_step: dict[int, object] = {}                      # the rows the steps score: their layout
+        for start in range(0, len(order), mb):
+            idx = [keep[j] for j in order[start:start + mb]]
+            if self.cfg.score_zero_advantage or any(samples[i].advantage != 0.0 for i in idx):   # scored
+                lay = pol.score_layout([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx])
+                layout_in_step.update((i, lay) for i in idx)
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for start in range(0, len(samples), mb):
+            chunk = list(range(start, min(start + mb, len(samples))))
+            lay = pol.score_layout([samples[i].prompt_ids for i in chunk], [samples[i].completion_ids for i in chunk])
+            need = [i for i in chunk if i in layout_in_step and (lay is None or layout_in_step[i] != lay)]
+            if need or lay is None:
+                rows = chunk if lay is None else need
+                with torch.no_grad():
+                    logp = pol.score_padded([samples[i].prompt_ids for i in rows],
+                                            [samples[i].completion_ids for i in rows], sampling, False,
+                                            **({} if lay is None else {"layout": lay}))
+                for r, i in enumerate(rows):
+                    if i in layout_in_step:
+                        out[i] = logp[r, :len(samples[i].completion_ids)].detach().clone()
+        return out, any(out[i] is None for i in layout_in_step)
+
     def one_step(self, samples: Sequence[TrainSample], sampling: "SamplingParams",
-                 logp_old: Sequence[torch.Tensor] | None) -> dict[str, float]:
-        """One F-TIS optimizer step (``ftis_step``) at the warm-up's rate for this step."""
+                 logp_old: Sequence[torch.Tensor] | None, reference_out: list | None = None) -> dict[str, float]:
+        """One F-TIS optimizer step (``ftis_step``) at the warm-up's rate for this step; with
+        ``reference_out``, each scored sample's no-grad log-probs of the step's weights go there."""
         pol = self.policy
         lr = self.cfg.lr_at(self.steps + 1)                  # the warm-up follows the saved step count
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         pol.train_mode(True)
         try:
-            metrics = ftis_step(lambda p, c, g: pol.score_padded(p, c, sampling, g), self.params, self.optimizer,
+            score = pol.score_padded if reference_out is None else pol.score_padded_and_reference
+            metrics = ftis_step(lambda p, c, g: score(p, c, sampling, g), self.params, self.optimizer,
                                 samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm,
                                 logp_old=logp_old,
                                 group_prompts=self.cfg.share_prefix,   # a prompt's rows in one micro-batch
-                                score_zero_advantage=self.cfg.score_zero_advantage)
+                                score_zero_advantage=self.cfg.score_zero_advantage,
+                                reference_out=reference_out)
         finally:
             pol.train_mode(False)
         self.steps += 1

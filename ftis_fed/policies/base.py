@@ -152,6 +152,29 @@ class Policy(ABC):
                      sampling: SamplingParams, grad: bool) -> torch.Tensor:
         """(b, T) right-padded per-token log-probs of one micro-batch (the trainer's forward pass)."""
 
+    def score_padded_and_reference(self, prompt_ids: Sequence[Sequence[int]],
+                                   completion_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                                   grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, reference), both (b, T): ``score_padded``'s log-probs and, detached, those a no-grad
+        ``score_padded`` in evaluation mode gives on the same weights (what a later PPO step of the round
+        is clipped against). Called inside a training step (``train_mode(True)``). Default: a second,
+        no-grad pass; a backend that reads the reference off the same forward overrides it."""
+        logp = self.score_padded(prompt_ids, completion_ids, sampling, grad)
+        if not grad:
+            return logp, logp
+        self.train_mode(False)
+        try:
+            with torch.no_grad():
+                return logp, self.score_padded(prompt_ids, completion_ids, sampling, False)
+        finally:
+            self.train_mode(True)
+
+    def score_layout(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]):
+        """How ``score_padded`` lays these rows out (hashable), for a backend where a row's values depend
+        on the call's other rows only through it: ``score_padded(some, ..., layout=...)`` then gives
+        those rows what the whole call gives them. None (the default): not described."""
+        return None
+
     @abstractmethod
     def retokenize(self, prompt_text: str, completion_text: str, ended: bool) -> tuple[list[int], list[int]]:
         """A peer's prompt and completion text as (prompt_ids, completion_ids) in this backend's

@@ -35,7 +35,7 @@ import ftis_fed.policies.quant as quantization
 from ftis_fed.policies.base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
 from ftis_fed.policies.config import WEIGHT_DTYPES, PolicyConfig
 from ftis_fed.policies.models import load_tokenizer, resolve_model
-from ftis_fed.policies.logprobs import token_logprobs
+from ftis_fed.policies.logprobs import token_layout, token_logprobs
 from ftis_fed.policies.scoring import unwrap_causal_lm
 from ftis_fed.policies.shared_base import attach, existing
 
@@ -395,16 +395,43 @@ class HFPolicy(Policy):
             out += [lp[i, : len(c)] for i, c in enumerate(completion_ids[s:s + self.cfg.micro_batch])]
         return out
 
-    def score_padded(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool) -> torch.Tensor:
+    def score_padded(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool,
+                     reference: bool = False, layout: tuple | None = None) -> torch.Tensor:
         """(b,T) log-probs for one micro-batch (see logprobs.token_logprobs). With gradient and
         ``grad-checkpointing-tokens`` > 0, checkpointing is switched on for this micro-batch when its
-        padded tokens exceed the threshold (``use_checkpointing``)."""
+        padded tokens exceed the threshold (``use_checkpointing``). reference: see
+        ``score_padded_and_reference``; layout: see ``score_layout``."""
         self._activate()
         if grad and self.cfg.grad_checkpointing_tokens > 0:
             self._set_checkpointing(use_checkpointing(self.cfg, prompt_ids, completion_ids))
-        return token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
-                              grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast,
-                              share_prefix=self.cfg.share_prefix, head_graph_mb=self.cfg.logit_graph_mb).cpu()
+        out = token_logprobs(self.model, prompt_ids, completion_ids, sampling, self.tokenizer.pad_token_id,
+                             grad=grad, chunk=self.cfg.logit_chunk, autocast_dtype=self.autocast,
+                             share_prefix=self.cfg.share_prefix, head_graph_mb=self.cfg.logit_graph_mb,
+                             reference=reference, layout=layout)
+        return tuple(x.cpu() for x in out) if reference else out.cpu()
+
+    def score_layout(self, prompt_ids, completion_ids) -> tuple | None:
+        """``logprobs.token_layout``: a shared-prefix call's (P, T) padding; None for the unshared path,
+        and with dropout (a training-mode call's values are a draw)."""
+        self._activate()
+        if self._training_dropout():
+            return None
+        return token_layout(self.model, prompt_ids, completion_ids, self.cfg.share_prefix)
+
+    def score_padded_and_reference(self, prompt_ids, completion_ids, sampling: SamplingParams, grad: bool):
+        """The reference from the same forward: the decoder's hidden states do not depend on the mode
+        or on the gradient, so only the LM head's no-grad values are computed besides (``scoring.
+        chunked_logprobs``), unless dropout is active in training mode (then the base class's second
+        pass in evaluation mode)."""
+        if grad and self._training_dropout():
+            return super().score_padded_and_reference(prompt_ids, completion_ids, sampling, grad)
+        return self.score_padded(prompt_ids, completion_ids, sampling, grad, reference=True)
+
+    def _training_dropout(self) -> bool:
+        """Whether training mode draws dropout anywhere in the model (a module or attention dropout)."""
+        lm = unwrap_causal_lm(self.model)
+        return (float(getattr(lm.config, "attention_dropout", 0.0) or 0.0) > 0
+                or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()))
 
     def retokenize(self, prompt_text: str, completion_text: str, ended: bool) -> tuple[list[int], list[int]]:
         """A peer's text in this model's tokenizer and chat template; EOS appended only when the

@@ -55,6 +55,13 @@ def prompt_index(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], 
     return [list(p) for p in first], rows
 
 
+def shared_layout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(P, T): the prompt slots and completion positions a shared-prefix call pads these rows to. A row's
+    values depend on the call's other rows only through them (tests/test_prefix.py): a call on some of
+    the rows with ``pad_to`` = the whole call's layout gives them bit for bit."""
+    return max(len(p) for p in prompt_ids), max(len(c) for c in completion_ids)
+
+
 def worth_sharing(prompt_ids: Sequence[Sequence[int]]) -> bool:
     """Some prompt appears in more than one row (otherwise two passes only add work)."""
     return len({tuple(p) for p in prompt_ids}) < len(prompt_ids)
@@ -135,15 +142,16 @@ def _mask_4d(allowed: torch.Tensor, impl: str) -> torch.Tensor:
 
 def shared_prefix_hidden(decoder: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                          completion_ids: Sequence[Sequence[int]], pad_id: int, impl: str,
-                         device: torch.device) -> torch.Tensor:
-    """(B,T,H) hidden states: [:, t] predicts completion token t (T = longest completion >= 1)."""
+                         device: torch.device, pad_to: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """(B,T,H) hidden states: [:, t] predicts completion token t (T = longest completion >= 1).
+    pad_to: (P, T) at least: prompts padded to P slots, completions to T (``shared_layout``)."""
     unique, rows = prompt_index(prompt_ids)
     U, B = len(unique), len(rows)
     lens_p = torch.tensor([len(p) for p in unique], dtype=torch.long, device=device)        # (U,)
     if int(lens_p.min()) < 1:
         raise ValueError("shared-prefix scoring: every prompt needs at least one token")
-    P = int(lens_p.max())
-    T = max(len(c) for c in completion_ids)
+    P = max(int(lens_p.max()), pad_to[0])
+    T = max(max(len(c) for c in completion_ids), pad_to[1])
     row_u = torch.tensor(rows, dtype=torch.long, device=device)                             # (B,)
 
     p_ids = torch.full((U, P), pad_id, dtype=torch.long)                                    # (U,P)
@@ -178,15 +186,18 @@ def shared_prefix_hidden(decoder: torch.nn.Module, prompt_ids: Sequence[Sequence
 def shared_token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                           completion_ids: Sequence[Sequence[int]], sampling: SamplingParams, pad_id: int,
                           grad: bool, chunk: int = 32, autocast_dtype: torch.dtype | None = None,
-                          head_graph_mb: float = 0.0) -> torch.Tensor:
+                          head_graph_mb: float = 0.0, reference: bool = False,
+                          pad_to: tuple[int, int] = (0, 0)) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Padded (B,T) log-probs of each completion token: the same values and gradients as
-    ``logprobs.token_logprobs``, each distinct prompt computed once. Positions past a completion hold 0."""
+    ``logprobs.token_logprobs``, each distinct prompt computed once. Positions past a completion hold 0.
+    reference: (log-probs, their no-grad values), as ``scoring.chunked_logprobs``.
+    pad_to: (P, T) at least, as in a call with more rows (``shared_layout``)."""
     lm = unwrap_causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
     B = len(completion_ids)
-    T = max((len(c) for c in completion_ids), default=0)
+    T = max(max((len(c) for c in completion_ids), default=0), pad_to[1])
     if T == 0:
-        return torch.zeros((B, 0))
+        return (torch.zeros((B, 0)),) * 2 if reference else torch.zeros((B, 0))
     device = next(lm.parameters()).device
     lengths = torch.tensor([len(c) for c in completion_ids], device=device)
     tmask = torch.arange(T, device=device)[None, :] < lengths[:, None]                     # (B,T)
@@ -197,6 +208,13 @@ def shared_token_logprobs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[
     impl = lm.config._attn_implementation
     with torch.set_grad_enabled(grad), _layers_keep_cache(decoder), torch.autocast(
             device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        h = shared_prefix_hidden(decoder, prompt_ids, completion_ids, pad_id, impl, device)  # (B,T,H)
-        lp = chunked_logprobs(head, h, targets, sampling, chunk, grad, head_graph_mb)  # (B,T)
+        h = shared_prefix_hidden(decoder, prompt_ids, completion_ids, pad_id, impl, device, pad_to)  # (B,T,H)
+        lp = chunked_logprobs(head, h, targets, sampling, chunk, grad, head_graph_mb, reference)  # (B,T)
+    return masked_rows(lp, tmask)
+
+
+def masked_rows(lp: torch.Tensor | tuple[torch.Tensor, ...], tmask: torch.Tensor):
+    """(B,T) log-probs (or a tuple of them) with the positions past each completion set to 0."""
+    if isinstance(lp, tuple):
+        return tuple(masked_rows(x, tmask) for x in lp)
     return torch.where(tmask, lp, torch.zeros_like(lp))

@@ -122,19 +122,31 @@ def fused_head_ok(head: torch.nn.Module, h: torch.Tensor, sampling: SamplingPara
 
 
 def chunked_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams,
-                     chunk: int, grad: bool, head_graph_mb: float = 0.0) -> torch.Tensor:
+                     chunk: int, grad: bool, head_graph_mb: float = 0.0,
+                     reference: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(B,T,H) hidden states, (B,T) targets -> (B,T) float log-probs, the LM head run over ``chunk``
     positions at a time; with gradient each chunk is checkpointed (its logits recomputed in backward)
     unless the whole (B,T,V) log-softmax fits in ``head_graph_mb`` MiB (``keeps_head_graph``): then the graph
-    keeps it, through ``TargetLogProbs`` where that applies (``fused_head_ok``)."""
+    keeps it, through ``TargetLogProbs`` where that applies (``fused_head_ok``).
+
+    reference: return (log-probs, reference), the reference being, detached, the values a call with
+    ``grad=False`` gives on the same hidden states (the chunks through ``_chunk_logprobs``). Only
+    ``TargetLogProbs`` computes its values with another formula (equal up to rounding), so only that path
+    runs the head's chunks a second time, without graph; on every other path the reference is the
+    log-probs themselves."""
     outs = []
     recompute = grad and not keeps_head_graph(head, h.shape[0], h.shape[1], head_graph_mb)
     if grad and not recompute and fused_head_ok(head, h, sampling):
-        return TargetLogProbs.apply(h, head.weight, targets, float(sampling.temperature), chunk).float()
+        lp = TargetLogProbs.apply(h, head.weight, targets, float(sampling.temperature), chunk).float()
+        if not reference:
+            return lp
+        with torch.no_grad():
+            return lp, chunked_logprobs(head, h.detach(), targets, sampling, chunk, False)
     for s in range(0, h.shape[1], chunk):
         hc, tc = h[:, s:s + chunk], targets[:, s:s + chunk]
         if recompute:
             outs.append(checkpoint(_chunk_logprobs, head, hc, tc, sampling, use_reentrant=False))
         else:
             outs.append(_chunk_logprobs(head, hc, tc, sampling))
-    return torch.cat(outs, dim=1).float()
+    lp = torch.cat(outs, dim=1).float()
+    return (lp, lp.detach()) if reference else lp
