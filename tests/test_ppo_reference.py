@@ -53,8 +53,9 @@ def trained(cfg: PolicyConfig, rows: list[TrainSample], sampling: SamplingParams
     return m, pol.trainable_state(), sum(scored)
 
 
-@pytest.mark.parametrize("adapter, dropout, top_p", [("full", 0.0, 1.0), ("lora", 0.0, 1.0), ("full", 0.0, 0.9),
-                                                     ("lora", 0.1, 1.0)])
+@pytest.mark.parametrize("adapter, dropout, top_p", [("full", 0.0, 1.0), ("lora", 0.0, 1.0),
+                                                     pytest.param("full", 0.0, 0.9, marks=pytest.mark.slow),
+                                                     pytest.param("lora", 0.1, 1.0, marks=pytest.mark.slow)])
 def test_the_reference_off_the_first_step_gives_the_same_update_bit_for_bit(adapter, dropout, top_p):
     """Full fine-tuning and LoRA; the fused LM head (top-p 1: the reference is the head's no-grad values
     beside it) and the autograd head (top-p 0.9); LoRA dropout (the reference then comes from a no-grad
