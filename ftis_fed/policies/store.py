@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -160,6 +161,7 @@ PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX
 BUILD_STAMP = "ftis_fed_build.json"
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_has_avx2() -> bool:
     try:
         return any(line.startswith("flags") and " avx2" in line for line in open("/proc/cpuinfo"))
