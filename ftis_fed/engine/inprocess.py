@@ -43,6 +43,14 @@ from ftis_fed.engine.transport import Address, Delivered, Failure
 STALL_S = 0.05
 
 
+def _take(todo: collections.deque) -> Address | None:
+    """The next request no thread took yet (``popleft`` is atomic: each is taken once); None when none is left."""
+    try:
+        return todo.popleft()
+    except IndexError:
+        return None
+
+
 class Handles(Protocol):
     def handle(self, action: str, request: dict) -> dict: ...
 
@@ -121,17 +129,11 @@ class InProcessTransport:
         """One thread of a ``send``: takes requests of this send that no thread took yet, one at a time,
         until none is left (a request is taken by exactly one thread: ``deque.popleft`` is atomic)."""
         try:
-            try:
-                addr = todo.popleft()
-            except IndexError:
-                addr = None
+            addr = _take(todo)
             started.release()
             while addr is not None:
                 self._call(addr, action, requests[addr], results, on_reply, one_done)
-                try:
-                    addr = todo.popleft()
-                except IndexError:
-                    addr = None
+                addr = _take(todo)
         finally:
             with count:
                 running[0] -= 1

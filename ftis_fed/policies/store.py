@@ -204,9 +204,12 @@ def build_here(name: str, out: Path) -> None:
     import torch
 
     OFFLINE_MODELS[name](out)
+    kernels = build_kernels()
+    if kernels == "avx2" and not _pinned_here():
+        kernels = "unpinned"                            # an AVX2 CPU's build without the pin: not stamped as one
     (out / BUILD_STAMP).write_text(json.dumps(
-        {"model": name, "kernels": build_kernels() if _pinned_here() or build_kernels() == "native" else "unpinned",
-         "aten_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}, indent=1) + "\n")
+        {"model": name, "kernels": kernels, "aten_capability": torch.backends.cpu.get_cpu_capability(),
+         "torch": torch.__version__}, indent=1) + "\n")
 
 
 def _cached(name: str, out: Path) -> bool:
