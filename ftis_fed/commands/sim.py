@@ -50,6 +50,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -59,6 +60,7 @@ from urllib.error import URLError
 from urllib.request import urlopen
 
 from ftis_fed.atomic import atomic_write
+from ftis_fed.commands.app_stage import stage_app
 
 
 def _flwr_bin(name: str) -> str:
@@ -574,7 +576,10 @@ def _launch(app: Path, connection: str, conn: dict, n: int, actors: int, out: st
     for item in run_config_items(overrides):
         cmd += ["--run-config", item]
     print("[ftis-fed] " + " ".join(cmd), flush=True)
-    started = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
+    with tempfile.TemporaryDirectory(dir=home, prefix="app-") as stage:     # flwr builds the FAB from it:
+        cmd[2] = str(stage_app(app, Path(stage) / "app"))                     # the same bundle, minus a
+        started = subprocess.run(cmd, env=cli_env, capture_output=True,       # walk of .venv (app_stage.py)
+                                 text=True, timeout=600)
     try:
         run_id = json.loads(started.stdout)["run-id"]
     except (json.JSONDecodeError, KeyError, TypeError):
