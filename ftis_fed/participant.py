@@ -210,6 +210,7 @@ class Participant:
             participant_state.record_served(self.state_dir, run, self.run_key)
         return {"participant": self.name, "model_id": self.policy.model_id,
                 "tokenizer_fp": self.policy.tokenizer_fp, "vocab_size": self.policy.vocab_size,
+                "weights_fp": getattr(self.policy, "weights_fp", ""),
                 "key_fp": fingerprint(self.key), "model_loads": self.model_loads, "pid": os.getpid(),
                 "completed_round": self.completed_round, "peer_budget": self.spec.peer_budget,
                 "local_budget": self.spec.local_budget, "load_seconds": round(self.load_seconds, 2),

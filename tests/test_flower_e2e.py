@@ -100,6 +100,8 @@ def test_batches_cross_between_participants_and_verify(normal_run):
         assert r["train/own_samples"] == 32 and r["train/peer_samples"] == 64 and r["train/unscored_rows"] == 0
         assert abs(r["train/loss"]) < 1e6 and r["train/grad_norm"] == r["train/grad_norm"]  # finite
         assert abs(r[f"offpolicy/{me}/ratio_mean"] - 1.0) < 1e-3                   # own samples on-policy
+        assert r["model_weights"].startswith("w-")                               # said with its hello
+    assert len({r["model_weights"] for r in people if r["participant"] in ("alice", "bob")}) == 1   # tiny-arith
 
 
 def test_parameters_changed_and_models_loaded_once(normal_run):

@@ -161,6 +161,10 @@ def test_a_research_tier_cell_runs_end_to_end_in_process(tmp_path):
     assert len(fed) == 2 and all(r["fed/rejected"] == 0 and r["fed/frames_verified"] == 2 for r in fed)
     train = [r for r in rows if r["phase"] == "train" and r["participant"] in ("full", "lora")]
     assert all(r["offpolicy/accepted"] == 1 and r["train/peer_samples"] > 0 for r in train)
+    from ftis_fed.policies.models import resolve_model
+    from ftis_fed.policies.weights_fp import weights_fingerprint
+    started = weights_fingerprint(resolve_model("tiny-arith"))         # the bytes both participants loaded
+    assert started.startswith("w-") and {r["model_weights"] for r in train} == {started}
     for p in ("full", "lora"):
         lines = gzip.decompress((tmp_path / "participants" / p / "eval_prompts.jsonl.gz").read_bytes()).decode()
         got = [json.loads(x) for x in lines.splitlines()]

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from ftis_fed.grid.metric import BY_NAME as METRIC_NAMES, MissingMetric, metric as metric_named
 from ftis_fed.grid.plan import VARIANTS, discover_cells, parse_variant, plan
+from ftis_fed.grid.records import MixedWeights
 from ftis_fed.grid.report import write_summary
 from ftis_fed.commands.cells import inprocess_runner, sim_runner
 from ftis_fed.grid.run import run_grid
@@ -140,7 +141,7 @@ def summary_only(out: Path, metric: str | None = None) -> int:
         return 2
     try:
         write_summary(cells, out, f"Grid: preset {meta.get('preset', '?')}", metric_named(name))
-    except MissingMetric as e:
+    except (MissingMetric, MixedWeights) as e:
         print(f"ftis-fed grid: error: {e}", file=sys.stderr)
         return 2
     if name != (meta.get("metric") or "greedy"):

@@ -714,6 +714,7 @@ class Engine:
             row = stats.row(name)
             row.update(per_source)
             row["model_id"] = self.nodes[addr]["model_id"]
+            row["model_weights"] = self.nodes[addr].get("weights_fp", "")
         return replies
 
     def _kept_metrics(self, addr: Address, reply: Reply, stats: RoundStats | None) -> dict[str, float]:

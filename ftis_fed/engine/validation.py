@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ftis_fed.actions import ACTIONS
+from ftis_fed.policies.weights_fp import FINGERPRINT_RE
 from ftis_fed.wire.batch import DEFAULT_MAX_TOKENS, BatchValidationError
 from ftis_fed.wire.codec import FLAG_TEXTS, WireHeader, WireLimits, parse_header
 
@@ -39,7 +40,7 @@ HELLO_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 #: a metrics row's identity: set by the engine, never by a participant
-IDENTITY_FIELDS = frozenset({"round", "participant", "phase", "model_id"})
+IDENTITY_FIELDS = frozenset({"round", "participant", "phase", "model_id", "model_weights"})
 
 
 def max_frame_bytes_for(max_batch_tokens: int) -> int:
@@ -190,4 +191,8 @@ def check_info(info: Any, hello: bool) -> dict[str, Any]:
             if not isinstance(info[k], typ):
                 raise BadReply("bad_hello", f"hello info[{k!r}] is {type(info[k]).__name__}, "
                                             f"not {getattr(typ, '__name__', typ)}")
+        fp = info.get("weights_fp", "")                          # optional: recorded in every train row
+        if not isinstance(fp, str) or not FINGERPRINT_RE.fullmatch(fp):
+            raise BadReply("bad_hello", f"hello info['weights_fp'] = {str(fp)[:40]!r}: 'w-' and 16 hex digits, "
+                                        "or '' (not known)")
     return dict(info)

@@ -78,6 +78,30 @@ def initial_eval(out: Path) -> dict[str, dict]:
     return {}
 
 
+class MixedWeights(ValueError):
+    """Cells of one grid whose participants started from different model weights."""
+
+
+def check_weights(cell_names: Iterable[str], out: Path) -> None:
+    """Every finished cell's participant started from the same weights (the ``model_weights``
+    fingerprint its train rows carry; cells run before it was recorded carry none and are not
+    compared): else ``MixedWeights`` naming the participant, each fingerprint and its cells. A gain
+    read against another build's evaluation before training is not a result (docs/models.md)."""
+    seen: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for name in cell_names:
+        fps = {(r["participant"], r.get("model_weights") or "")
+               for r in participant_rows(read_rows(out / "cells" / name / "run" / "metrics.jsonl"), "train")}
+        for p, fp in sorted(fps):
+            if fp:
+                seen[p][fp].append(name)
+    bad = {p: by for p, by in seen.items() if len(by) > 1}
+    if bad:
+        raise MixedWeights("cells started from different model weights (rebuild the model and re-run the odd cells): "
+                           + "; ".join(f"{p}: " + ", ".join(f"{fp} in {', '.join(cs[:4])}{' ...' if len(cs) > 4 else ''}"
+                                                            for fp, cs in sorted(by.items()))
+                                       for p, by in sorted(bad.items())))
+
+
 def num(v) -> float:
     try:
         return float(v)

@@ -20,7 +20,7 @@ from ftis_fed.grid.claims import BEYOND, REFERENCE, verdicts
 from ftis_fed.grid.efficiency import efficiency_table
 from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
-from ftis_fed.grid.records import initial_eval, num, read_rows
+from ftis_fed.grid.records import check_weights, initial_eval, num, read_rows
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
                                   paired_prompt_table, start_table, stronger_participant, summarize,
                                   train_diagnostics)
@@ -324,7 +324,9 @@ def _curves(cells: Sequence[Cell], out: Path, keys: Sequence[str] = (*GREEDY.key
 
 def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric = GREEDY) -> dict:
     """cells.csv, summary.csv, summary.md and the figures, all from the cells' metrics files, for
-    ``metric`` (``MissingMetric``, naming the cells, when a finished cell lacks it)."""
+    ``metric`` (``MissingMetric``, naming the cells, when a finished cell lacks it; ``MixedWeights``
+    when cells' participants started from different model weights)."""
+    check_weights([c.name for c in cells], out)
     ks = check_metric(cells, out, metric)
     results = cell_results(cells, out, metric)
     summary, paired = summarize(results, metrics=metric.keys)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 REPORT_TARGETS = ("tensorboard", "wandb")
-_IDENTITY = frozenset({"round", "participant", "phase", "model_id"})
+_IDENTITY = frozenset({"round", "participant", "phase", "model_id", "model_weights"})
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 

@@ -109,7 +109,8 @@ class Policy(ABC):
 
     Attributes every backend sets: ``cfg`` (its ``PolicyConfig``), ``model_id`` (str, recorded in
     batches), ``tokenizer`` (HF tokenizer: chat template, ``decode``, ``eos_token_id``),
-    ``tokenizer_fp`` (``tokenizer_fingerprint(tokenizer)``), ``vocab_size`` (int, ids are below it).
+    ``tokenizer_fp`` (``tokenizer_fingerprint(tokenizer)``), ``vocab_size`` (int, ids are below it);
+    ``weights_fp`` (``weights_fp.weights_fingerprint`` of the folder it loaded; "" = not known).
     Everything a participant, the evaluation and ``training.Trainer`` call is declared here.
     """
 
@@ -118,6 +119,7 @@ class Policy(ABC):
     tokenizer: object
     tokenizer_fp: str
     vocab_size: int
+    weights_fp: str = ""
 
     def format_prompt(self, text: str) -> list[int]:
         """The user message with this model's chat template (generation prompt added)."""

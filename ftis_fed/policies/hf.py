@@ -35,6 +35,7 @@ import ftis_fed.policies.quant as quantization
 from ftis_fed.policies.base import Policy, Prompt, Rollout, processed_logprobs, tokenizer_fingerprint
 from ftis_fed.policies.config import WEIGHT_DTYPES, PolicyConfig
 from ftis_fed.policies.models import load_tokenizer, resolve_model
+from ftis_fed.policies.weights_fp import weights_fingerprint
 from ftis_fed.policies.logprobs import token_layout, token_logprobs
 from ftis_fed.policies.scoring import unwrap_causal_lm
 from ftis_fed.policies.shared_base import attach, existing
@@ -191,6 +192,7 @@ class HFPolicy(Policy):
             self._set_checkpointing(True)
         self.model_id = cfg.label
         self.tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
+        self.weights_fp = weights_fingerprint(path)     # the bytes it started from (not the adapter's)
         self.vocab_size = int(max(len(self.tokenizer), self.model.get_input_embeddings().weight.shape[0]))
         if self.shared is not None:                     # its own adapter's weights only, in model order
             self.own_parameters = dict(self.shared.parameters_of(self.adapter_name))

@@ -267,6 +267,7 @@ class VLLMPolicy(Policy):
         self.model_id = getattr(trainer, "model_id", None) or (self.cfg.label if self.cfg else "vllm")
         self.tokenizer_fp = getattr(trainer, "tokenizer_fp", None) or tokenizer_fingerprint(self.tokenizer)
         self.vocab_size = int(getattr(trainer, "vocab_size", 0) or len(self.tokenizer))
+        self.weights_fp = getattr(trainer, "weights_fp", "")
 
         if model_path is None:
             if self.cfg is None:

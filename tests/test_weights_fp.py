@@ -1,0 +1,108 @@
+"""Which weights a participant started from: the fingerprint of its model folder, reported with its
+hello, written into every train row (``model_weights``), and checked by ``ftis-fed grid`` across the
+cells of a grid (ftis_fed/policies/weights_fp.py)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ftis_fed.engine.validation import BadReply, check_info
+from ftis_fed.grid.records import MixedWeights, check_weights
+from ftis_fed.policies import weights_fp as W
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "research-grid"
+
+
+def _folder(tmp: Path, name: str, payload: bytes) -> Path:
+    d = tmp / name
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(payload)
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def test_equal_bytes_equal_fingerprints_and_one_changed_byte_another(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "_MEMO", {})
+    a = _folder(tmp_path, "a", b"\x01" * 5000)
+    b = _folder(tmp_path, "b", b"\x01" * 5000)
+    c = _folder(tmp_path, "c", b"\x01" * 4999 + b"\x02")
+    fa, fb, fc = W.weights_fingerprint(a), W.weights_fingerprint(b), W.weights_fingerprint(c)
+    assert W.FINGERPRINT_RE.fullmatch(fa) and fa == fb != fc
+    (a / "config.json").write_text('{"x": 1}')                   # only the weight files count
+    monkeypatch.setattr(W, "_MEMO", {})
+    assert W.weights_fingerprint(a) == fa
+    assert W.weights_fingerprint(tmp_path / "none") == "" and W.weights_fingerprint(_folder(tmp_path, "d", b"")) != ""
+    (tmp_path / "e").mkdir()
+    assert W.weights_fingerprint(tmp_path / "e") == ""            # no weight file: not known
+
+
+def test_the_record_beside_the_weights_is_reused_only_while_the_files_are_unchanged(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "_MEMO", {})
+    a = _folder(tmp_path, "a", b"\x01" * 5000)
+    fp = W.weights_fingerprint(a)
+    rec = json.loads((a / W.RECORD).read_text())
+    assert rec["fingerprint"] == fp and [f[0] for f in rec["files"]] == ["model.safetensors"]
+    (a / W.RECORD).write_text(json.dumps({**rec, "fingerprint": "w-" + "0" * 16}))
+    monkeypatch.setattr(W, "_MEMO", {})
+    assert W.weights_fingerprint(a) == "w-" + "0" * 16            # read, not hashed again
+    (a / "model.safetensors").write_bytes(b"\x03" * 5000)         # rewritten: size or mtime differ
+    os.utime(a / "model.safetensors", ns=(1, 1))
+    monkeypatch.setattr(W, "_MEMO", {})
+    assert W.weights_fingerprint(a) not in (fp, "w-" + "0" * 16)
+
+
+def test_a_read_only_folder_is_fingerprinted_without_a_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "_MEMO", {})
+    a = _folder(tmp_path, "a", b"\x05" * 100)
+    a.chmod(0o555)
+    try:
+        fp = W.weights_fingerprint(a)
+        assert fp.startswith("w-") and (os.geteuid() == 0 or not (a / W.RECORD).exists())
+        assert not list(a.glob("*.tmp"))
+    finally:
+        a.chmod(0o755)
+
+
+@pytest.mark.parametrize("bad", ["w-123", "x" * 10_000, 7, "w-" + "G" * 16])
+def test_a_hello_with_a_malformed_weights_fingerprint_is_refused(bad):
+    info = {"participant": "p", "key_fp": "k", "model_id": "m", "tokenizer_fp": "t", "proof": b"x"}
+    assert check_info(info, hello=True)["participant"] == "p"                # optional
+    assert check_info({**info, "weights_fp": "w-" + "a" * 16}, hello=True)
+    with pytest.raises(BadReply, match="weights_fp"):
+        check_info({**info, "weights_fp": bad}, hello=True)
+
+
+def _set_weights(cell: Path, fp: str) -> None:
+    path = cell / "run" / "metrics.jsonl.gz"
+    rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
+    for r in rows:
+        if r.get("phase") == "train" and not r["participant"].startswith("_"):
+            r["model_weights"] = fp
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+
+
+def test_a_grid_refuses_cells_that_started_from_other_weights(tmp_path, capsys):
+    from ftis_fed.commands.experiment import summary_only
+
+    work = tmp_path / "grid"
+    shutil.copytree(FIXTURE, work)
+    cells = sorted(p.parent.name for p in (work / "cells").glob("*/done.json"))
+    assert len(cells) >= 3
+    check_weights(cells, work)                                    # none recorded (older cells): not compared
+    for c in cells:
+        _set_weights(work / "cells" / c, "w-" + "a" * 16)
+    check_weights(cells, work)
+    _set_weights(work / "cells" / cells[1], "w-" + "b" * 16)
+    with pytest.raises(MixedWeights, match=f"w-b+ in {cells[1]}"):
+        check_weights(cells, work)
+    before = (work / "summary.md").read_bytes()
+    assert summary_only(work) == 2
+    assert "different model weights" in capsys.readouterr().err
+    assert (work / "summary.md").read_bytes() == before           # nothing rewritten
