@@ -1,0 +1,193 @@
+"""docs/RESULTS.md's tables, generated from the committed grids' ``summary.csv`` rows.
+
+Each table in RESULTS.md sits between ``<!-- table: NAME -->`` and ``<!-- end table -->``;
+``--write`` regenerates every marked table in place from ``docs/results/<grid>/summary.csv`` (which
+``ftis-fed grid --summary-only`` rewrites byte for byte from the cells' files), ``--check`` fails
+naming each table that differs (``tests/test_results_tables.py`` runs it):
+
+    python -m sims.results_tables --check docs/RESULTS.md
+    python -m sims.results_tables --write docs/RESULTS.md
+    python -m sims.results_tables --print calibration
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+LEARNING = ("research-w", "research-w-spec")
+MICRO = ("research", "research-ood", "research-sizes", "research-mixed", "smollm2-check")
+#: claim statements shortened in the verdict tables (the summaries' own text is longer)
+SHORT = {"5": "the stronger partner loses OOD accuracy with F-TIS vs Alone",
+         "6": "beyond the paper (F-TIS+guard): no partner loses OOD vs Alone (≥ −1 point)"}
+
+
+def rows(grid: str) -> list[dict]:
+    with open(RESULTS / grid / "summary.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _known(v) -> bool:
+    return v not in ("", "nan", None)
+
+
+def _pt(x) -> str:
+    return f"{100 * float(x):+.1f}"
+
+
+def _iv(r: dict) -> str:
+    return f"{_pt(r['diff'])} [{_pt(r['lo'])}, {_pt(r['hi'])}]"
+
+
+def _tv(r: dict) -> str:
+    return f"[{_pt(r['t_lo'])}, {_pt(r['t_hi'])}]" if _known(r.get("t_lo")) else "–"
+
+
+def _table(head: list[str], body: list[str]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *body])
+
+
+def calibration(grids=(*LEARNING, *MICRO)) -> str:
+    """Alone's gain per participant with the start's greedy / sampled pass@1 and pass@k."""
+    body = []
+    for g in grids:
+        rs = rows(g)
+        start = {r["participant"]: r for r in rs if r["kind"] == "start" and r["set"] == "id"}
+        for r in rs:
+            if r["kind"] != "gain" or r["method"] != "alone" or r["set"] != "id":
+                continue
+            s = start.get(r["participant"], {})
+            greedy = f"{float(s['greedy']):.3f}" if _known(s.get("greedy")) else "–"
+            sampled = (f"{float(s['sampled']):.3f} | {float(s['pass_at_k']):.3f} ({s['k']})"
+                       if _known(s.get("sampled")) else "– | –")
+            body.append(f"| `{g}` | {r.get('metric') or 'greedy'} | {r['participant']} | {r['prompts']} | {greedy} | "
+                        f"{sampled} | {r['seeds']} | {float(r['start']):.3f} → {float(r['final']):.3f} | "
+                        f"**{_iv(r)}** | {_tv(r)} | {r['gained']}/{r['seeds']} |")
+    return _table(["grid", "metric", "participant", "ID prompts", "greedy pass@1", "sampled pass@1", "pass@k (k)",
+                   "alone: seeds", "ID before → after", "alone's gain [95 % CI]", "t over seeds", "seeds gained"], body)
+
+
+def gains(grid: str) -> str:
+    """Final − before training per method and participant, ID and per ID family."""
+    rs = rows(grid)
+    by = {(r["method"], r["participant"], r["set"]): r for r in rs if r["kind"] == "gain"}
+    fams = sorted({r["set"] for r in rs if r["kind"] == "gain" and r["set"].startswith("id:")})
+    body = []
+    for r in rs:
+        if r["kind"] == "gain" and r["set"] == "id":
+            f = " | ".join(_iv(by[k]) if (k := (r["method"], r["participant"], s)) in by else "–" for s in fams)
+            body.append(f"| {r['method']} | {r['participant']} | {r['seeds']} | {float(r['start']):.3f} → "
+                        f"{float(r['final']):.3f} | {_iv(r)} | {_tv(r)} | {r['gained']}/{r['seeds']} | {f} |")
+    return _table(["method", "participant", "seeds", "ID before → after", "gain [95 % CI]", "t over seeds",
+                   "seeds gained", *fams], body)
+
+
+def verdicts(grids) -> str:
+    """One row per claim, one column per grid: the verdict and its intervals."""
+    v = {g: {r["claim"]: r for r in rows(g) if r["kind"] == "verdict"} for g in grids}
+    body = []
+    for c, first in v[grids[0]].items():
+        cells = ["–" if c not in v[g] else f"**{v[g][c]['verdict']}**: {v[g][c]['interval']}" for g in grids]
+        body.append(f"| {c} {SHORT.get(c, first['statement'])} | " + " | ".join(cells) + " |")
+    return _table(["claim", *(f"`{g}`" for g in grids)], body)
+
+
+def paired(grid: str) -> str:
+    """Paired per-prompt differences A − B on ID (pigeonhole interval, t over seeds, seeds won)."""
+    body = [f"| {r['a']} − {r['b']} | {r['participant']} | {r['seeds']} | {_iv(r)} | {_tv(r)} | "
+            f"{r['a_wins']}/{r['b_wins']} |"
+            for r in rows(grid) if r["kind"] == "paired_prompts" and r["set"] == "id"]
+    return _table(["A − B", "participant", "seeds", "ID [95 % CI]", "t over seeds", "seeds won A/B"], body)
+
+
+def efficiency(grids=LEARNING) -> str:
+    """Updates to reach alone's final level, over alone's updates (held-out ID and training reward)."""
+    body = []
+    for g in grids:
+        for r in rows(g):
+            if r["kind"] == "efficiency" and r["b"] == "alone":
+                measure = "held-out ID" if r["set"] == "updates" else "training reward"
+                ci = (f"{float(r['diff']):.2f} [{float(r['lo']):.2f}, {float(r['hi']):.2f}]" if _known(r["lo"])
+                      else f"{float(r['diff']):.2f}")
+                body.append(f"| `{g}` | {r['a']} | {r['participant']} | {measure} | {r['seeds']} | {r['reached']} | "
+                            f"{ci} | {r['ratios']} |")
+    return _table(["grid", "method", "participant", "measure", "seeds", "reached", "mean ratio [95 % t]", "per seed"],
+                  body)
+
+
+def filters(grids=(*LEARNING, *MICRO)) -> str:
+    """Per-sample summed KL of peer samples at each receiver: quantiles, share ≥ g, share dropped."""
+    body = []
+    for g in grids:
+        for r in rows(g):
+            if r["kind"] == "filter":
+                f = {k: f"{float(r[k]):.2f}" for k in ("kl_p50", "kl_p90", "kl_p99", "kl_max")}
+                body.append(f"| `{g}` | {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
+                            f"{f['kl_p50']} | {f['kl_p90']} | {f['kl_p99']} | {f['kl_max']} | "
+                            f"{100 * float(r['kl_ge_g_frac']):.1f} % | {100 * float(r['filtered_frac']):.1f} % |")
+    return _table(["grid", "method", "receiver", "peer", "seeds", "KL p50", "KL p90", "KL p99", "largest KL", "KL ≥ g",
+                   "dropped"], body)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "calibration": calibration,
+    "verdicts-learning": lambda: verdicts(LEARNING),
+    **{f"gains-{g}": (lambda g=g: gains(g)) for g in LEARNING},
+    **{f"paired-{g}": (lambda g=g: paired(g)) for g in LEARNING},
+    "efficiency": efficiency,
+    "filter": filters,
+    "verdicts-micro": lambda: verdicts(MICRO),
+}
+BLOCK = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(\n<!-- end table -->)", re.S)
+
+
+def regenerate(text: str) -> tuple[str, list[str]]:
+    """``text`` with every marked table regenerated, and the names of those that changed. A marker
+    naming no table is a ValueError."""
+    changed = []
+
+    def fill(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise ValueError(f"<!-- table: {name} -->: no such table (known: {', '.join(TABLES)})")
+        new = TABLES[name]()
+        if new != m.group(3):
+            changed.append(name)
+        return m.group(1) + new + m.group(4)
+
+    return BLOCK.sub(fill, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", metavar="MD", help="fail when a marked table of MD differs from its summaries")
+    mode.add_argument("--write", metavar="MD", help="regenerate every marked table of MD in place")
+    mode.add_argument("--print", metavar="NAME", choices=sorted(TABLES), help="print one table")
+    a = ap.parse_args(argv)
+    if a.print:
+        print(TABLES[a.print]())
+        return 0
+    path = Path(a.check or a.write)
+    text = path.read_text()
+    new, changed = regenerate(text)
+    if a.write:
+        path.write_text(new)
+        print(f"{path}: {len(BLOCK.findall(text))} tables, regenerated: {', '.join(changed) or 'none changed'}")
+        return 0
+    if changed:
+        print(f"{path}: tables that differ from the committed summaries: {', '.join(changed)} "
+              f"(python -m sims.results_tables --write {path})", file=sys.stderr)
+        return 1
+    print(f"{path}: {len(BLOCK.findall(text))} tables equal to the committed summaries")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
