@@ -318,3 +318,12 @@ def test_the_calibrated_research_cell_learns_alone(tmp_path):
     assert sorted(ev) == [0, 16] and len(rewards) == 16
     assert ev[16] - ev[0] >= 0.05, ev                                   # +13.3 points measured
     assert np.mean(rewards[8:]) >= np.mean(rewards[:8]) + 0.015, rewards  # +0.056 measured
+
+
+def test_step_check_reads_a_worked_replys_steps():
+    """sims/step_check.py: a rewarded reply can reach the right answer through wrong steps."""
+    from sims.step_check import steps_true
+
+    assert steps_true("7+8=15; 4+3+1=8; so 85") and steps_true("12-8=4; 5-2-1=2; so 24")
+    assert not steps_true("12-9=4; 6-4-1=0; so 4")             # the answer is right, the steps are not
+    assert not steps_true("so 85") and not steps_true("7+8=15; so 85")     # fewer than two steps
