@@ -50,3 +50,11 @@ def test_a_file_is_linked_where_it_can_be_and_the_app_is_left_alone(tmp_path):
     staged = stage_app(app, tmp_path / "stage" / "app")
     assert os.path.samefile(staged / "pkg" / "mod.py", app / "pkg" / "mod.py")    # a link, not a copy
     assert sorted(p.relative_to(app).as_posix() for p in app.rglob("*")) == before
+
+
+def test_a_stage_inside_the_apps_own_flwr_home_does_not_stage_itself(tmp_path):
+    """Without FLWR_HOME the launcher's home is <app>/.flwr, where the stage then lives."""
+    app = _app(tmp_path)
+    staged = stage_app(app, app / ".flwr" / "app-x" / "app")
+    assert not (staged / ".flwr").exists()
+    assert build_fab_from_disk(staged) == build_fab_from_disk(app)
