@@ -25,7 +25,8 @@ LEARNING = ("research-w", "research-w-spec")
 MICRO = ("research", "research-ood", "research-sizes", "research-mixed", "smollm2-check")
 #: claim statements shortened in the verdict tables (the summaries' own text is longer)
 SHORT = {"5": "the stronger partner loses OOD accuracy with F-TIS vs Alone",
-         "6": "beyond the paper (F-TIS+guard): no partner loses OOD vs Alone (≥ −1 point)"}
+         "6": "beyond the paper (F-TIS+guard, else the grid's F-TIS variant, named): no partner loses OOD vs "
+              "Alone (≥ −1 point)"}
 
 
 def rows(grid: str) -> list[dict]:
@@ -92,8 +93,13 @@ def verdicts(grids) -> str:
     """One row per claim, one column per grid: the verdict and its intervals."""
     v = {g: {r["claim"]: r for r in rows(g) if r["kind"] == "verdict"} for g in grids}
     body = []
+    def cell(r: dict) -> str:
+        method = r["comparison"].split(" − ")[0]
+        named = f" ({method})" if r["claim"] == "6" and method != "F-TIS+guard" and "?" not in method else ""
+        return f"**{r['verdict']}**{named}: {r['interval']}"
+
     for c, first in v[grids[0]].items():
-        cells = ["–" if c not in v[g] else f"**{v[g][c]['verdict']}**: {v[g][c]['interval']}" for g in grids]
+        cells = ["–" if c not in v[g] else cell(v[g][c]) for g in grids]
         body.append(f"| {c} {SHORT.get(c, first['statement'])} | " + " | ".join(cells) + " |")
     return _table(["claim", *(f"`{g}`" for g in grids)], body)
 
