@@ -1,5 +1,6 @@
 """Two methods of one grid compared per participant: the paired per-prompt difference A − B of the final
-held-out greedy pass@1 over the seeds both finished, with the grid's own interval (``grid.tables.
+held-out pass@1 (the metric the grid records in grid.json, greedy or sampled; ``--metric`` another)
+over the seeds both finished, with the grid's own interval (``grid.tables.
 paired_prompt_table``: pigeonhole bootstrap over seeds and prompts, and the paired t over seeds), from the
 committed cells only.
 
@@ -15,13 +16,17 @@ import json
 from pathlib import Path
 
 
-def compare(grid: Path, a: str, b: str, key: str = "id") -> list[dict]:
-    """One row per participant, points: A − B and its intervals over the seeds both finished."""
+def compare(grid: Path, a: str, b: str, key: str = "id", metric: str | None = None) -> list[dict]:
+    """One row per participant, points: A − B and its intervals over the seeds both finished, for
+    ``metric`` (None: the one grid.json records, else greedy)."""
+    from ftis_fed.commands.experiment import _recorded_metric
+    from ftis_fed.grid.metric import metric as metric_named
     from ftis_fed.grid.plan import discover_cells
     from ftis_fed.grid.tables import paired_prompt_table
 
-    rows = paired_prompt_table(discover_cells(grid), grid, pairs=[(a, b)])
-    return [{"participant": r["participant"], "set": r["set"], "seeds": r["seeds"],
+    m = metric_named(metric or _recorded_metric(grid))
+    rows = paired_prompt_table(discover_cells(grid), grid, m, pairs=[(a, b)])
+    return [{"participant": r["participant"], "set": r["set"], "metric": m.name, "seeds": r["seeds"],
              **{k: round(100 * r[k], 1) for k in ("diff", "lo", "hi", "t_lo", "t_hi")},
              "seeds_won": [r["a_wins"], r["b_wins"]]} for r in rows if r["set"] == key]
 
@@ -32,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("a", help="method A, as in the cells' names (e.g. F-TIS+gspo)")
     ap.add_argument("b", help="method B")
     ap.add_argument("--set", default="id", help="id, ood, id:<family> or ood:<family>")
+    ap.add_argument("--metric", choices=("greedy", "sampled"), help="default: the one grid.json records")
     args = ap.parse_args(argv)
-    for row in compare(Path(args.grid), args.a, args.b, args.set):
+    for row in compare(Path(args.grid), args.a, args.b, args.set, args.metric):
         print(json.dumps(row))
     return 0
 

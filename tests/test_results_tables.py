@@ -30,3 +30,18 @@ def test_an_edited_number_is_found_and_an_unknown_table_refused():
     with pytest.raises(ValueError, match="no such table"):
         T.regenerate("<!-- table: nope -->\nx\n<!-- end table -->")
     assert T.main(["--check", str(ROOT / "docs" / "RESULTS.md")]) == 0
+
+
+def test_sims_paired_reads_the_metric_the_grid_records():
+    """sims/paired.py on a sampled grid gives the sampled comparison its summary holds (not greedy)."""
+    from sims.paired import compare
+
+    grid = ROOT / "docs" / "results" / "research-w-spec"
+    got = {r["participant"]: r for r in compare(grid, "F-TIS", "TIS")}
+    want = {r["participant"]: r for r in T.rows("research-w-spec")
+            if r["kind"] == "paired_prompts" and r["a"] == "F-TIS" and r["b"] == "TIS" and r["set"] == "id"}
+    assert set(got) == set(want) == {"base", "spec"}
+    for p, r in got.items():
+        assert r["metric"] == "sampled" and r["seeds"] == int(want[p]["seeds"])
+        assert r["diff"] == round(100 * float(want[p]["diff"]), 1)
+    assert {r["metric"] for r in compare(grid, "F-TIS", "TIS", metric="greedy")} == {"greedy"}
