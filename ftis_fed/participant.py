@@ -131,6 +131,7 @@ class Participant:
                              "or does not match its private key")
         self.guard = ReplayGuard()
         self.verifier = fed.task.verifier()                 # the task's reward rules (your own functions too)
+        self.eval_verifier = fed.task.verifier(steps=False)  # held-out accuracy: the answer alone
         self.task_digest = fed.task.digest()                # announced in hello; batches are signed for it
         self.run_base = signed_run_id(fed.run_name, self.task_digest)   # run name (+ task digest), no nonce
         self.run_id = self._saved_run_id()                  # the run id hello named (run_base@nonce)
@@ -361,14 +362,14 @@ class Participant:
         sets = self.fed.eval_sets()
         per_prompt: dict[str, list[tuple[str, bool]]] = {}
         hits: dict[str, list[bool]] | None = {} if self.fed.attack_payload else None
-        out = evaluate_policy(self.policy, sets, self.verifier, max_new_tokens=self.fed.eval_max_new_tokens,
+        out = evaluate_policy(self.policy, sets, self.eval_verifier, max_new_tokens=self.fed.eval_max_new_tokens,
                               per_prompt=per_prompt, payload=self.fed.attack_payload, payload_hits=hits,
                               payload_at=self.fed.attack_payload_at)
         sampled: dict[str, list[int]] | None = None
         if self.fed.eval_samples:
             sampled = {}
             out.update(sampled_eval(self.policy, sets, self.fed.eval_samples, self.fed.sampling,
-                                    seed=EVAL_SAMPLE_SEED + round, verifier=self.verifier, per_prompt=sampled))
+                                    seed=EVAL_SAMPLE_SEED + round, verifier=self.eval_verifier, per_prompt=sampled))
         write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt, hits, sampled,
                            self.fed.eval_samples)
         out["eval/seconds"] = time.perf_counter() - t0

@@ -224,6 +224,9 @@ class RewardRule:
     symbolic: when the exact comparison (``answers_match``) says "different" and the reference is
         not an integer, ask math-verify (``ftis_fed.tasks.symbolic.symbolic_equal``: a helper process,
         bounded time per answer). Integer references always take the exact path alone.
+    solution: optional task id -> the family's worked solution (``task-reward-steps``): a completion
+        then solves the task only when it *is* that solution (stripped), its steps checked and not only
+        its last number; None (default) checks the answer alone.
     """
 
     extract: tuple[str, ...] = ("boxed", "gsm8k", "last_number")
@@ -233,6 +236,7 @@ class RewardRule:
     fn: RewardFn | None = None
     conversational: bool = True
     symbolic: bool = False
+    solution: Callable[[str], str] | None = None
 
     def __post_init__(self) -> None:
         for name in self.extract:
@@ -266,6 +270,8 @@ class RewardRule:
 
             correct = symbolic_equal(pred.strip(), reference.strip())
         solved = correct and (fmt_ok or not self.require_format)
+        if solved and self.solution is not None:
+            solved = completion.strip() == self.solution(task_id).strip()
         return solved, (1.0 if solved else 0.0) + (self.format_bonus if fmt_ok else 0.0)
 
     def score(self, completion: str, reference: str, task_id: str = "", prompt: str = "") -> float:

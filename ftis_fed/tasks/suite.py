@@ -36,7 +36,7 @@ import hashlib
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -108,6 +108,12 @@ def worked_reply(family: str, split: str, seed: int, index: int) -> str:
     worked solution (``Problem.solution``), or the bare answer where it has none."""
     p = _draw(family, split, seed, index)
     return p.solution or str(p.answer)
+
+
+def worked_solution(task_id_: str) -> str:
+    """The worked solution of the task ``task_id_`` names (``family/split/seed/index``)."""
+    family, split, seed, index = task_id_.split("/")
+    return worked_reply(family, split, int(seed), int(index))
 
 
 def content_key(family: str, split: str, seed: int, index: int) -> tuple:
@@ -225,6 +231,11 @@ class TaskSpec:
     family_column: str = knob("task-family-column", "", """
         ``task-source = user``: a column whose values are the rows' families ('' = one family);
         see task-ood-families.""")
+    reward_steps: bool = knob("task-reward-steps", False, """
+        procedural families with worked replies (``add99``, ``sub99``, ...): a training reply earns its
+        reward only when it is the family's worked solution (its steps checked, not only its last
+        number), on senders and receivers alike; held-out evaluation still scores the answer alone.
+        false (default): the answer alone.""")
     ood_families: tuple[str, ...] = knob("task-ood-families", (), """
         ``task-source = user``: comma-separated values of ``task-family-column`` held out whole (never
         trained on; one out-of-distribution evaluation set each, ``eval/ood/<family>/accuracy``).""")
@@ -265,6 +276,11 @@ class TaskSpec:
             raise ValueError(f"task.source={self.source!r}: must be one of {', '.join(SOURCES)}")
         if not 1 <= self.math500_eval_percent <= 99:
             raise ValueError(f"task.math500_eval_percent={self.math500_eval_percent!r}: must be in [1, 99]")
+        if self.reward_steps:
+            plain = [f for f in self.families if not _draw(f, "train", 0, 0).solution]
+            if self.source != "procedural" or plain:
+                raise ValueError(f"task.reward_steps=True: needs task-source=procedural and families with worked "
+                                 f"replies (task-source={self.source}; without one: {', '.join(plain) or 'none'})")
         if self.source != "procedural" and self.scheme in ("expertise", "dirichlet"):
             raise ValueError(f"task.scheme={self.scheme!r}: mixes procedural sub-families; with task-source="
                              f"{self.source} use iid or shared")
@@ -296,11 +312,16 @@ class TaskSpec:
             return self.user.train_pool()
         return train_pool(self.source, self.benchmark_path, int(self.math500_eval_percent))
 
-    def verifier(self) -> Verifier:
-        """The reward rules of this task: the built-in ones, plus the user task's functions (family ``user``)."""
-        if self.source != "user":
+    def verifier(self, steps: bool | None = None) -> Verifier:
+        """The reward rules of this task: the built-in ones, plus the user task's functions (family
+        ``user``); with ``steps`` (None: ``task-reward-steps``) the run's worked families reward only
+        their worked solution (``worked_solution``)."""
+        if self.source == "user":
+            return Verifier({**default_rules(), USER: self.user})
+        if not (self.reward_steps if steps is None else steps):
             return Verifier()
-        return Verifier({**default_rules(), USER: self.user})
+        rules = default_rules()
+        return Verifier({**rules, **{f: replace(rules[f], solution=worked_solution) for f in self.families}})
 
     def digest(self) -> str:
         """The task's identity where node-local files define it (``trust.run_id``): a user task's
