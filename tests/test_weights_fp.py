@@ -45,6 +45,7 @@ def test_equal_bytes_equal_fingerprints_and_one_changed_byte_another(tmp_path, m
 
 def test_the_record_beside_the_weights_is_reused_only_while_the_files_are_unchanged(tmp_path, monkeypatch):
     monkeypatch.setattr(W, "_MEMO", {})
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path))          # the project's model cache: a record is kept
     a = _folder(tmp_path, "a", b"\x01" * 5000)
     fp = W.weights_fingerprint(a)
     rec = json.loads((a / W.RECORD).read_text())
@@ -58,8 +59,33 @@ def test_the_record_beside_the_weights_is_reused_only_while_the_files_are_unchan
     assert W.weights_fingerprint(a) not in (fp, "w-" + "0" * 16)
 
 
+def test_a_folder_outside_the_model_cache_is_not_written_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "_MEMO", {})
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path / "cache"))
+    a = _folder(tmp_path, "mine", b"\x01" * 5000)
+    assert W.weights_fingerprint(a).startswith("w-") and sorted(p.name for p in a.iterdir()) == \
+        ["config.json", "model.safetensors"]
+
+
+def test_large_weights_are_fingerprinted_from_sampled_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "_MEMO", {})
+    a = _folder(tmp_path, "a", bytes(range(256)) * 40_000)     # ~10 MB
+    full = W.weights_fingerprint(a)
+    monkeypatch.setattr(W, "_MEMO", {})
+    monkeypatch.setattr(W, "FULL_HASH_BYTES", 1 << 20)
+    sampled = W.weights_fingerprint(a)
+    assert W.FINGERPRINT_RE.fullmatch(sampled) and sampled != full
+    monkeypatch.setattr(W, "_MEMO", {})
+    assert W.weights_fingerprint(a) == sampled                  # stable
+    with (a / "model.safetensors").open("r+b") as fh:           # a byte inside the first piece
+        fh.write(b"\xff")
+    monkeypatch.setattr(W, "_MEMO", {})
+    assert W.weights_fingerprint(a) != sampled
+
+
 def test_a_read_only_folder_is_fingerprinted_without_a_record(tmp_path, monkeypatch):
     monkeypatch.setattr(W, "_MEMO", {})
+    monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path))
     a = _folder(tmp_path, "a", b"\x05" * 100)
     a.chmod(0o555)
     try:
