@@ -30,6 +30,9 @@ def test_only_the_worked_solution_earns_the_reward_with_steps_checked():
     assert steps.reward(p.task_id, wrong_steps, p.reference) == 0.0                      # the steps checked
     assert steps.reward(p.task_id, f"so {p.reference}", p.reference) == 0.0
     assert TaskSpec(families=("add99",)).verifier().reward(p.task_id, wrong_steps, p.reference) == 1.0  # default off
+    for bad in ("sub99/train/3", "sub99/nope/3/1", "sub99/train/-1/1", "sub99/train/x/1"):   # names no task:
+        assert worked_solution(bad) == "" and steps.reward(bad, worked, p.reference) == 0.0  # nothing earns
+    assert worked_solution("nofamily/train/3/1") == ""
 
 
 def test_families_without_worked_replies_are_refused_by_name():

@@ -111,9 +111,14 @@ def worked_reply(family: str, split: str, seed: int, index: int) -> str:
 
 
 def worked_solution(task_id_: str) -> str:
-    """The worked solution of the task ``task_id_`` names (``family/split/seed/index``)."""
-    family, split, seed, index = task_id_.split("/")
-    return worked_reply(family, split, int(seed), int(index))
+    """The worked solution of the task ``task_id_`` names (``family/split/seed/index``); "" (which no
+    correct reply equals) for an id that names none: receivers resolve a peer's task ids before
+    scoring, so this is a guard, not a check."""
+    try:
+        family, split, seed, index = task_id_.split("/")
+        return worked_reply(family, split, int(seed), int(index))
+    except (ValueError, KeyError):
+        return ""
 
 
 def content_key(family: str, split: str, seed: int, index: int) -> tuple:
