@@ -36,14 +36,11 @@ def steps_true(reply: str) -> bool:
 
 
 def check(model: str, family: str, n: int, k: int, seed: int, max_new_tokens: int = 40) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ftis_fed.policies.models import resolve_model
     from ftis_fed.tasks.rewards import Verifier
     from ftis_fed.tasks.suite import task_at, worked_reply
+    from sims.kl_probe import _load
 
-    path = resolve_model(model)
-    lm, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    lm, tok = _load(model)
     verifier = Verifier()
     torch.manual_seed(seed)
     c = {"replies": 0, "rewarded": 0, "rewarded_worked": 0, "rewarded_steps_true": 0, "worked": 0}

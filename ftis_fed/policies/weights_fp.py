@@ -48,7 +48,7 @@ def weights_fingerprint(folder: str | Path) -> str:
     files = _weight_files(folder)
     if not files:
         return ""
-    key = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    key = [[p.name, st.st_size, st.st_mtime_ns] for p, st in ((p, p.stat()) for p in files)]
     memo_key = (str(folder.resolve()), json.dumps(key))
     if memo_key in _MEMO:
         return _MEMO[memo_key]
