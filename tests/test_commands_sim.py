@@ -205,6 +205,46 @@ def _marked(mark: str) -> dict[int, str]:
     return found
 
 
+_SPAWNER = """
+import os, signal, time
+ending = []
+signal.signal(signal.SIGTERM, lambda *_: ending.append(1))   # ends only by SIGKILL, as a stuck raylet,
+while True:                                                    # and forks as it is being ended
+    if ending and os.fork() == 0:
+        time.sleep(120)
+        os._exit(0)
+    time.sleep(0.005 if ending else 0.05)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_end_launched_also_ends_what_forks_while_the_launch_is_being_ended():
+    """A process of the launch that ignores SIGTERM and keeps forking: children it starts between the
+    scan that finds it and its SIGKILL carry the token too, and none is left (one SIGKILL pass over one
+    scan left some, as CI once saw Ray's DashboardAgent and RuntimeEnvAgent outlive the launcher)."""
+    import secrets
+    import time
+
+    token = secrets.token_hex(8)
+    spawner = subprocess.Popen([sys.executable, "-c", _SPAWNER], env={**os.environ, launch.LAUNCH_ENV: token})
+    try:
+        deadline = time.monotonic() + 30
+        while not launch.launched_processes(token):
+            assert time.monotonic() < deadline, "the spawner did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)                                                    # its handler is installed
+        found = launch.end_launched(token, grace_s=0.3, quiet_s=1.0)
+        assert spawner.pid in found
+        time.sleep(1.0)
+        assert launch.launched_processes(token) == []
+    finally:
+        for pid in launch.launched_processes(token):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        spawner.kill()
+        spawner.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGINT"])

@@ -342,20 +342,30 @@ def launched_processes(token: str, proc: str | Path = "/proc") -> list[int]:
     return pids
 
 
-def end_launched(token: str, grace_s: float = 10.0) -> list[int]:
-    """SIGTERM every process of this launch still running, SIGKILL those left after ``grace_s``;
-    the pids it found."""
-    found = launched_processes(token)
+def end_launched(token: str, grace_s: float = 10.0, quiet_s: float = 1.0, limit_s: float = 30.0) -> list[int]:
+    """SIGTERM every process of this launch still running, SIGKILL those left after ``grace_s``, and
+    SIGKILL again whatever of the launch appears until none has been seen for ``quiet_s`` (at most
+    ``limit_s``): a process forked between a scan and its parent's end (Ray's raylet starting an agent
+    as it is killed) is ended too. The pids it found."""
+    found = set(launched_processes(token))
     for pid in found:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and launched_processes(token):
         time.sleep(0.2)
-    for pid in launched_processes(token):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    return found
+    quiet_from = time.monotonic()
+    give_up = quiet_from + limit_s
+    while time.monotonic() - quiet_from < quiet_s and time.monotonic() < give_up:
+        left = launched_processes(token)
+        if left:
+            quiet_from = time.monotonic()
+            found.update(left)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    return sorted(found)
 
 
 def run_status(connection: str, run_id: str, env: dict) -> dict:
