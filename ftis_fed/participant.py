@@ -383,7 +383,8 @@ class Participant:
         """What the exported model's card says about this run (``policies.share``)."""
         fed, obj = self.fed, self.fed.objective
         method = {"loss-mode": obj.mode, "ratio-level": obj.ratio_level, "trunc-c": obj.trunc_c,
-                  "filter-g": obj.filter_g, "kl-estimator": obj.kl_estimator, "clip-eps": obj.clip_eps,
+                  "filter-g": obj.filter_g, "filter-sign": obj.filter_sign, "kl-estimator": obj.kl_estimator,
+                  "clip-eps": obj.clip_eps,
                   "length-norm": obj.length_norm, "advantage-groups": obj.advantage_groups,
                   "group-size": fed.group_size, "max-new-tokens": fed.max_new_tokens,
                   "temperature": fed.temperature, "learning rate": self.spec.policy.effective_lr}

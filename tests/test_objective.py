@@ -177,6 +177,38 @@ def test_filter_drops_exactly_negative_advantage_samples_over_threshold():
     assert filter_mask(adv, kl, 50.0).tolist() == [False, False, True, False, False, False, True]
 
 
+def test_the_any_sign_variant_drops_both_signs_over_threshold_never_zero_advantage():
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.0, 0.0, -0.5, 0.5])
+    kl = torch.tensor([100.0, 1.0, 100.0, 1.0, 100.0, 1.0, 50.0, math.inf])
+    assert filter_mask(adv, kl, 50.0, "any").tolist() == [True, False, True, False, False, False, True, True]
+
+
+def test_the_any_sign_variant_zeroes_a_far_rewarded_sample_in_the_loss():
+    """A peer's sample with positive advantage and KL_i >> g: the paper's filter keeps it (its
+    gradient is TIS's), the ``any`` variant drops it (zero gradient, counted as filtered); every
+    other row is untouched."""
+    lp = torch.log(torch.full((3, 4), 0.5))
+    lp_theta = lp.clone()
+    lp_theta[1] -= 30.0                                                      # row 1: KL_i = 4 * 30 = 120 nats
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    grads, filtered = {}, {}
+    for sign in ("negative", "any"):
+        x = LossInputs(logp=lp_theta.clone().requires_grad_(True), logp_gen=lp, mask=torch.ones(3, 4, dtype=torch.bool),
+                       advantages=adv, source=torch.zeros(3, dtype=torch.long), local=torch.zeros(3, dtype=torch.bool),
+                       source_names=("p",))
+        out = ftis_loss(x, ObjectiveConfig(mode="F-TIS", filter_sign=sign))
+        out.loss.backward()
+        grads[sign], filtered[sign] = x.logp.grad, out.metrics["offpolicy/p/filtered_frac"]
+    assert (grads["negative"][1] != 0).all() and (grads["any"][1] == 0).all()
+    assert torch.equal(grads["negative"][[0, 2]], grads["any"][[0, 2]])
+    assert (filtered["negative"], filtered["any"]) == (0.0, pytest.approx(1 / 3))
+
+
+def test_filter_sign_is_checked():
+    with pytest.raises(ValueError, match="filter_sign.*negative, any"):
+        ObjectiveConfig(filter_sign="positive")
+
+
 def test_filter_leaves_kept_samples_untouched():
     torch.manual_seed(1)
     B, T = 8, 4
@@ -325,12 +357,12 @@ def test_truncated_weight_never_exceeds_c(b, c):
 
 
 @settings(max_examples=40, deadline=None)
-@given(batches())
-def test_filter_only_changes_filtered_rows(b):
+@given(batches(), st.sampled_from(["negative", "any"]))
+def test_filter_only_changes_filtered_rows(b, sign):
     logits, mask, gen, adv, src, seq = b
     if logits.shape[1] == 0:
         return
-    cfg_f, cfg_t = ObjectiveConfig(mode="F-TIS", filter_g=5.0), ObjectiveConfig(mode="TIS")
+    cfg_f, cfg_t = ObjectiveConfig(mode="F-TIS", filter_g=5.0, filter_sign=sign), ObjectiveConfig(mode="TIS")
     grads = []
     for cfg in (cfg_f, cfg_t):
         lg = logits.clone().requires_grad_(True)
@@ -344,7 +376,7 @@ def test_filter_only_changes_filtered_rows(b):
     raw = log_ratios(lp, gen_s, x.mask, seq, seq_gen)
     kl = kl_estimate(raw, x.mask, seq, "sum-k1", 20.0)
     kl = torch.where(implausible, torch.full_like(kl, math.inf), kl)          # implausible: maximally off-policy
-    dropped = filter_mask(adv, kl, 5.0)
+    dropped = filter_mask(adv, kl, 5.0, sign)
     keep = ~dropped
     assert torch.allclose(grads[0][keep], grads[1][keep], atol=1e-6)
     assert (grads[0][dropped] == 0).all()

@@ -190,13 +190,15 @@ def importance_weights(mode: str, logp: Tensor, logp_old: Tensor, log_ratio_gen:
 
 # ----------------------------------------------------------------------------- filter
 
-def filter_mask(advantages: Tensor, kl: Tensor, g: float) -> Tensor:
-    """(B,) True where the F filter drops the sample: negative advantage and KL_i >= g.
+def filter_mask(advantages: Tensor, kl: Tensor, g: float, sign: str = "negative") -> Tensor:
+    """(B,) True where the F filter drops the sample: KL_i >= g and a negative advantage (``sign =
+    "negative"``, the paper) or any nonzero one (``"any"``, a variant).
 
-    Positive-advantage samples are always kept, however off-policy; zero-advantage samples carry
-    no gradient either way and are not counted as filtered.
+    With the paper's filter positive-advantage samples are always kept, however off-policy;
+    zero-advantage samples carry no gradient either way and are never counted as filtered.
     """
-    return (advantages < 0) & ~(kl < g)
+    signed = advantages < 0 if sign == "negative" else advantages != 0
+    return signed & ~(kl < g)
 
 
 def max_surprisal(logp: Tensor, mask: Tensor) -> Tensor:
@@ -323,7 +325,7 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     kl = kl_estimate(raw.detach(), mask, seq_level, cfg.kl_estimator, cfg.log_ratio_clamp)  # (B,)
     adv = x.advantages.to(logp.dtype)
     kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)
-    dropped = filter_mask(adv, kl_filter, cfg.filter_g) & rows if mode.filtered else torch.zeros_like(rows)
+    dropped = filter_mask(adv, kl_filter, cfg.filter_g, cfg.filter_sign) & rows if mode.filtered else torch.zeros_like(rows)
     top = max_surprisal(logp, mask)                                                # (B,) the receiver's own surprisal
     surprising = None if x.surprisal_limit is None else \
         surprising_rows(top, x.local, x.surprisal_limit) & rows                    # (B,) the receiver's own check
@@ -432,8 +434,9 @@ def kl_quantiles(row_kl: Tensor, source: Tensor, names: Sequence[str], g: float)
     quantiles (``kl_p50``, ``kl_p90``, ``kl_p99``: the KL of the median / 90th / 99th percentile
     sample, in the estimator's unit — summed nats for ``sum-*``) and ``kl_ge_g_frac``, the share of
     samples at or above the filter's threshold g whatever their advantage (the filter drops those
-    among them with a negative advantage: ``filtered_frac``, in the F- modes only). Exact over an
-    update: pass every micro-batch's rows at once."""
+    among them with a negative advantage, with ``filter-sign = any`` any nonzero one:
+    ``filtered_frac``, in the F- modes only). Exact over an update: pass every micro-batch's rows
+    at once."""
     out: dict[str, float] = {}
     for s, name in enumerate(names):
         v = row_kl[(source == s) & ~torch.isnan(row_kl)].double()

@@ -12,6 +12,8 @@ from ftis_fed.learn.modes import MODES
 
 #: ``ratio-level`` values: per token; per completion, summed log-ratio; per completion, mean (GSPO).
 RATIO_LEVELS = ("token", "sequence", "sequence-mean")
+#: ``filter-sign`` values: the paper's filter (negative-advantage samples only); a variant dropping both signs.
+FILTER_SIGNS = ("negative", "any")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ class ObjectiveConfig:
     filter_g: float = knob("filter-g", 50.0, """
         g, the KL threshold above which negative-advantage samples are dropped; > 0, ``inf``
         disables (50.0 is meaningful for the default summed estimator).""")
+    filter_sign: str = knob("filter-sign", "negative", """
+        which samples the F filter may drop at KL_i >= g: ``negative`` (default, the paper: negative
+        advantage only; a far sample with positive advantage is always kept) or ``any`` (a variant, not
+        the paper: every sample with a nonzero advantage, so a peer's rewarded samples the receiver
+        cannot express, KL_i >= g, do not dominate its update either; docs/method.md section 4).""")
     kl_estimator: str = knob("kl-estimator", "sum-k1", """
         ``sum-k1`` (default), ``sum-k3``, ``mean-k1``, ``mean-k3``: how the per-sample
         KL(pi_gen || pi_theta) is estimated from per-token log-ratios d = log pi_gen - log pi_theta
@@ -68,6 +75,7 @@ class ObjectiveConfig:
         need(self.trunc_mean_cap >= 0, "trunc_mean_cap", "must be >= 0 (0 = off)")
         need(0 <= self.clip_eps < 1, "clip_eps", "must be in [0, 1)")
         need(self.filter_g > 0, "filter_g", "must be > 0 (inf disables the filter)")
+        need(self.filter_sign in FILTER_SIGNS, "filter_sign", f"must be one of {', '.join(FILTER_SIGNS)}")
         need(self.kl_estimator in ("sum-k1", "sum-k3", "mean-k1", "mean-k3"), "kl_estimator",
              "must be one of sum-k1, sum-k3, mean-k1, mean-k3")
         need(self.length_norm in ("sequence", "constant", "token"), "length_norm",
