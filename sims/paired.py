@@ -19,12 +19,11 @@ from pathlib import Path
 def compare(grid: Path, a: str, b: str, key: str = "id", metric: str | None = None) -> list[dict]:
     """One row per participant, points: A − B and its intervals over the seeds both finished, for
     ``metric`` (None: the one grid.json records, else greedy)."""
-    from ftis_fed.commands.experiment import _recorded_metric
-    from ftis_fed.grid.metric import metric as metric_named
+    from ftis_fed.grid.metric import metric as metric_named, recorded_metric
     from ftis_fed.grid.plan import discover_cells
     from ftis_fed.grid.tables import paired_prompt_table
 
-    m = metric_named(metric or _recorded_metric(grid))
+    m = metric_named(metric or recorded_metric(grid))
     rows = paired_prompt_table(discover_cells(grid), grid, m, pairs=[(a, b)])
     return [{"participant": r["participant"], "set": r["set"], "metric": m.name, "seeds": r["seeds"],
              **{k: round(100 * r[k], 1) for k in ("diff", "lo", "hi", "t_lo", "t_hi")},

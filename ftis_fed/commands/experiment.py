@@ -45,7 +45,7 @@ import os
 import sys
 from pathlib import Path
 
-from ftis_fed.grid.metric import BY_NAME as METRIC_NAMES, MissingMetric, metric as metric_named
+from ftis_fed.grid.metric import BY_NAME as METRIC_NAMES, MissingMetric, metric as metric_named, recorded_metric
 from ftis_fed.grid.plan import VARIANTS, discover_cells, parse_variant, plan
 from ftis_fed.grid.records import MixedWeights
 from ftis_fed.grid.report import write_summary
@@ -73,7 +73,7 @@ def main(a: argparse.Namespace) -> int:
     out = Path(a.out or f"outputs/grid-{Path(a.preset).stem}").resolve()
     extra = [f"eval-seed={a.eval_seed}", *a.run_config]
     try:
-        metric = metric_named(a.metric or _recorded_metric(out)).name
+        metric = metric_named(a.metric or recorded_metric(out)).name
         if metric == "sampled":
             check_samples(app, a.preset, extra, cells)
     except (ValueError, FileNotFoundError) as e:
@@ -106,12 +106,6 @@ def main(a: argparse.Namespace) -> int:
     return 0
 
 
-def _recorded_metric(out: Path) -> str:
-    """The metric ``out/grid.json`` records; greedy when it records none or there is none."""
-    path = out / "grid.json"
-    return (json.loads(path.read_text()).get("metric") if path.exists() else None) or "greedy"
-
-
 def check_samples(app: Path, preset: str, extra: list[str], cells) -> None:
     """Before running a ``--metric sampled`` grid: every cell's run config (preset, ``--run-config``
     items, the cell's variant items) has ``eval-samples`` >= 1 (ValueError naming the cells)."""
@@ -135,7 +129,8 @@ def summary_only(out: Path, metric: str | None = None) -> int:
         return 2
     path = out / "grid.json"
     meta = json.loads(path.read_text()) if path.exists() else {}
-    name = metric or meta.get("metric") or "greedy"
+    recorded = recorded_metric(out)
+    name = metric or recorded
     if name not in METRIC_NAMES:
         print(f"ftis-fed grid: error: {path}: metric {name!r} must be one of {', '.join(METRIC_NAMES)}", file=sys.stderr)
         return 2
@@ -144,7 +139,7 @@ def summary_only(out: Path, metric: str | None = None) -> int:
     except (MissingMetric, MixedWeights) as e:
         print(f"ftis-fed grid: error: {e}", file=sys.stderr)
         return 2
-    if name != (meta.get("metric") or "greedy"):
+    if name != recorded:
         path.write_text(json.dumps({**meta, "metric": name}, indent=1))
         print(f"[grid] grid.json: metric = {name} (--summary-only reads it from there)")
     print(f"[grid] {name} summary of {len(cells)} cells: {out / 'summary.md'} "

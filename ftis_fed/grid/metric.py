@@ -13,7 +13,9 @@ A cell measured without samples (``eval-samples = 0``) has no sampled records: `
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class MissingMetric(ValueError):
@@ -66,3 +68,10 @@ def metric(name: str | None) -> Metric:
     if name not in BY_NAME:
         raise ValueError(f"metric {name!r}: must be one of {', '.join(BY_NAME)}")
     return BY_NAME[name]
+
+
+def recorded_metric(out: Path) -> str:
+    """The metric name ``out/grid.json`` records; ``greedy`` where it records none or there is none
+    (grids written before ``--metric`` existed)."""
+    path = Path(out) / "grid.json"
+    return (json.loads(path.read_text()).get("metric") if path.exists() else None) or "greedy"
