@@ -31,7 +31,7 @@ from typing import Sequence
 
 from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
-from ftis_fed.grid.records import num, participant_rows, read_rows
+from ftis_fed.grid.records import cell_rows, num, participant_rows
 from ftis_fed.grid.stats import t_interval
 
 #: the efficiency rows' sets: on the held-out ID evaluations, and on the training reward
@@ -87,7 +87,7 @@ def efficiency_table(cells: Sequence[Cell], out: Path, initial: dict[str, dict],
     reward: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
     for c in cells:
         if (out / "cells" / c.name / "done.json").exists():
-            rows = read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")
+            rows = cell_rows(out / "cells" / c.name)
             for p, curve in id_curves(rows, metric).items():
                 held_out[(c.method, p, c.seed)] = curve
             for p, curve in reward_curves(rows).items():

@@ -3,6 +3,7 @@ per-prompt evaluation records (what the paired statistics are computed from)."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 from collections import defaultdict
@@ -24,6 +25,24 @@ def read_rows(path: Path) -> list[dict]:
     else:
         return []
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def cell_rows(cell_dir: Path) -> list[dict]:
+    """A cell's metrics rows (``read_rows`` of ``cell_dir/run/metrics.jsonl``), parsed once per version
+    of the file however many tables read them (a summary reads each cell's rows ~8 times). The row
+    dicts are shared between callers: read them, never change them."""
+    path = Path(cell_dir).resolve() / "run" / "metrics.jsonl"
+    f = path if path.exists() else path.with_name(path.name + ".gz")
+    if not f.exists():
+        return []
+    st = f.stat()
+    return list(_parsed_rows(path, f.name, st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed_rows(path: Path, file: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
+    """``read_rows(path)``; the key (which file, its mtime and size) makes a rewritten file a new entry."""
+    return tuple(read_rows(path))
 
 
 def participant_rows(rows: Iterable[dict], phase: str) -> list[dict]:
@@ -71,7 +90,7 @@ def initial_eval(out: Path) -> dict[str, dict]:
     """participant -> its evaluation row before round 1, from the first finished cell in ``out``
     (any grouping or method: the models before training are the same) that has one; {} if none."""
     for done in sorted((out / "cells").glob("*/done.json")):
-        rows = [r for r in participant_rows(read_rows(done.parent / "run" / "metrics.jsonl"), "eval")
+        rows = [r for r in participant_rows(cell_rows(done.parent), "eval")
                 if int(r.get("round", -1)) == 0]
         if rows:
             return {r["participant"]: r for r in rows}
@@ -90,7 +109,7 @@ def check_weights(cell_names: Iterable[str], out: Path) -> None:
     seen: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for name in cell_names:
         fps = {(r["participant"], r.get("model_weights") or "")
-               for r in participant_rows(read_rows(out / "cells" / name / "run" / "metrics.jsonl"), "train")}
+               for r in participant_rows(cell_rows(out / "cells" / name), "train")}
         for p, fp in sorted(fps):
             if fp:
                 seen[p][fp].append(name)

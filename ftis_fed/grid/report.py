@@ -20,7 +20,7 @@ from ftis_fed.grid.claims import BEYOND, REFERENCE, verdicts
 from ftis_fed.grid.efficiency import efficiency_table
 from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
-from ftis_fed.grid.records import check_weights, initial_eval, num, read_rows
+from ftis_fed.grid.records import cell_rows, check_weights, initial_eval, num
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
                                   paired_prompt_table, start_table, stronger_participant, summarize,
                                   train_diagnostics)
@@ -305,7 +305,7 @@ def _curves(cells: Sequence[Cell], out: Path, keys: Sequence[str] = (*GREEDY.key
     for c in cells:
         if not (out / "cells" / c.name / "done.json").exists():
             continue
-        rows = read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")
+        rows = cell_rows(out / "cells" / c.name)
         if not any(r.get("phase") == "eval" and int(r.get("round", -1)) == 0 for r in rows):
             rows = initial + rows
         for r in rows:

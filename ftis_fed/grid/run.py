@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ftis_fed.grid.plan import Cell
-from ftis_fed.grid.records import cell_defects, final_eval, initial_eval, read_rows
+from ftis_fed.grid.records import cell_defects, cell_rows, final_eval, initial_eval
 
 Runner = Callable[[Cell, Path, Path], int]
 """runner(cell, cell_dir, log_path) -> exit status (0 = the run completed)."""
@@ -61,7 +61,7 @@ def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[s
         c0 = clock()
         status = runner(cell, cell_dir, cell_dir / "run.log")
         seconds = clock() - c0
-        rows = read_rows(cell_dir / "run" / "metrics.jsonl")
+        rows = cell_rows(cell_dir)
         defects = cell_defects(rows)
         if status != 0 or not final_eval(rows) or defects:
             with lock:

@@ -17,8 +17,8 @@ import numpy as np
 from ftis_fed.grid.claims import BASELINE, REFERENCE
 from ftis_fed.grid.metric import GREEDY, Metric, MissingMetric
 from ftis_fed.grid.plan import Cell, method_order
-from ftis_fed.grid.records import (evaluation_records, final_eval, num, participant_rows, prompt_records,
-                                   prompt_vectors, read_rows)
+from ftis_fed.grid.records import (cell_rows, evaluation_records, final_eval, num, participant_rows,
+                                   prompt_records, prompt_vectors)
 
 #: The keys of the greedy tables (``Metric.keys`` of another metric).
 METRICS = GREEDY.keys
@@ -40,7 +40,7 @@ def check_metric(cells: Sequence[Cell], out: Path, metric: Metric) -> list[int]:
         cell_dir = out / "cells" / c.name
         if not (cell_dir / "done.json").exists():
             continue
-        finals = final_eval(read_rows(cell_dir / "run" / "metrics.jsonl")).values()
+        finals = final_eval(cell_rows(cell_dir)).values()
         recs = evaluation_records(prompt_records(cell_dir))
         if finals and recs and all(math.isfinite(num(r.get(metric.key("id")))) for r in finals) \
                 and all(r.get("k") and r.get("sampled") is not None for r in recs):
@@ -66,7 +66,7 @@ def cell_results(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> l
         if not done.exists():
             continue
         seconds = num(json.loads(done.read_text()).get("seconds"))
-        for p, r in sorted(final_eval(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl")).items()):
+        for p, r in sorted(final_eval(cell_rows(out / "cells" / c.name)).items()):
             row = {"cell": c.name, "method": c.method, "mode": c.mode, "groups": c.groups, "seed": c.seed,
                    "participant": p, "round": int(r["round"]), "cell_seconds": seconds}
             for m in metric.keys:
@@ -123,7 +123,7 @@ def train_diagnostics(cells: Sequence[Cell], out: Path) -> list[dict]:
     for c in cells:
         if not (out / "cells" / c.name / "done.json").exists():
             continue
-        rows = participant_rows(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"), "train")
+        rows = participant_rows(cell_rows(out / "cells" / c.name), "train")
         for p in sorted({r["participant"] for r in rows}):
             for k in DIAGNOSTICS:
                 vs = [num(r.get(k)) for r in rows if r["participant"] == p]
@@ -156,7 +156,7 @@ def filter_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     for c in cells:
         if not (out / "cells" / c.name / "done.json").exists():
             continue
-        rows = participant_rows(read_rows(out / "cells" / c.name / "run" / "metrics.jsonl"), "train")
+        rows = participant_rows(cell_rows(out / "cells" / c.name), "train")
         keys = {(r["participant"], k.split("/")[1]) for r in rows for k in r
                 if k.startswith("offpolicy/") and k.endswith("/kl_p50")}
         for receiver, peer in sorted(keys):
