@@ -99,3 +99,29 @@ def test_the_grid_filter_table_reads_the_quantiles_of_the_peers_samples(tmp_path
     assert s["kl_max"] == 120.0                                              # the largest of any round and seed
     assert s["kl_ge_g_frac"] == pytest.approx((0.5 + 0.2) / 2)
     assert s["filtered_frac"] == pytest.approx((0.25 + 0.1) / 2)
+
+
+def test_the_filter_section_names_the_methods_that_ran_the_any_sign_variant(tmp_path):
+    """The summary's filter section says which methods dropped rewarded samples too (``filter-sign =
+    any``, read from each cell's config.json); a grid without such cells reads as before."""
+    import json
+
+    from ftis_fed.grid.plan import Cell
+    from ftis_fed.grid.report import _any_sign_methods, summary_markdown
+
+    cells = [Cell("F-TIS", "vertical", 0), Cell("F-TIS", "vertical", 0, "any", (("filter-sign", "any"),)),
+             Cell("TIS", "vertical", 0)]
+    for c, objective in zip(cells, ({"filter_sign": "negative"}, {"filter_sign": "any"}, {})):
+        (tmp_path / "cells" / c.name / "run").mkdir(parents=True)
+        (tmp_path / "cells" / c.name / "run" / "config.json").write_text(json.dumps({"objective": objective}))
+        (tmp_path / "cells" / c.name / "done.json").write_text("{}")
+    assert _any_sign_methods(cells, tmp_path) == ["F-TIS+any"]
+    assert _any_sign_methods(cells[:1] + cells[2:], tmp_path) == []
+    row = {"method": "F-TIS+any", "participant": "spec", "peer": "base", "seeds": 1, "kl_p50": 1.0, "kl_p90": 2.0,
+           "kl_p99": 3.0, "kl_max": 4.0, "kl_ge_g_frac": 0.5, "filtered_frac": 0.5}
+    with_any = summary_markdown([], [], [], "t", filters=[row], filter_g=50.0, any_sign=["F-TIS+any"])
+    without = summary_markdown([], [], [], "t", filters=[row], filter_g=50.0)
+    assert "F-TIS+any: `filter-sign = any`, a variant, not the paper" in with_any
+    assert "filter-sign" not in without and with_any.replace(
+        " F-TIS+any: `filter-sign = any`, a variant, not the paper: it drops every sample with a nonzero advantage "
+        "and KL ≥ g.", "") == without

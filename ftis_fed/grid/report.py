@@ -70,7 +70,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      families: Sequence[dict] = (), verdict_rows: Sequence[dict] = (),
                      efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = (),
                      gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None,
-                     starts: Sequence[dict] = ()) -> str:
+                     starts: Sequence[dict] = (), any_sign: Sequence[str] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -205,7 +205,9 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "90th and 99th percentile sample (summed over the completion's tokens, nats), averaged over the "
                   f"rounds and seeds; the largest sample KL of any round and seed; the share of samples with KL ≥ {g} "
                   "whatever their advantage; the share the filter dropped (negative advantage and KL ≥ g: F- modes "
-                  "only, 0 elsewhere).", "",
+                  "only, 0 elsewhere)." + (f" {', '.join(any_sign)}: `filter-sign = any`, a variant, not the paper: "
+                                           "it drops every sample with a nonzero advantage and KL ≥ g."
+                                           if any_sign else ""), "",
                   "| method | receiver | peer | seeds | KL p50 | KL p90 | KL p99 | largest KL | KL ≥ g | dropped |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in filters:
@@ -360,7 +362,7 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(cells, out) if filters else None,
-                                                     starts))
+                                                     starts, _any_sign_methods(cells, out)))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
@@ -368,14 +370,22 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
             "metric": metric.name, "ks": ks}
 
 
-def _filter_g(cells: Sequence[Cell], out: Path) -> float | None:
-    """The cells' filter threshold g (``filter_g`` of their config.json), when they all share one."""
-    gs = set()
+def _objectives(cells: Sequence[Cell], out: Path) -> dict[Cell, dict]:
+    """Each finished cell's objective config (``objective`` of its config.json; {} where absent)."""
+    found = {}
     for c in cells:
         cfg = out / "cells" / c.name / "run" / "config.json"
         if (out / "cells" / c.name / "done.json").exists() and cfg.exists():
-            g = json.loads(cfg.read_text()).get("objective", {}).get("filter_g")
-            if g is not None:
-                gs.add(float(g))
+            found[c] = json.loads(cfg.read_text()).get("objective", {})
+    return found
+
+
+def _filter_g(cells: Sequence[Cell], out: Path) -> float | None:
+    """The cells' filter threshold g (``filter_g`` of their config.json), when they all share one."""
+    gs = {float(o["filter_g"]) for o in _objectives(cells, out).values() if o.get("filter_g") is not None}
     return gs.pop() if len(gs) == 1 else None
 
+
+def _any_sign_methods(cells: Sequence[Cell], out: Path) -> list[str]:
+    """The methods (sorted) whose cells ran the filter's ``filter-sign = any`` variant."""
+    return sorted({c.method for c, o in _objectives(cells, out).items() if o.get("filter_sign") == "any"})
