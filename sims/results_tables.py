@@ -22,6 +22,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 LEARNING = ("research-w", "research-w-spec")
+#: the base + specialist pair with the steps-checked reward (its own section: fewer seeds, a variant)
+STEPS = "research-w-spec-steps"
 MICRO = ("research", "research-ood", "research-sizes", "research-mixed", "smollm2-check")
 #: claim statements shortened in the verdict tables (the summaries' own text is longer)
 SHORT = {"5": "the stronger partner loses OOD accuracy with F-TIS vs Alone",
@@ -127,7 +129,7 @@ def efficiency(grids=LEARNING) -> str:
                   body)
 
 
-def filters(grids=(*LEARNING, *MICRO)) -> str:
+def filters(grids=(*LEARNING, STEPS, *MICRO)) -> str:
     """Per-sample summed KL of peer samples at each receiver: quantiles, share ≥ g, share dropped."""
     body = []
     for g in grids:
@@ -144,8 +146,8 @@ def filters(grids=(*LEARNING, *MICRO)) -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "calibration": calibration,
     "verdicts-learning": lambda: verdicts(LEARNING),
-    **{f"gains-{g}": (lambda g=g: gains(g)) for g in LEARNING},
-    **{f"paired-{g}": (lambda g=g: paired(g)) for g in LEARNING},
+    **{f"gains-{g}": (lambda g=g: gains(g)) for g in (*LEARNING, STEPS)},
+    **{f"paired-{g}": (lambda g=g: paired(g)) for g in (*LEARNING, STEPS)},
     "efficiency": efficiency,
     "filter": filters,
     "verdicts-micro": lambda: verdicts(MICRO),
