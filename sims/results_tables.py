@@ -152,7 +152,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "filter": filters,
     "verdicts-micro": lambda: verdicts(MICRO),
 }
-BLOCK = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(\n<!-- end table -->)", re.S)
+#: a marked table: its start marker line, its body (possibly empty; never across another marker), its end
+BLOCK = re.compile(r"(<!-- table: ([\w-]+) -->\n)((?:(?!<!-- (?:end )?table).)*?)(\n?<!-- end table -->)", re.S)
 
 
 def regenerate(text: str) -> tuple[str, list[str]]:
@@ -167,7 +168,7 @@ def regenerate(text: str) -> tuple[str, list[str]]:
         new = TABLES[name]()
         if new != m.group(3):
             changed.append(name)
-        return m.group(1) + new + m.group(4)
+        return m.group(1) + new + "\n" + m.group(4).lstrip("\n")
 
     return BLOCK.sub(fill, text), changed
 

@@ -32,6 +32,16 @@ def test_an_edited_number_is_found_and_an_unknown_table_refused():
     assert T.main(["--check", str(ROOT / "docs" / "RESULTS.md")]) == 0
 
 
+def test_empty_marked_tables_are_filled_each_in_its_own_place():
+    """A new table is added as two empty marker lines; neighbouring empty blocks stay apart."""
+    empty = "<!-- table: efficiency -->\n<!-- end table -->\n\ntext\n<!-- table: filter -->\n<!-- end table -->\n"
+    new, changed = T.regenerate(empty)
+    assert changed == ["efficiency", "filter"]
+    assert new == (f"<!-- table: efficiency -->\n{T.TABLES['efficiency']()}\n<!-- end table -->\n\ntext\n"
+                   f"<!-- table: filter -->\n{T.TABLES['filter']()}\n<!-- end table -->\n")
+    assert T.regenerate(new) == (new, [])
+
+
 def test_sims_paired_reads_the_metric_the_grid_records():
     """sims/paired.py on a sampled grid gives the sampled comparison its summary holds (not greedy)."""
     from sims.paired import compare
