@@ -132,3 +132,37 @@ def test_a_grid_refuses_cells_that_started_from_other_weights(tmp_path, capsys):
     assert summary_only(work) == 2
     assert "different model weights" in capsys.readouterr().err
     assert (work / "summary.md").read_bytes() == before           # nothing rewritten
+
+
+def _set_round1(cell: Path, participant: str, reward: float) -> None:
+    path = cell / "run" / "metrics.jsonl.gz"
+    rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
+    for r in rows:
+        if r.get("phase") == "train" and r["participant"] == participant and r["round"] == 1:
+            r["reward/mean"] = reward
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+
+
+def test_a_grid_refuses_cells_of_one_seed_whose_first_samples_differ(tmp_path, capsys):
+    """Without fingerprints (cells made before them), cells of one seed that started from other weights
+    still show it: a participant's round-1 samples differ between methods, which they cannot when the
+    weights are the same (two committed research-w cells ran so; docs/RESULTS.md)."""
+    from ftis_fed.commands.experiment import summary_only
+    from ftis_fed.grid.plan import discover_cells
+    from ftis_fed.grid.records import MixedStarts, check_starts
+
+    work = tmp_path / "grid"
+    shutil.copytree(FIXTURE, work)
+    cells = discover_cells(work)
+    check_starts(cells, work)                                     # the fixture's cells agree
+    rows = [json.loads(x) for x in gzip.decompress((work / "cells" / "alone__vertical__s1" / "run" /
+                                                    "metrics.jsonl.gz").read_bytes()).decode().splitlines()]
+    p = next(r["participant"] for r in rows if r.get("phase") == "train" and not r["participant"].startswith("_"))
+    _set_round1(work / "cells" / "F-TIS__vertical__s1", p, 0.999)
+    with pytest.raises(MixedStarts, match=f"seed 1, {p}: .* in alone__vertical__s1, reward 0.999, .* in F-TIS__vertical__s1"):
+        check_starts(cells, work)
+    check_starts([c for c in cells if c.seed == 0], work)         # another seed's cells are not compared
+    before = (work / "summary.md").read_bytes()
+    assert summary_only(work) == 2
+    assert "different first samples" in capsys.readouterr().err
+    assert (work / "summary.md").read_bytes() == before           # nothing rewritten

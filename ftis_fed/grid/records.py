@@ -3,8 +3,8 @@ per-prompt evaluation records (what the paired statistics are computed from)."""
 
 from __future__ import annotations
 
-import functools
 import gzip
+import hashlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -27,22 +27,28 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+#: parsed metrics files by (file name, SHA-256 of its bytes): ``cell_rows``' cache (at most ``_ROWS_KEPT``)
+_ROWS: dict[tuple[str, str], tuple[dict, ...]] = {}
+_ROWS_KEPT = 512
+
+
 def cell_rows(cell_dir: Path) -> list[dict]:
-    """A cell's metrics rows (``read_rows`` of ``cell_dir/run/metrics.jsonl``), parsed once per version
-    of the file however many tables read them (a summary reads each cell's rows ~8 times). The row
-    dicts are shared between callers: read them, never change them."""
-    path = Path(cell_dir).resolve() / "run" / "metrics.jsonl"
+    """A cell's metrics rows (``read_rows`` of ``cell_dir/run/metrics.jsonl``), parsed once per content
+    of the file however many tables read them (a summary reads each cell's rows ~8 times; hashing the
+    bytes costs a small part of parsing them). The row dicts are shared between callers: read them,
+    never change them."""
+    path = Path(cell_dir) / "run" / "metrics.jsonl"
     f = path if path.exists() else path.with_name(path.name + ".gz")
     if not f.exists():
         return []
-    st = f.stat()
-    return list(_parsed_rows(path, f.name, st.st_mtime_ns, st.st_size))
-
-
-@functools.lru_cache(maxsize=512)
-def _parsed_rows(path: Path, file: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
-    """``read_rows(path)``; the key (which file, its mtime and size) makes a rewritten file a new entry."""
-    return tuple(read_rows(path))
+    data = f.read_bytes()
+    key = (f.name, hashlib.sha256(data).hexdigest())
+    if key not in _ROWS:
+        if len(_ROWS) >= _ROWS_KEPT:
+            _ROWS.pop(next(iter(_ROWS)))                      # the oldest entry
+        text = gzip.decompress(data).decode() if f.name.endswith(".gz") else data.decode()
+        _ROWS[key] = tuple(json.loads(line) for line in text.splitlines() if line.strip())
+    return list(_ROWS[key])
 
 
 def participant_rows(rows: Iterable[dict], phase: str) -> list[dict]:
@@ -119,6 +125,38 @@ def check_weights(cell_names: Iterable[str], out: Path) -> None:
                            + "; ".join(f"{p}: " + ", ".join(f"{fp} in {', '.join(cs[:4])}{' ...' if len(cs) > 4 else ''}"
                                                             for fp, cs in sorted(by.items()))
                                        for p, by in sorted(bad.items())))
+
+
+class MixedStarts(MixedWeights):
+    """Cells of one seed whose participants' first training samples differ where they cannot."""
+
+
+def check_starts(cells: Iterable, out: Path) -> None:
+    """Cells (``grid.plan.Cell``) of one seed with vertical groups, run without a variant, generate a
+    participant's first round from the same weights, prompts and sampling seed whatever their method, so
+    its round-1 samples are the same (``reward/mean`` and ``gen/tokens`` of its round-1 train row
+    equal): else ``MixedStarts`` naming the participant and each cell. It catches cells run from other
+    weights that carry no fingerprint (``check_weights``: cells made before it was recorded). Horizontal
+    cells are not compared: there a shared method splits a group's completions among the senders."""
+    seen: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if c.variant or c.groups != "vertical":
+            continue
+        for r in participant_rows(cell_rows(out / "cells" / c.name), "train"):
+            if int(r.get("round", 0)) == 1:
+                seen[(c.seed, r["participant"])][(r.get("reward/mean"), r.get("gen/tokens"))].append(c.name)
+    bad = {k: by for k, by in seen.items() if len(by) > 1}
+    if bad:
+        raise MixedStarts("cells of one seed started from different first samples, so from different weights (re-run "
+                          "the odd cells): " + "; ".join(
+                              f"seed {seed}, {p}: " + ", ".join(
+                                  f"reward {_g(rw)}, {_g(tok)} tokens in {', '.join(cs[:4])}{' ...' if len(cs) > 4 else ''}"
+                                  for (rw, tok), cs in sorted(by.items(), key=lambda kv: -len(kv[1])))
+                              for (seed, p), by in sorted(bad.items())))
+
+
+def _g(v) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
 def num(v) -> float:
