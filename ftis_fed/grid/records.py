@@ -134,8 +134,8 @@ class MixedStarts(MixedWeights):
 def check_starts(cells: Iterable, out: Path) -> None:
     """Cells (``grid.plan.Cell``) of one seed with vertical groups, run without a variant, generate a
     participant's first round from the same weights, prompts and sampling seed whatever their method, so
-    its round-1 samples are the same (``reward/mean`` and ``gen/tokens`` of its round-1 train row
-    equal): else ``MixedStarts`` naming the participant and each cell. It catches cells run from other
+    its round-1 samples are the same (``reward/mean`` and ``gen/tokens`` of its round-1 train row, where
+    it carries both, equal): else ``MixedStarts`` naming the participant and each cell. It catches cells run from other
     weights that carry no fingerprint (``check_weights``: cells made before it was recorded). Horizontal
     cells are not compared: there a shared method splits a group's completions among the senders."""
     seen: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -143,8 +143,8 @@ def check_starts(cells: Iterable, out: Path) -> None:
         if c.variant or c.groups != "vertical":
             continue
         for r in participant_rows(cell_rows(out / "cells" / c.name), "train"):
-            if int(r.get("round", 0)) == 1:
-                seen[(c.seed, r["participant"])][(r.get("reward/mean"), r.get("gen/tokens"))].append(c.name)
+            if int(r.get("round", 0)) == 1 and r.get("reward/mean") is not None and r.get("gen/tokens") is not None:
+                seen[(c.seed, r["participant"])][(r["reward/mean"], r["gen/tokens"])].append(c.name)
     bad = {k: by for k, by in seen.items() if len(by) > 1}
     if bad:
         raise MixedStarts("cells of one seed started from different first samples, so from different weights (re-run "
@@ -155,8 +155,8 @@ def check_starts(cells: Iterable, out: Path) -> None:
                               for (seed, p), by in sorted(bad.items())))
 
 
-def _g(v) -> str:
-    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+def _g(v: float) -> str:
+    return f"{v:g}"
 
 
 def num(v) -> float:
