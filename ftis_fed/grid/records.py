@@ -51,6 +51,11 @@ def cell_rows(cell_dir: Path) -> list[dict]:
     return list(_ROWS[key])
 
 
+def forget_cell_rows() -> None:
+    """Empty ``cell_rows``' cache (a summary does when it is written: a grid's rows need not stay)."""
+    _ROWS.clear()
+
+
 def participant_rows(rows: Iterable[dict], phase: str) -> list[dict]:
     """The rows of ``phase`` (``eval`` / ``train``) written by participants (not ``_federation``)."""
     return [r for r in rows if r.get("phase") == phase and not str(r.get("participant", "")).startswith("_")]

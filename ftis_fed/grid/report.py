@@ -20,7 +20,7 @@ from ftis_fed.grid.claims import BEYOND, REFERENCE, verdicts
 from ftis_fed.grid.efficiency import efficiency_table
 from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
-from ftis_fed.grid.records import cell_rows, check_starts, check_weights, initial_eval, num
+from ftis_fed.grid.records import cell_rows, check_starts, check_weights, forget_cell_rows, initial_eval, num
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
                                   paired_prompt_table, start_table, stronger_participant, summarize,
                                   train_diagnostics)
@@ -329,6 +329,13 @@ def write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric =
     ``metric`` (``MissingMetric``, naming the cells, when a finished cell lacks it; ``MixedWeights``
     when cells' participants started from different model weights: their fingerprints or, without
     one, their first samples, ``MixedStarts``)."""
+    try:
+        return _write_summary(cells, out, title, metric)
+    finally:
+        forget_cell_rows()                                 # the cells' rows were parsed once for all tables
+
+
+def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric) -> dict:
     check_weights([c.name for c in cells], out)
     check_starts([c for c in cells if (out / "cells" / c.name / "done.json").exists()], out)
     ks = check_metric(cells, out, metric)
