@@ -145,7 +145,7 @@ def filters(grids=(*LEARNING, STEPS, *MICRO)) -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "calibration": calibration,
-    "verdicts-learning": lambda: verdicts(LEARNING),
+    "verdicts-learning": lambda: verdicts((*LEARNING, STEPS)),
     **{f"gains-{g}": (lambda g=g: gains(g)) for g in (*LEARNING, STEPS)},
     **{f"paired-{g}": (lambda g=g: paired(g)) for g in (*LEARNING, STEPS)},
     "efficiency": efficiency,
