@@ -155,7 +155,8 @@ def check_starts(cells: Iterable, out: Path) -> None:
         raise MixedStarts("cells of one seed started from different first samples, so from different weights (re-run "
                           "the odd cells): " + "; ".join(
                               f"seed {seed}, {p}: " + ", ".join(
-                                  f"reward {_g(rw)}, {_g(tok)} tokens in {', '.join(cs[:4])}{' ...' if len(cs) > 4 else ''}"
+                                  f"reward {_g(rw)}, {_g(tok)} tokens in "
+                                  f"{', '.join(cs[:4])}{' ...' if len(cs) > 4 else ''}"
                                   for (rw, tok), cs in sorted(by.items(), key=lambda kv: -len(kv[1])))
                               for (seed, p), by in sorted(bad.items())))
 

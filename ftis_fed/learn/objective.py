@@ -325,7 +325,8 @@ def ftis_loss(x: LossInputs, cfg: ObjectiveConfig,
     kl = kl_estimate(raw.detach(), mask, seq_level, cfg.kl_estimator, cfg.log_ratio_clamp)  # (B,)
     adv = x.advantages.to(logp.dtype)
     kl_filter = torch.where(implausible, torch.full_like(kl, math.inf), kl)        # (B,)
-    dropped = filter_mask(adv, kl_filter, cfg.filter_g, cfg.filter_sign) & rows if mode.filtered else torch.zeros_like(rows)
+    dropped = filter_mask(adv, kl_filter, cfg.filter_g, cfg.filter_sign) & rows if mode.filtered \
+        else torch.zeros_like(rows)
     top = max_surprisal(logp, mask)                                                # (B,) the receiver's own surprisal
     surprising = None if x.surprisal_limit is None else \
         surprising_rows(top, x.local, x.surprisal_limit) & rows                    # (B,) the receiver's own check
