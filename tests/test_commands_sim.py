@@ -245,6 +245,38 @@ def test_end_launched_also_ends_what_forks_while_the_launch_is_being_ended():
         spawner.wait()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_child_whose_environment_no_longer_shows_the_token_is_found_through_its_parent():
+    """Ray's agents retitle themselves over their environment (the token unreadable in /proc); CI saw
+    their DashboardAgent outlive the launcher. A child started without the token is part of the launch
+    through its marked parent, and end_launched ends both."""
+    import secrets
+    import time
+
+    token = secrets.token_hex(8)
+    code = ("import os, subprocess, sys, time; env = {k: v for k, v in os.environ.items() if k != %r}; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], env=env); time.sleep(120)"
+            % launch.LAUNCH_ENV)
+    parent = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, launch.LAUNCH_ENV: token})
+    try:
+        deadline = time.monotonic() + 30
+        while len(launch.launched_processes(token)) < 2:
+            assert time.monotonic() < deadline, "the child did not start"
+            time.sleep(0.1)
+        child = [p for p in launch.launched_processes(token) if p != parent.pid]
+        assert len(child) == 1 and b"LAUNCH" not in Path(f"/proc/{child[0]}/environ").read_bytes()
+        launch.end_launched(token, grace_s=2.0, quiet_s=0.5)
+        parent.wait(timeout=10)
+        time.sleep(0.5)
+        assert not Path(f"/proc/{child[0]}").exists() or "Z" in Path(f"/proc/{child[0]}/stat").read_text().split(")")[1][:3]
+    finally:
+        for pid in launch.launched_processes(token):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        parent.kill()
+        parent.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGINT"])

@@ -327,33 +327,50 @@ def _raise_interrupted(signum, frame):
 
 def launched_processes(token: str, proc: str | Path = "/proc") -> list[int]:
     """The pids (not this process) whose environment carries ``LAUNCH_ENV=token`` (Linux ``/proc``;
-    processes of other users are unreadable and skipped)."""
+    processes of other users are unreadable and skipped), and every descendant of theirs: a process
+    that rewrites its title over its environment (Ray's agents, ``setproctitle``) no longer shows the
+    token in ``/proc/<pid>/environ``, but its parent does."""
     mark = f"{LAUNCH_ENV}={token}".encode()
-    pids = []
+    found, parent = set(), {}
     for d in Path(proc).glob("[0-9]*"):
         pid = int(d.name)
         if pid == os.getpid():
             continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent[pid] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
         try:
             if mark in (d / "environ").read_bytes().split(b"\0"):
-                pids.append(pid)
+                found.add(pid)
         except OSError:
             continue
-    return pids
+    grew = True
+    while grew:
+        new = {pid for pid, ppid in parent.items() if ppid in found and pid not in found}
+        found |= new
+        grew = bool(new)
+    return sorted(found)
 
 
 def end_launched(token: str, grace_s: float = 10.0, quiet_s: float = 1.0, limit_s: float = 30.0) -> list[int]:
-    """SIGTERM every process of this launch still running, SIGKILL those left after ``grace_s``, and
-    SIGKILL again whatever of the launch appears until none has been seen for ``quiet_s`` (at most
-    ``limit_s``): a process forked between a scan and its parent's end (Ray's raylet starting an agent
-    as it is killed) is ended too. The pids it found."""
+    """SIGTERM every process of this launch still running (``launched_processes``), SIGKILL those left
+    after ``grace_s`` (found then or before: an orphan whose title hides the token is found by its
+    parent only while the parent lives), and SIGKILL again whatever of the launch appears until none
+    has been seen for ``quiet_s`` (at most ``limit_s``): a process forked between a scan and its
+    parent's end is ended too. The pids it found."""
     found = set(launched_processes(token))
     for pid in found:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and launched_processes(token):
+    while time.monotonic() < deadline and (left := launched_processes(token)):
+        found.update(left)
+        if not any(_alive(pid) for pid in found):
+            break
         time.sleep(0.2)
+    for pid in found:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
     quiet_from = time.monotonic()
     give_up = quiet_from + limit_s
     while time.monotonic() - quiet_from < quiet_s and time.monotonic() < give_up:
@@ -366,6 +383,14 @@ def end_launched(token: str, grace_s: float = 10.0, quiet_s: float = 1.0, limit_
                     os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
     return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def run_status(connection: str, run_id: str, env: dict) -> dict:
