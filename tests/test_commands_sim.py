@@ -205,6 +205,15 @@ def _marked(mark: str) -> dict[int, str]:
     return found
 
 
+def _kill_all(token: str, proc: subprocess.Popen) -> None:
+    """A test's clean-up: every process of the launch ``token`` and ``proc`` itself killed."""
+    for pid in launch.launched_processes(token):
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+    proc.kill()
+    proc.wait()
+
+
 _SPAWNER = """
 import os, signal, time
 ending = []
@@ -238,11 +247,7 @@ def test_end_launched_also_ends_what_forks_while_the_launch_is_being_ended():
         time.sleep(1.0)
         assert launch.launched_processes(token) == []
     finally:
-        for pid in launch.launched_processes(token):
-            with contextlib.suppress(OSError):
-                os.kill(pid, 9)
-        spawner.kill()
-        spawner.wait()
+        _kill_all(token, spawner)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -270,11 +275,7 @@ def test_a_child_whose_environment_no_longer_shows_the_token_is_found_through_it
         time.sleep(0.5)
         assert not Path(f"/proc/{child[0]}").exists() or "Z" in Path(f"/proc/{child[0]}/stat").read_text().split(")")[1][:3]
     finally:
-        for pid in launch.launched_processes(token):
-            with contextlib.suppress(OSError):
-                os.kill(pid, 9)
-        parent.kill()
-        parent.wait()
+        _kill_all(token, parent)
 
 
 @pytest.mark.slow

@@ -337,7 +337,7 @@ def launched_processes(token: str, proc: str | Path = "/proc") -> list[int]:
         if pid == os.getpid():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
-            parent[pid] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent[pid] = int(_stat_fields(d / "stat")[1])
         try:
             if mark in (d / "environ").read_bytes().split(b"\0"):
                 found.add(pid)
@@ -385,10 +385,15 @@ def end_launched(token: str, grace_s: float = 10.0, quiet_s: float = 1.0, limit_
     return sorted(found)
 
 
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of a ``/proc/<pid>/stat`` file after the command name: state, ppid, ..."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat_fields(Path(f"/proc/{pid}/stat"))[0] != "Z"
     except (OSError, IndexError):
         return False
 
