@@ -25,6 +25,7 @@ def _app(tmp: Path) -> Path:
         "outputs/run/metrics.json": "{}", "pkg/outputs/kept.py": "Z = 3\n",     # /outputs/ is the top one only
         "build_keep.py": "", "builder/ignored.py": "", "data/drop.json": "{}", "data/keep.json": "{}",
         ".git/hooks/x.py": "", ".flwr/cache.toml": "", "README.md": "# app\n", "install.sh": "#!/bin/sh\n",
+        "docs/results/g/grid.json": "{}", "tests/test_x.py": "",      # the real pyproject's fab-exclude
     }
     for rel, text in files.items():
         (app / rel).parent.mkdir(parents=True, exist_ok=True)
