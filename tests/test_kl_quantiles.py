@@ -107,7 +107,7 @@ def test_the_filter_section_names_the_methods_that_ran_the_any_sign_variant(tmp_
     import json
 
     from ftis_fed.grid.plan import Cell
-    from ftis_fed.grid.report import _any_sign_methods, summary_markdown
+    from ftis_fed.grid.report import _any_sign_methods, _objectives, summary_markdown
 
     cells = [Cell("F-TIS", "vertical", 0), Cell("F-TIS", "vertical", 0, "any", (("filter-sign", "any"),)),
              Cell("TIS", "vertical", 0)]
@@ -115,8 +115,8 @@ def test_the_filter_section_names_the_methods_that_ran_the_any_sign_variant(tmp_
         (tmp_path / "cells" / c.name / "run").mkdir(parents=True)
         (tmp_path / "cells" / c.name / "run" / "config.json").write_text(json.dumps({"objective": objective}))
         (tmp_path / "cells" / c.name / "done.json").write_text("{}")
-    assert _any_sign_methods(cells, tmp_path) == ["F-TIS+any"]
-    assert _any_sign_methods(cells[:1] + cells[2:], tmp_path) == []
+    assert _any_sign_methods(_objectives(cells, tmp_path)) == ["F-TIS+any"]
+    assert _any_sign_methods(_objectives(cells[:1] + cells[2:], tmp_path)) == []
     row = {"method": "F-TIS+any", "participant": "spec", "peer": "base", "seeds": 1, "kl_p50": 1.0, "kl_p90": 2.0,
            "kl_p99": 3.0, "kl_max": 4.0, "kl_ge_g_frac": 0.5, "filtered_frac": 0.5}
     with_any = summary_markdown([], [], [], "t", filters=[row], filter_g=50.0, any_sign=["F-TIS+any"])

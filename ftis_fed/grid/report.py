@@ -368,10 +368,11 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                [{**r, "kind": "gain", **tag} for r in gains] +
                [{**r, "kind": "filter", **tag} for r in filters] +
                [{**r, "kind": "start", **tag} for r in starts])
+    objectives = _objectives(cells, out)
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
-                                                     gains, filters, _filter_g(cells, out) if filters else None,
-                                                     starts, _any_sign_methods(cells, out)))
+                                                     gains, filters, _filter_g(objectives) if filters else None,
+                                                     starts, _any_sign_methods(objectives)))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
@@ -389,12 +390,12 @@ def _objectives(cells: Sequence[Cell], out: Path) -> dict[Cell, dict]:
     return found
 
 
-def _filter_g(cells: Sequence[Cell], out: Path) -> float | None:
-    """The cells' filter threshold g (``filter_g`` of their config.json), when they all share one."""
-    gs = {float(o["filter_g"]) for o in _objectives(cells, out).values() if o.get("filter_g") is not None}
+def _filter_g(objectives: dict[Cell, dict]) -> float | None:
+    """The cells' filter threshold g (``filter_g`` of their objectives), when they all share one."""
+    gs = {float(o["filter_g"]) for o in objectives.values() if o.get("filter_g") is not None}
     return gs.pop() if len(gs) == 1 else None
 
 
-def _any_sign_methods(cells: Sequence[Cell], out: Path) -> list[str]:
+def _any_sign_methods(objectives: dict[Cell, dict]) -> list[str]:
     """The methods (sorted) whose cells ran the filter's ``filter-sign = any`` variant."""
-    return sorted({c.method for c, o in _objectives(cells, out).items() if o.get("filter_sign") == "any"})
+    return sorted({c.method for c, o in objectives.items() if o.get("filter_sign") == "any"})
