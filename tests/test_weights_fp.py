@@ -166,3 +166,28 @@ def test_a_grid_refuses_cells_of_one_seed_whose_first_samples_differ(tmp_path, c
     assert summary_only(work) == 2
     assert "different first samples" in capsys.readouterr().err
     assert (work / "summary.md").read_bytes() == before           # nothing rewritten
+
+
+def test_variant_cells_that_change_only_training_are_compared_too(tmp_path):
+    """A variant setting only objective or source-adaptation knobs (``filter-sign``, ``source-adapt``)
+    samples its first round as its method does, so it is held to the same first samples; one that
+    changes the sampling (``prompts-per-round``: alone+2G) is not compared."""
+    from ftis_fed.grid.plan import Cell
+    from ftis_fed.grid.records import MixedStarts, check_starts
+
+    work = tmp_path / "grid"
+    shutil.copytree(FIXTURE, work)
+    any_sign = Cell("F-TIS", "vertical", 1, "any", (("filter-sign", "any"),))
+    double = Cell("alone", "vertical", 1, "2G", (("prompts-per-round", 64),))
+    for c in (any_sign, double):
+        shutil.copytree(work / "cells" / "F-TIS__vertical__s1", work / "cells" / c.name)
+    base = [Cell("alone", "vertical", 1), Cell("F-TIS", "vertical", 1)]
+    check_starts([*base, any_sign, double], work)                 # the same samples: agree
+    rows = [json.loads(x) for x in gzip.decompress((work / "cells" / any_sign.name / "run" /
+                                                    "metrics.jsonl.gz").read_bytes()).decode().splitlines()]
+    p = next(r["participant"] for r in rows if r.get("phase") == "train" and not r["participant"].startswith("_"))
+    _set_round1(work / "cells" / double.name, p, 0.999)
+    check_starts([*base, any_sign, double], work)                 # 2G samples otherwise: not compared
+    _set_round1(work / "cells" / any_sign.name, p, 0.999)
+    with pytest.raises(MixedStarts, match=f"seed 1, {p}: .* in F-TIS\\+any__vertical__s1"):
+        check_starts([*base, any_sign, double], work)

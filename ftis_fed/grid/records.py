@@ -97,15 +97,28 @@ def cell_defects(rows: Sequence[dict]) -> list[str]:
     return out
 
 
+def shared_start(out: Path, names: Iterable[str] | None = None) -> str | None:
+    """The cell whose evaluation before round 1 is the grid's shared one: the first finished cell by
+    name (of ``names``; default every cell in ``out``) that has one, any grouping or method, since the
+    models before training are the same (``check_weights``); None if none. The one rule behind
+    ``initial_eval``, the gain table's fallback start and the start table."""
+    if names is None:
+        names = [d.parent.name for d in (out / "cells").glob("*/done.json")]
+    for name in sorted(names):
+        if (out / "cells" / name / "done.json").exists() and _initial_rows(out / "cells" / name):
+            return name
+    return None
+
+
+def _initial_rows(cell_dir: Path) -> list[dict]:
+    return [r for r in participant_rows(cell_rows(cell_dir), "eval") if int(r.get("round", -1)) == 0]
+
+
 def initial_eval(out: Path) -> dict[str, dict]:
-    """participant -> its evaluation row before round 1, from the first finished cell in ``out``
-    (any grouping or method: the models before training are the same) that has one; {} if none."""
-    for done in sorted((out / "cells").glob("*/done.json")):
-        rows = [r for r in participant_rows(cell_rows(done.parent), "eval")
-                if int(r.get("round", -1)) == 0]
-        if rows:
-            return {r["participant"]: r for r in rows}
-    return {}
+    """participant -> its evaluation row before round 1, from the grid's shared start (``shared_start``);
+    {} if no cell has one."""
+    name = shared_start(out)
+    return {r["participant"]: r for r in _initial_rows(out / "cells" / name)} if name else {}
 
 
 class MixedWeights(ValueError):
@@ -136,16 +149,29 @@ class MixedStarts(MixedWeights):
     """Cells of one seed whose participants' first training samples differ where they cannot."""
 
 
+def _training_only_keys() -> frozenset[str]:
+    """Run-config keys that change only what a participant does with its samples (the objective's and
+    per-source adaptation's knobs), never the samples of its first round."""
+    from ftis_fed.knobs import knobs
+    from ftis_fed.learn.objective_config import ObjectiveConfig
+    from ftis_fed.learn.source_weights import SourceAdaptConfig
+
+    return frozenset(k.key for cls in (ObjectiveConfig, SourceAdaptConfig) for k in knobs(cls))
+
+
 def check_starts(cells: Iterable, out: Path) -> None:
-    """Cells (``grid.plan.Cell``) of one seed with vertical groups, run without a variant, generate a
-    participant's first round from the same weights, prompts and sampling seed whatever their method, so
-    its round-1 samples are the same (``reward/mean`` and ``gen/tokens`` of its round-1 train row, where
-    it carries both, equal): else ``MixedStarts`` naming the participant and each cell. It catches cells run from other
-    weights that carry no fingerprint (``check_weights``: cells made before it was recorded). Horizontal
-    cells are not compared: there a shared method splits a group's completions among the senders."""
+    """Cells (``grid.plan.Cell``) of one seed with vertical groups, run without a variant or with one
+    that sets only training knobs (``_training_only_keys``: ``filter-sign``, ``source-adapt``, ...),
+    generate a participant's first round from the same weights, prompts and sampling seed whatever
+    their method, so its round-1 samples are the same (``reward/mean`` and ``gen/tokens`` of its
+    round-1 train row, where it carries both, equal): else ``MixedStarts`` naming the participant and
+    each cell. It catches cells run from other weights that carry no fingerprint (``check_weights``:
+    cells made before it was recorded). Horizontal cells are not compared: there a shared method
+    splits a group's completions among the senders."""
+    training_only = _training_only_keys()
     seen: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
     for c in cells:
-        if c.variant or c.groups != "vertical":
+        if c.groups != "vertical" or not {k for k, _ in c.extra} <= training_only:
             continue
         for r in participant_rows(cell_rows(out / "cells" / c.name), "train"):
             if int(r.get("round", 0)) == 1 and r.get("reward/mean") is not None and r.get("gen/tokens") is not None:

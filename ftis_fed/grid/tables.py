@@ -18,7 +18,7 @@ from ftis_fed.grid.claims import BASELINE, REFERENCE
 from ftis_fed.grid.metric import GREEDY, Metric, MissingMetric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import (cell_rows, evaluation_records, final_eval, num, participant_rows,
-                                   prompt_records, prompt_vectors)
+                                   prompt_records, prompt_vectors, shared_start)
 
 #: The keys of the greedy tables (``Metric.keys`` of another metric).
 METRICS = GREEDY.keys
@@ -257,20 +257,22 @@ def paired_prompt_table(cells: Sequence[Cell], out: Path, metric: Metric = GREED
 def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
     """One row per method × participant × set key (``id``, ``ood``, ``id:<family>``): what training did,
     final − before training, as the paired per-prompt difference of ``metric``'s values between a cell's
-    last evaluation and its own evaluation before round 1 (a cell without one: the grid's shared one, the
-    first finished cell's by name, as ``initial_eval``: the same models before training; same prompts),
+    last evaluation and its own evaluation before round 1 (a cell without one: the grid's shared one,
+    ``records.shared_start``: the same models before training; same prompts),
     over the seeds with both, with the pigeonhole-bootstrap and t 95 % intervals
     (``grid.stats.paired_interval``). The calibration's table: a method learns where the lower bound of
     its ID gain is above 0."""
     final = _final_vectors(cells, out, metric)
+    def starts(name: str) -> dict[str, dict]:                     # OOD: pooled only
+        return {p: {k: v for k, v in sets.items() if not k.startswith("ood:")}
+                for p, sets in prompt_vectors(prompt_records(out / "cells" / name), 0, metric=metric).items()}
+
     start: dict[tuple[str, str, int], dict] = {}
-    shared: dict[str, dict] = {}                  # the grid's evaluation before round 1 (``initial_eval``)
     for c in sorted(cells, key=lambda c: c.name):
         if (out / "cells" / c.name / "done.json").exists():
-            for p, sets in prompt_vectors(prompt_records(out / "cells" / c.name), 0, metric=metric).items():
-                sets = {k: v for k, v in sets.items() if not k.startswith("ood:")}     # OOD: pooled only
-                start[(c.method, p, c.seed)] = sets
-                shared.setdefault(p, sets)
+            start.update({(c.method, p, c.seed): sets for p, sets in starts(c.name).items()})
+    first = shared_start(out, [c.name for c in cells])
+    shared = starts(first) if first else {}
     for m, p, s in final:
         if (m, p, s) not in start and p in shared:
             start[(m, p, s)] = shared[p]
@@ -284,34 +286,30 @@ def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> lis
 
 
 def start_table(cells: Sequence[Cell], out: Path) -> list[dict]:
-    """Before training (the grid's shared evaluation before round 1: the first finished cell by name that
-    has one, as ``initial_eval``), per participant × set (``id``, ``id:<family>``, ``ood``,
-    ``ood:<family>``): prompts, greedy pass@1, and where the records carry ``k`` sampled completions per
+    """Before training (the grid's shared evaluation before round 1, ``records.shared_start``), per
+    participant × set (``id``, ``id:<family>``, ``ood``, ``ood:<family>``): prompts, greedy pass@1, and where the records carry ``k`` sampled completions per
     prompt, sampled pass@1 (solved / k) and pass@k (the share of prompts with a solved sample). RL can
     sharpen pass@k into pass@1 only where pass@k is well above pass@1: the calibration's headroom."""
     from ftis_fed.grid.metric import SAMPLED
 
-    for c in sorted(cells, key=lambda c: c.name):
-        if not (out / "cells" / c.name / "done.json").exists():
-            continue
-        recs = [r for r in prompt_records(out / "cells" / c.name) if int(r["round"]) == 0]
-        if not recs:
-            continue
-        greedy = prompt_vectors(recs, 0, GREEDY)
-        sampled = prompt_vectors(recs, 0, SAMPLED) if all(r.get("k") and r.get("sampled") is not None
-                                                        for r in recs) else {}
-        ks = {int(r["k"]) for r in recs if r.get("k")}
-        rows = []
-        for p, sets in greedy.items():
-            for key, (ids, ok) in sets.items():
-                row = {"participant": p, "set": key, "prompts": len(ids), "greedy": float(ok.mean()),
-                       "sampled": math.nan, "pass_at_k": math.nan, "k": max(ks) if len(ks) == 1 else math.nan}
-                if p in sampled and key in sampled[p]:
-                    v = sampled[p][key][1]
-                    row.update(sampled=float(v.mean()), pass_at_k=float((v > 0).mean()))
-                rows.append(row)
-        return rows
-    return []
+    name = shared_start(out, [c.name for c in cells])
+    recs = [r for r in prompt_records(out / "cells" / name) if int(r["round"]) == 0] if name else []
+    if not recs:
+        return []
+    greedy = prompt_vectors(recs, 0, GREEDY)
+    sampled = prompt_vectors(recs, 0, SAMPLED) if all(r.get("k") and r.get("sampled") is not None
+                                                    for r in recs) else {}
+    ks = {int(r["k"]) for r in recs if r.get("k")}
+    rows = []
+    for p, sets in greedy.items():
+        for key, (ids, ok) in sets.items():
+            row = {"participant": p, "set": key, "prompts": len(ids), "greedy": float(ok.mean()),
+                   "sampled": math.nan, "pass_at_k": math.nan, "k": max(ks) if len(ks) == 1 else math.nan}
+            if p in sampled and key in sampled[p]:
+                v = sampled[p][key][1]
+                row.update(sampled=float(v.mean()), pass_at_k=float((v > 0).mean()))
+            rows.append(row)
+    return rows
 
 
 def family_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
