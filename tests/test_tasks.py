@@ -166,6 +166,28 @@ def test_expertise_partition_gives_each_participant_its_own_family():
     assert abs(fams.count(ID_FAMILIES[0]) / len(fams) - 0.75) < 0.08
 
 
+def test_listed_scheme_gives_each_participant_the_families_its_entry_names():
+    """``task-scheme = listed``: participant i draws from entry i (modulo) of ``task-mixtures``, weights
+    normalised; bad entries are refused naming the entry and the limit, through the run config too."""
+    from ftis_fed.config.keys import federation_from_run_config
+    from ftis_fed.tasks.suite import TaskSpec
+
+    spec = TaskSpec(scheme="listed", mixtures="add99:3, sub99; sub99", families=("add99", "sub99"), prompts_per_round=8)
+    assert spec.mixture(0, 2) == {"add99": 0.75, "sub99": 0.25}
+    assert spec.mixture(1, 2) == {"add99": 0.0, "sub99": 1.0} and spec.mixture(2, 3) == spec.mixture(0, 2)
+    fams = [[q.task_id.split("/")[0] for r in range(50) for q in spec.prompts_for_round(p, 2, r)] for p in (0, 1)]
+    assert set(fams[1]) == {"sub99"} and abs(fams[0].count("add99") / len(fams[0]) - 0.75) < 0.08
+    for bad, why in [("add99:0", "entry 0 .*finite weight > 0"), ("add99; mul10", "entry 1 .*'mul10' is not one of"),
+                     ("add99;", "entry 1: empty"), ("add99, add99", "each family once"), ("", "exactly when")]:
+        with pytest.raises(ValueError, match=why):
+            TaskSpec(scheme="listed", mixtures=bad, families=("add99", "sub99"))
+    with pytest.raises(ValueError, match="task-mixtures='sub99': set it exactly when task-scheme=listed"):
+        federation_from_run_config({"task-scheme": "iid", "task-families": "add99,sub99", "task-mixtures": "sub99"})
+    fed = federation_from_run_config({"task-scheme": "listed", "task-families": "add99,sub99",
+                                      "task-mixtures": "add99,sub99; sub99"})
+    assert fed.task.mixture(1, 2) == {"add99": 0.0, "sub99": 1.0}
+
+
 def test_dirichlet_partition_is_seeded_and_normalised():
     a, b = partition(4, "dirichlet", seed=1, alpha=0.3), partition(4, "dirichlet", seed=1, alpha=0.3)
     assert a == b and a != partition(4, "dirichlet", seed=2, alpha=0.3)

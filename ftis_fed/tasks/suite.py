@@ -49,7 +49,7 @@ from ftis_fed.tasks.rewards import Verifier, default_rules
 from ftis_fed.tasks.user import USER, UserTask, user_task
 
 SPLITS = ("train", "eval")
-SCHEMES = ("auto", "iid", "expertise", "dirichlet", "shared")
+SCHEMES = ("auto", "iid", "expertise", "dirichlet", "shared", "listed")
 #: ``task-source`` values: the procedural families, a benchmark file, or your own task (``tasks.user``).
 SOURCES = ("procedural", *BENCHMARKS, "user")
 #: ``task-reward-errors``: what a reward function's error does to the run.
@@ -157,7 +157,8 @@ class TaskSpec:
 
     scheme: str = knob("task-scheme", "auto", """
         how the ID sub-families are split among participants, one of ``SCHEMES``: iid, expertise,
-        dirichlet, shared (every participant gets the same prompts each round), or auto (shared with
+        dirichlet, shared (every participant gets the same prompts each round), listed (each
+        participant's families as ``task-mixtures`` lists them), or auto (shared with
         ``advantage-groups = horizontal``, else iid). Horizontal groups require shared prompts: any
         other explicit scheme with them is a config error.""")
     families: tuple[str, ...] = knob("task-families", ID_FAMILIES,
@@ -166,6 +167,12 @@ class TaskSpec:
         ``expertise`` only: share of a participant's prompts from its own sub-family, in [0, 1] (1.0:
         only its own; 1/len(families): IID).""")
     alpha: float = knob("task-alpha", 0.5, "``dirichlet`` only: concentration, > 0 (smaller = more skewed).")
+    mixtures: str = knob("task-mixtures", "", """
+        ``listed`` only: each participant's families, one entry per participant in partition order,
+        separated by ``;`` (participant i takes entry i modulo their number), each a comma-separated list
+        of ``task-families`` names, optionally weighted ``name:w`` (w > 0; normalised; default 1), e.g.
+        ``"add99,sub99; sub99"``: the first participant draws both families alike, the second only
+        sub99. Part of the run config, so every receiver knows every sender's mixture.""")
     seed: int = knob("task-seed", 0, "seeds instances and mixtures, >= 0.")
     prompts_per_round: int = knob("prompts-per-round", 4, "k, prompts a participant generates per round, >= 1.")
     source: str = knob("task-source", "procedural", """
@@ -273,6 +280,11 @@ class TaskSpec:
             raise ValueError(f"task.skew={self.skew!r}: must be in [0, 1]")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"task.alpha={self.alpha!r}: must be finite and > 0")
+        if (self.scheme == "listed") != bool(str(self.mixtures).strip()):
+            raise ValueError(f"task.mixtures={self.mixtures!r}: set it exactly when task-scheme=listed "
+                             f"(task-scheme={self.scheme})")
+        if self.scheme == "listed":
+            _parse_mixtures(self.mixtures, self.families)
         _check_nonneg("task.seed", self.seed)
         if isinstance(self.prompts_per_round, bool) or int(self.prompts_per_round) != self.prompts_per_round \
                 or self.prompts_per_round < 1:
@@ -286,7 +298,7 @@ class TaskSpec:
             if self.source != "procedural" or plain:
                 raise ValueError(f"task.reward_steps=True: needs task-source=procedural and families with worked "
                                  f"replies (task-source={self.source}; without one: {', '.join(plain) or 'none'})")
-        if self.source != "procedural" and self.scheme in ("expertise", "dirichlet"):
+        if self.source != "procedural" and self.scheme in ("expertise", "dirichlet", "listed"):
             raise ValueError(f"task.scheme={self.scheme!r}: mixes procedural sub-families; with task-source="
                              f"{self.source} use iid or shared")
 
@@ -354,6 +366,10 @@ class TaskSpec:
             own = partition_id % F
             w = np.full(F, (1.0 - self.skew) / (F - 1))
             w[own] = self.skew
+        elif self.scheme == "listed":
+            entries = _parse_mixtures(self.mixtures, self.families)
+            mine = entries[partition_id % len(entries)]
+            w = np.array([mine.get(f, 0.0) for f in fams])
         else:  # dirichlet
             rng = np.random.default_rng([self.seed, partition_id, 0xD1])
             w = rng.dirichlet(np.full(F, self.alpha))
@@ -384,6 +400,36 @@ class TaskSpec:
         k = int(self.prompts_per_round)
         slot = round if self.scheme == "shared" else round * num_partitions + partition_id
         return [pool[(slot * k + j) % len(pool)] for j in range(min(k, len(pool)))]
+
+
+@lru_cache(maxsize=64)
+def _parse_mixtures(text: str, families: tuple[str, ...]) -> tuple[dict[str, float], ...]:
+    """``task-mixtures`` as one {family: weight} per entry (weights summing to 1); ValueError naming
+    the entry and the limit."""
+    entries = []
+    for i, entry in enumerate(str(text).split(";")):
+        weights: dict[str, float] = {}
+        for item in (x.strip() for x in entry.split(",")):
+            if not item:
+                continue
+            name, _, w = item.partition(":")
+            name = name.strip()
+            try:
+                weight = float(w) if w.strip() else 1.0
+            except ValueError:
+                weight = math.nan
+            if name not in families:
+                raise ValueError(f"task.mixtures entry {i} ({entry.strip()!r}): {name!r} is not one of "
+                                 f"task-families ({', '.join(families)})")
+            if not (math.isfinite(weight) and weight > 0) or name in weights:
+                raise ValueError(f"task.mixtures entry {i} ({entry.strip()!r}): {item!r} needs a finite weight > 0 "
+                                 "and each family once")
+            weights[name] = weight
+        if not weights:
+            raise ValueError(f"task.mixtures entry {i}: empty (each participant needs at least one family)")
+        total = sum(weights.values())
+        entries.append({f: w / total for f, w in weights.items()})
+    return tuple(entries)
 
 
 @lru_cache(maxsize=16)
