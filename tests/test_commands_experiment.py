@@ -6,6 +6,7 @@ import gzip
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -305,3 +306,16 @@ def test_compact_cell_keeps_the_training_prompts_of_every_participant(tmp_path):
         ("base", 1, ["add30/train/1/base"]), ("base", 2, ["add30/train/2/base"]),
         ("spec", 1, ["add30/train/1/spec"]), ("spec", 2, ["add30/train/2/spec"])]
     assert not (run / "participants").exists()
+
+
+def test_an_in_process_grid_runs_the_app_folders_own_code(tmp_path):
+    """``--transport inprocess`` runs a cell in the grid's own process only where that is the code of
+    ``--app``: an app folder with another ``ftis_fed`` (a worktree of another commit) gets a process
+    per cell with that folder first on its path."""
+    from ftis_fed.commands.experiment import runs_this_code
+
+    root = Path(__file__).resolve().parents[1]
+    assert runs_this_code(root) and runs_this_code(tmp_path)            # this tree; a folder without the package
+    (tmp_path / "ftis_fed").mkdir()
+    (tmp_path / "ftis_fed" / "__init__.py").write_text("")
+    assert not runs_this_code(tmp_path)

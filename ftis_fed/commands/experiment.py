@@ -55,6 +55,17 @@ from ftis_fed.learn.modes import MODES
 
 # ----------------------------------------------------------------------------- CLI
 
+def runs_this_code(app: Path) -> bool:
+    """Whether a cell run in this process runs ``app``'s code: ``app`` has no ``ftis_fed`` package of
+    its own, or it is the one this process imported. Otherwise (a worktree of another commit, say)
+    the in-process runner would run this process's code under ``app``'s name, so the grid starts
+    each cell as a process with ``app`` first on its path instead (``cells.sim_runner``)."""
+    import ftis_fed
+
+    own = app / "ftis_fed" / "__init__.py"
+    return not own.exists() or own.resolve() == Path(ftis_fed.__file__).resolve()
+
+
 def main(a: argparse.Namespace) -> int:
     app = Path(a.app).resolve()
     if a.summary_only:
@@ -86,9 +97,11 @@ def main(a: argparse.Namespace) -> int:
                                                "cells": [c.name for c in cells], "metric": metric}, indent=1))
     print(f"[grid] {len(cells)} cells ({len(modes)} modes × {len(groups)} groupings × {a.seeds} seeds) "
           f"of preset {a.preset} through {a.transport} -> {out}", flush=True)
-    if a.transport == "inprocess" and a.jobs <= 1:
+    if a.transport == "inprocess" and a.jobs <= 1 and runs_this_code(app):
         runner = inprocess_runner(app, a.preset, extra)
-    elif a.transport == "inprocess":                         # several at once: one process each
+    elif a.transport == "inprocess":                         # several at once, or another tree's code: a process each
+        if a.jobs <= 1:
+            print(f"[grid] {app} has its own ftis_fed: each cell runs it in a process of its own", flush=True)
         runner = sim_runner(app, a.preset, extra, ["--transport", "inprocess"])
     else:
         runner = sim_runner(app, a.preset, extra, ["--keep-superlink"] + (["--address", a.address] if a.address else []))
