@@ -263,6 +263,7 @@ def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> lis
     (``grid.stats.paired_interval``). The calibration's table: a method learns where the lower bound of
     its ID gain is above 0."""
     final = _final_vectors(cells, out, metric)
+
     def starts(name: str) -> dict[str, dict]:                     # OOD: pooled only
         return {p: {k: v for k, v in sets.items() if not k.startswith("ood:")}
                 for p, sets in prompt_vectors(prompt_records(out / "cells" / name), 0, metric=metric).items()}
@@ -287,8 +288,8 @@ def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> lis
 
 def start_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     """Before training (the grid's shared evaluation before round 1, ``records.shared_start``), per
-    participant × set (``id``, ``id:<family>``, ``ood``, ``ood:<family>``): prompts, greedy pass@1, and where the records carry ``k`` sampled completions per
-    prompt, sampled pass@1 (solved / k) and pass@k (the share of prompts with a solved sample). RL can
+    participant × set (``id``, ``id:<family>``, ``ood``, ``ood:<family>``): prompts, greedy pass@1, and
+    where the records carry ``k`` sampled completions per prompt, sampled pass@1 (solved / k) and pass@k (the share of prompts with a solved sample). RL can
     sharpen pass@k into pass@1 only where pass@k is well above pass@1: the calibration's headroom."""
     from ftis_fed.grid.metric import SAMPLED
 
