@@ -290,7 +290,8 @@ def start_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     """Before training (the grid's shared evaluation before round 1, ``records.shared_start``), per
     participant × set (``id``, ``id:<family>``, ``ood``, ``ood:<family>``): prompts, greedy pass@1, and
     where the records carry ``k`` sampled completions per prompt, sampled pass@1 (solved / k) and pass@k
-    (the share of prompts with a solved sample). RL can sharpen pass@k into pass@1 only where pass@k is well above pass@1: the calibration's headroom."""
+    (the share of prompts with a solved sample). RL can sharpen pass@k into pass@1 only where pass@k is
+    well above pass@1: the calibration's headroom."""
     from ftis_fed.grid.metric import SAMPLED
 
     name = shared_start(out, [c.name for c in cells])
