@@ -191,3 +191,11 @@ def test_variant_cells_that_change_only_training_are_compared_too(tmp_path):
     _set_round1(work / "cells" / any_sign.name, p, 0.999)
     with pytest.raises(MixedStarts, match=f"seed 1, {p}: .* in F-TIS\\+any__vertical__s1"):
         check_starts([*base, any_sign, double], work)
+    # --summary-only's cells name their variant only (discover_cells): its keys come from grid.json
+    named = [Cell("F-TIS", "vertical", 1, "any"), Cell("alone", "vertical", 1, "2G")]
+    check_starts([*base, *named], work)                           # undeclared variants: not compared
+    grid = json.loads((work / "grid.json").read_text())
+    (work / "grid.json").write_text(json.dumps({**grid, "variants": {"any": {"filter-sign": "any"},
+                                                                     "2G": {"prompts-per-round": 64}}}))
+    with pytest.raises(MixedStarts, match=r"in F-TIS\+any__vertical__s1"):
+        check_starts([*base, *named], work)

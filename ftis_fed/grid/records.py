@@ -169,9 +169,14 @@ def check_starts(cells: Iterable, out: Path) -> None:
     cells made before it was recorded). Horizontal cells are not compared: there a shared method
     splits a group's completions among the senders."""
     training_only = _training_only_keys()
+    grid = out / "grid.json"
+    declared = json.loads(grid.read_text()).get("variants") or {} if grid.exists() else {}
     seen: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
     for c in cells:
-        if c.groups != "vertical" or not {k for k, _ in c.extra} <= training_only:
+        # a variant's keys: the cell's own (planned), else grid.json's declaration (``discover_cells``
+        # names the variant only); an undeclared variant is not compared
+        keys = ({k for k, _ in c.extra} or set(declared.get(c.variant, {"?": None}))) if c.variant else set()
+        if c.groups != "vertical" or not keys <= training_only:
             continue
         for r in participant_rows(cell_rows(out / "cells" / c.name), "train"):
             if int(r.get("round", 0)) == 1 and r.get("reward/mean") is not None and r.get("gen/tokens") is not None:
