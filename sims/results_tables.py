@@ -21,7 +21,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-LEARNING = ("research-w", "research-w-spec")
+LEARNING = ("research-w", "research-w-spec", "research-w-het")
 #: the base + specialist pair with the steps-checked reward (its own section: fewer seeds, a variant)
 STEPS = "research-w-spec-steps"
 MICRO = ("research", "research-ood", "research-sizes", "research-mixed", "smollm2-check")
