@@ -170,7 +170,7 @@ def check_starts(cells: Iterable, out: Path) -> None:
     splits a group's completions among the senders."""
     training_only = _training_only_keys()
     grid = out / "grid.json"
-    declared = json.loads(grid.read_text()).get("variants") or {} if grid.exists() else {}
+    declared = (json.loads(grid.read_text()).get("variants") or {}) if grid.exists() else {}
     seen: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
     for c in cells:
         # a variant's keys: the cell's own (planned), else grid.json's declaration (``discover_cells``

@@ -268,12 +268,11 @@ def gain_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> lis
         return {p: {k: v for k, v in sets.items() if not k.startswith("ood:")}
                 for p, sets in prompt_vectors(prompt_records(out / "cells" / name), 0, metric=metric).items()}
 
-    start: dict[tuple[str, str, int], dict] = {}
-    for c in sorted(cells, key=lambda c: c.name):
-        if (out / "cells" / c.name / "done.json").exists():
-            start.update({(c.method, p, c.seed): sets for p, sets in starts(c.name).items()})
+    own = {c: starts(c.name) for c in sorted(cells, key=lambda c: c.name)
+           if (out / "cells" / c.name / "done.json").exists()}
+    start = {(c.method, p, c.seed): sets for c, by_p in own.items() for p, sets in by_p.items()}
     first = shared_start(out, [c.name for c in cells])
-    shared = starts(first) if first else {}
+    shared = next((by_p for c, by_p in own.items() if c.name == first), {})
     for m, p, s in final:
         if (m, p, s) not in start and p in shared:
             start[(m, p, s)] = shared[p]
