@@ -134,6 +134,13 @@ def test_a_grid_refuses_cells_that_started_from_other_weights(tmp_path, capsys):
     assert (work / "summary.md").read_bytes() == before           # nothing rewritten
 
 
+def _a_participant(cell: Path) -> str:
+    """A participant that trained in ``cell`` (not the ``_federation`` rows)."""
+    text = gzip.decompress((cell / "run" / "metrics.jsonl.gz").read_bytes()).decode()
+    rows = [json.loads(x) for x in text.splitlines()]
+    return next(r["participant"] for r in rows if r.get("phase") == "train" and not r["participant"].startswith("_"))
+
+
 def _set_round1(cell: Path, participant: str, reward: float) -> None:
     path = cell / "run" / "metrics.jsonl.gz"
     rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
@@ -155,9 +162,7 @@ def test_a_grid_refuses_cells_of_one_seed_whose_first_samples_differ(tmp_path, c
     shutil.copytree(FIXTURE, work)
     cells = discover_cells(work)
     check_starts(cells, work)                                     # the fixture's cells agree
-    rows = [json.loads(x) for x in gzip.decompress((work / "cells" / "alone__vertical__s1" / "run" /
-                                                    "metrics.jsonl.gz").read_bytes()).decode().splitlines()]
-    p = next(r["participant"] for r in rows if r.get("phase") == "train" and not r["participant"].startswith("_"))
+    p = _a_participant(work / "cells" / "alone__vertical__s1")
     _set_round1(work / "cells" / "F-TIS__vertical__s1", p, 0.999)
     with pytest.raises(MixedStarts, match=f"seed 1, {p}: .* in alone__vertical__s1, reward 0.999, .* in F-TIS__vertical__s1"):
         check_starts(cells, work)
@@ -183,9 +188,7 @@ def test_variant_cells_that_change_only_training_are_compared_too(tmp_path):
         shutil.copytree(work / "cells" / "F-TIS__vertical__s1", work / "cells" / c.name)
     base = [Cell("alone", "vertical", 1), Cell("F-TIS", "vertical", 1)]
     check_starts([*base, any_sign, double], work)                 # the same samples: agree
-    rows = [json.loads(x) for x in gzip.decompress((work / "cells" / any_sign.name / "run" /
-                                                    "metrics.jsonl.gz").read_bytes()).decode().splitlines()]
-    p = next(r["participant"] for r in rows if r.get("phase") == "train" and not r["participant"].startswith("_"))
+    p = _a_participant(work / "cells" / any_sign.name)
     _set_round1(work / "cells" / double.name, p, 0.999)
     check_starts([*base, any_sign, double], work)                 # 2G samples otherwise: not compared
     _set_round1(work / "cells" / any_sign.name, p, 0.999)
