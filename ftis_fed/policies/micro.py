@@ -24,6 +24,8 @@ name                     arch    tokenizer  size          warm-up on   role
 ``micro-llama-w``        Llama   BPE        0.33 M, 3 L   add99+sub99  worked replies (learning tier)
 ``micro-llama-w-sub``    Llama   BPE        0.33 M, 3 L   sub99        worked subtraction specialist
 ``micro-llama-w250``     Llama   BPE        0.33 M, 3 L   add99+sub99  worked, 250 warm-up steps (RL learns)
+``micro-llama-w-o``      Llama   BPE        0.33 M, 3 L   add99+sub99  worked base, OOD not at 0
+``micro-llama-w-sub-o``  Llama   BPE        0.33 M, 3 L   sub99        worked specialist, OOD not at 0
 =======================  ======  =========  ============  ===========  =================================
 
 The ``-w`` models (issue #27's learning tier, calibrated: docs/results/calibration/) answer
@@ -34,8 +36,12 @@ at 22-25 % greedy (500 steps: 100 %); ``micro-llama-w250`` (250 steps) starts at
 pass@1 sampled at T = 0.7 and 84-91 % pass@8, the start from which RL's updates raised the trained
 family by ~20 points in 60 updates (docs/results/calibration/README.md, sweep-2).
 
-The two ``-o`` models give 15 % of their warm-up to add3 and word_add (``MicroSpec.pretrain``): the
-"pretraining" knowledge of two OOD families, which a run never trains on, so OOD accuracy can move.
+The ``-o`` models give part of their warm-up to OOD families (``MicroSpec.pretrain``): the
+"pretraining" knowledge of families a run never trains on, so OOD accuracy can move. ``micro-llama-s-o``
+/ ``micro-llama-s-sub-o``: 15 % add3 and word_add. ``micro-llama-w-o`` / ``micro-llama-w-sub-o`` (the
+worked tier's OOD-aware pair): 30 % add3 and next (word problems did not learn at 15 %), their step
+counts chosen so the worked families start where ``micro-llama-w250`` / ``micro-llama-w-sub`` do
+(docs/models.md).
 
 The Llama and Qwen2 BPE models share one tokenizer (the BPE is trained on the same seeded corpus),
 so batches between them are token-level (F-TIS's per-token ratios); ``micro-qwen-s-char`` is the
@@ -293,6 +299,7 @@ _MEDIUM = dict(hidden=160, layers=4, heads=4, kv_heads=2, intermediate=448)
 _LARGE = dict(hidden=256, layers=5, heads=8, kv_heads=4, intermediate=688)
 _BOTH = ("add30", "sub30")
 _PRETRAIN = ("add3", "word_add")
+_PRETRAIN_W = ("add3", "next")
 
 #: name -> spec of every model of the research tier (registered in ``OFFLINE_MODELS`` below).
 MICRO_MODELS: dict[str, MicroSpec] = {
@@ -314,6 +321,11 @@ MICRO_MODELS: dict[str, MicroSpec] = {
                                   batch=64, worked=True),
     "micro-llama-w-sub": MicroSpec("llama", "bpe", **_SMALL, families=("sub99",), steps=200, lr=3e-3, batch=64,
                                    worked=True),
+    # the learning tier's OOD-aware pair: 30 % of the warm-up from add3 and next (bare-number replies)
+    "micro-llama-w-o": MicroSpec("llama", "bpe", **_SMALL, families=("add99", "sub99"), steps=325, lr=3e-3,
+                                 batch=64, worked=True, pretrain=_PRETRAIN_W, pretrain_share=0.3),
+    "micro-llama-w-sub-o": MicroSpec("llama", "bpe", **_SMALL, families=("sub99",), steps=230, lr=3e-3, batch=64,
+                                     worked=True, pretrain=_PRETRAIN_W, pretrain_share=0.3),
 }
 
 for _name, _spec in MICRO_MODELS.items():
