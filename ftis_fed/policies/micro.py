@@ -299,7 +299,8 @@ _MEDIUM = dict(hidden=160, layers=4, heads=4, kv_heads=2, intermediate=448)
 _LARGE = dict(hidden=256, layers=5, heads=8, kv_heads=4, intermediate=688)
 _BOTH = ("add30", "sub30")
 _PRETRAIN = ("add3", "word_add")
-_PRETRAIN_W = ("add3", "next")
+#: the worked tier's OOD-aware pair: one warm-up recipe, 30 % of it from add3 and next (bare-number replies)
+_WORKED_O = dict(lr=3e-3, batch=64, worked=True, pretrain=("add3", "next"), pretrain_share=0.3)
 
 #: name -> spec of every model of the research tier (registered in ``OFFLINE_MODELS`` below).
 MICRO_MODELS: dict[str, MicroSpec] = {
@@ -321,11 +322,8 @@ MICRO_MODELS: dict[str, MicroSpec] = {
                                   batch=64, worked=True),
     "micro-llama-w-sub": MicroSpec("llama", "bpe", **_SMALL, families=("sub99",), steps=200, lr=3e-3, batch=64,
                                    worked=True),
-    # the learning tier's OOD-aware pair: 30 % of the warm-up from add3 and next (bare-number replies)
-    "micro-llama-w-o": MicroSpec("llama", "bpe", **_SMALL, families=("add99", "sub99"), steps=325, lr=3e-3,
-                                 batch=64, worked=True, pretrain=_PRETRAIN_W, pretrain_share=0.3),
-    "micro-llama-w-sub-o": MicroSpec("llama", "bpe", **_SMALL, families=("sub99",), steps=230, lr=3e-3, batch=64,
-                                     worked=True, pretrain=_PRETRAIN_W, pretrain_share=0.3),
+    "micro-llama-w-o": MicroSpec("llama", "bpe", **_SMALL, families=("add99", "sub99"), steps=325, **_WORKED_O),
+    "micro-llama-w-sub-o": MicroSpec("llama", "bpe", **_SMALL, families=("sub99",), steps=230, **_WORKED_O),
 }
 
 for _name, _spec in MICRO_MODELS.items():
