@@ -24,6 +24,8 @@ RESULTS = ROOT / "docs" / "results"
 LEARNING = ("research-w", "research-w-spec", "research-w-het")
 #: the base + specialist pair with the steps-checked reward (its own section: fewer seeds, a variant)
 STEPS = "research-w-spec-steps"
+#: the OOD-aware pair (alone only so far: the calibration table)
+OOD_PAIR = "research-w-ood"
 MICRO = ("research", "research-ood", "research-sizes", "research-mixed", "smollm2-check")
 #: claim statements shortened in the verdict tables (the summaries' own text is longer)
 SHORT = {"5": "the stronger partner loses OOD accuracy with F-TIS vs Alone",
@@ -56,7 +58,7 @@ def _table(head: list[str], body: list[str]) -> str:
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *body])
 
 
-def calibration(grids=(*LEARNING, *MICRO)) -> str:
+def calibration(grids=(*LEARNING, OOD_PAIR, *MICRO)) -> str:
     """Alone's gain per participant with the start's greedy / sampled pass@1 and pass@k."""
     body = []
     for g in grids:
