@@ -48,7 +48,8 @@ def _sampled_runner(k: int | None = K):
             for rnd in (0, 1, 2):
                 if rnd == 0 and cell.eval_initial is False:
                     continue
-                rng = np.random.default_rng(gs.stable_seed(cell.name, p, rnd))
+                # before training every cell holds the same models: one draw for round 0, whatever the cell
+                rng = np.random.default_rng(gs.stable_seed(*(("start", p) if rnd == 0 else (cell.name, p, rnd))))
                 q = 0.2 if rnd == 0 else P_SOLVE[cell.mode] * (0.5 + 0.25 * rnd) + (0.05 if p == "b" else 0)
                 sets = {"id": [f"{'add30' if i % 2 == 0 else 'sub30'}/eval/0/{i // 2}" for i in range(N)],
                         **{f: [f"{f}/eval/0/{i}" for i in range(4)] for f in OOD}}

@@ -5,9 +5,17 @@ One *cell* is one federation run (``ftis-fed sim``) of a preset with ``loss-mode
 ``advantage-groups`` and ``seed`` set; everything else (prompts, budgets, evaluation sets) is the
 preset's, identical across cells. Cells live in ``<out>/cells/<cell>/`` (the run's output folder,
 its ``run.log`` and, once the run completed, ``done.json``). A finished cell is skipped when the
-command is run again; an interrupted one is moved aside and rerun from scratch.
+command is run again; an interrupted one is moved aside and rerun from scratch. One grid process
+per folder (``--jobs`` runs cells at once within it); a grid run again into its folder with more
+methods or seeds keeps and describes the cells already there, and refuses a folder holding another
+preset or other run-config items.
 
     ftis-fed grid --preset grid-small --modes alone,noIS,VIS,TIS,F-noIS,F-VIS,F-TIS --seeds 3
+
+More seeds elsewhere, then joined (``ftis_fed.grid.pack``: every cell checked to belong first):
+
+    ftis-fed grid --preset grid-small --modes alone,F-TIS --seeds 5 --seed-from 3 --out /tmp/more
+    ftis-fed grid --pack /tmp/more --out outputs/grid-grid-small
 
 A *variant* is a method plus extra run-config items, written ``MODE+VARIANT`` in ``--modes``:
 ``F-TIS+adapt`` is F-TIS with ``source-adapt = "kl"`` (``VARIANTS``; ``--variant NAME:key=value,...``
@@ -46,7 +54,8 @@ import sys
 from pathlib import Path
 
 from ftis_fed.grid.metric import BY_NAME as METRIC_NAMES, MissingMetric, metric as metric_named, recorded_metric
-from ftis_fed.grid.plan import VARIANTS, discover_cells, parse_variant, plan
+from ftis_fed.grid.pack import PackError, merged_meta, pack
+from ftis_fed.grid.plan import VARIANTS, discover_cells, method_order, parse_variant, plan
 from ftis_fed.grid.records import MixedWeights
 from ftis_fed.grid.report import write_summary
 from ftis_fed.commands.cells import inprocess_runner, sim_runner
@@ -70,6 +79,16 @@ def main(a: argparse.Namespace) -> int:
     app = Path(a.app).resolve()
     if a.summary_only:
         return summary_only(Path(a.out or f"outputs/grid-{Path(a.preset or 'grid').stem}").resolve(), a.metric)
+    if a.pack:
+        if not a.out:
+            print("ftis-fed grid: error: --pack needs --out (the grid folder the cells join)", file=sys.stderr)
+            return 2
+        try:
+            pack(Path(a.pack), Path(a.out))
+        except (PackError, MixedWeights) as e:             # MixedStarts is a MixedWeights too
+            print(f"ftis-fed grid: error: --pack: {e} (nothing was packed)", file=sys.stderr)
+            return 2
+        return summary_only(Path(a.out).resolve())
     if not a.preset:
         print("ftis-fed grid: error: --preset is required (except with --summary-only)", file=sys.stderr)
         return 2
@@ -80,22 +99,22 @@ def main(a: argparse.Namespace) -> int:
     for spec in a.variant:
         name, items = parse_variant(spec)
         variants[name] = items
-    cells = plan(modes, a.seeds, groups, hmodes, variants)
     out = Path(a.out or f"outputs/grid-{Path(a.preset).stem}").resolve()
     extra = [f"eval-seed={a.eval_seed}", *a.run_config]
     try:
+        cells = plan(modes, a.seeds, groups, hmodes, variants, a.seed_from)
         metric = metric_named(a.metric or recorded_metric(out)).name
         if metric == "sampled":
             check_samples(app, a.preset, extra, cells)
+        meta = grid_meta(out, {"preset": a.preset, "run_config": extra, "transport": a.transport, "metric": metric},
+                         cells, {k: variants[k] for k in sorted(variants)})
     except (ValueError, FileNotFoundError) as e:
         print(f"ftis-fed grid: error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    (out / "grid.json").write_text(json.dumps({"preset": a.preset, "modes": modes, "groups": groups,
-                                               "seeds": a.seeds, "run_config": extra, "transport": a.transport,
-                                               "variants": {k: variants[k] for k in sorted(variants)},
-                                               "cells": [c.name for c in cells], "metric": metric}, indent=1))
-    print(f"[grid] {len(cells)} cells ({len(modes)} modes × {len(groups)} groupings × {a.seeds} seeds) "
+    (out / "grid.json").write_text(json.dumps(meta, indent=1))
+    seeds = f"{a.seeds} seeds" + (f" from {a.seed_from}" if a.seed_from else "")
+    print(f"[grid] {len(cells)} cells ({len(modes)} modes × {len(groups)} groupings × {seeds}) "
           f"of preset {a.preset} through {a.transport} -> {out}", flush=True)
     if a.transport == "inprocess" and a.jobs <= 1 and runs_this_code(app):
         runner = inprocess_runner(app, a.preset, extra)
@@ -117,6 +136,25 @@ def main(a: argparse.Namespace) -> int:
               "again to retry them", file=sys.stderr)
         return 1
     return 0
+
+
+def grid_meta(out: Path, fixed: dict, cells, variants: dict) -> dict:
+    """grid.json for a run of ``cells`` into ``out``: ``fixed`` (preset, run-config items, transport,
+    metric) and the cells planned, together with those ``out`` already holds (a grid run again with
+    more seeds or methods describes them all). ValueError when ``out`` holds a grid of another
+    experiment (another preset or run-config items): its cells would be mixed with these."""
+    old = json.loads((out / "grid.json").read_text()) if (out / "grid.json").exists() else {}
+    for k in ("preset", "run_config"):
+        if k in old and old[k] != fixed[k]:
+            raise ValueError(f"{out} holds a grid with {k} {old.get(k)!r}, not {fixed[k]!r}: use another --out "
+                             "(and --pack it into this one if it is the same experiment)")
+    planned = {c.name: c for c in cells}
+    held = [c for c in discover_cells(out) if c.name not in planned] if (out / "cells").exists() else []
+    union = sorted([*cells, *held], key=lambda c: (c.seed, c.groups != "vertical", method_order(c.label)))
+    order = ("preset", "modes", "groups", "seeds", "run_config", "transport", "variants", "cells", "metric")
+    meta = {k: None for k in order} | old | fixed
+    meta["modes"] = list(dict.fromkeys([*(old.get("modes") or []), *(c.label for c in cells)]))
+    return merged_meta(meta, union, variants)
 
 
 def check_samples(app: Path, preset: str, extra: list[str], cells) -> None:
@@ -196,6 +234,12 @@ def add_cli(sub) -> None:
                    help="keep each cell's checkpoints, keys and plots (default: only its metrics, compact_cell)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated loss modes (default: all of {', '.join(MODES)})")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1 (the run config's seed key)")
+    p.add_argument("--seed-from", type=int, default=0, metavar="K",
+                   help="run seeds K .. K+n-1 instead (more seeds for a grid, e.g. in another --out to --pack)")
+    p.add_argument("--pack", default=None, metavar="FROM",
+                   help="add the finished cells of grid folder FROM that --out lacks to --out (the same preset, "
+                        "run-config and metric; each cell's configuration, weights, first samples and initial "
+                        "evaluation checked), then rewrite --out's summary; runs nothing")
     p.add_argument("--groups", default="vertical", help="advantage groupings: vertical, horizontal or both")
     p.add_argument("--horizontal-modes", default="", help="modes also run horizontally (default: all)")
     p.add_argument("--run-config", action="append", default=[], help="extra key=value items for every cell")

@@ -85,8 +85,10 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 
 def plan(modes: Sequence[str], seeds: int, groups: Sequence[str] = ("vertical",),
-         horizontal_modes: Sequence[str] | None = None, variants: dict[str, dict] | None = None) -> list[Cell]:
+         horizontal_modes: Sequence[str] | None = None, variants: dict[str, dict] | None = None,
+         seed_from: int = 0) -> list[Cell]:
     """The cells in run order: seed-major, so an interrupted grid has whole seeds to compare.
+    Seeds ``seed_from`` .. ``seed_from + seeds - 1``.
 
     modes: loss modes, or ``MODE+VARIANT`` for a mode with a variant's extra run-config items.
     horizontal_modes: the modes also run with ``advantage-groups=horizontal`` when ``groups``
@@ -103,12 +105,14 @@ def plan(modes: Sequence[str], seeds: int, groups: Sequence[str] = ("vertical",)
                          f"(known: {', '.join(variants) or 'none'}; define one with --variant NAME:key=value)")
     if seeds < 1:
         raise ValueError(f"--seeds={seeds}: must be >= 1")
+    if seed_from < 0:
+        raise ValueError(f"--seed-from={seed_from}: must be >= 0")
     for g in groups:
         if g not in ("vertical", "horizontal"):
             raise ValueError(f"--groups: {g!r} must be vertical or horizontal")
     hmodes = set(modes if horizontal_modes is None else horizontal_modes)
     cells = []
-    for s in range(seeds):
+    for s in range(seed_from, seed_from + seeds):
         for g in groups:
             for m in modes:
                 if g == "horizontal" and m not in hmodes:

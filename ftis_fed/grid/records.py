@@ -105,12 +105,12 @@ def shared_start(out: Path, names: Iterable[str] | None = None) -> str | None:
     if names is None:
         names = [d.parent.name for d in (out / "cells").glob("*/done.json")]
     for name in sorted(names):
-        if (out / "cells" / name / "done.json").exists() and _initial_rows(out / "cells" / name):
+        if (out / "cells" / name / "done.json").exists() and initial_rows(out / "cells" / name):
             return name
     return None
 
 
-def _initial_rows(cell_dir: Path) -> list[dict]:
+def initial_rows(cell_dir: Path) -> list[dict]:
     return [r for r in participant_rows(cell_rows(cell_dir), "eval") if int(r.get("round", -1)) == 0]
 
 
@@ -118,7 +118,7 @@ def initial_eval(out: Path) -> dict[str, dict]:
     """participant -> its evaluation row before round 1, from the grid's shared start (``shared_start``);
     {} if no cell has one."""
     name = shared_start(out)
-    return {r["participant"]: r for r in _initial_rows(out / "cells" / name)} if name else {}
+    return {r["participant"]: r for r in initial_rows(out / "cells" / name)} if name else {}
 
 
 class MixedWeights(ValueError):

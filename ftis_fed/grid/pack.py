@@ -1,0 +1,170 @@
+"""Packing: the finished cells of one grid folder added to another grid of the same experiment, as
+if one ``ftis-fed grid`` had run them all — for seeds run in another folder, at another time or on
+another machine (``ftis-fed grid --seeds 5 --seed-from 5 --out B`` next to a committed A, then
+``ftis-fed grid --pack B --out A``).
+
+Nothing is taken on trust: the two grids must record the same preset, run-config items and metric
+(``GRID_KEYS``); every packed cell's run configuration must equal the destination's except for what
+makes a cell that cell (``CELL_KEYS``: seed, method, grouping, its own folder, its shared
+evaluation flag); the union must pass the summary's own checks (``check_weights``: the same
+model weights; ``check_starts``: a seed's first samples equal whatever the method); and where both
+folders carry the evaluation before round 1 (``records.shared_start``) it must be the same. A cell
+the destination already has is kept as it is (skipped, never overwritten). Each packed cell is
+copied to ``<name>.packing`` and renamed into place after its ``done.json`` is written, so an
+interrupted pack leaves no half cell that counts as finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from ftis_fed.grid.plan import Cell, discover_cells, method_order
+from ftis_fed.grid.records import initial_rows, check_starts, check_weights, shared_start
+from ftis_fed.grid.run import KEPT
+
+#: grid.json keys two grids must share to be one experiment (the transport may differ: one engine).
+GRID_KEYS = ("preset", "run_config", "metric")
+#: run/config.json entries (dotted paths) that differ between the cells of one grid by design.
+CELL_KEYS = ("seed", "task.seed", "objective.mode", "objective.advantage_groups", "output_dir", "eval_initial")
+
+
+class PackError(ValueError):
+    """Two grid folders that are not one experiment, or a cell that does not belong."""
+
+
+def _meta(out: Path) -> dict:
+    path = out / "grid.json"
+    if not path.exists():
+        raise PackError(f"{path}: no grid.json (not a grid folder written by ftis-fed grid)")
+    return json.loads(path.read_text())
+
+
+def _config(cell_dir: Path) -> dict:
+    path = cell_dir / "run" / "config.json"
+    if not path.exists():
+        raise PackError(f"{path}: missing (a finished cell keeps its run configuration)")
+    return json.loads(path.read_text())
+
+
+def _without(cfg: dict, paths: tuple[str, ...]) -> dict:
+    cfg = json.loads(json.dumps(cfg))
+    for dotted in paths:
+        *parents, leaf = dotted.split(".")
+        node = cfg
+        for p in parents:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return cfg
+
+
+def _differences(a, b, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{path}.{k}".lstrip("."))]
+    return [] if a == b else [f"{path} = {a!r} (here {b!r})"]
+
+
+def check_config(cell: Cell, cfg: dict, ref_cell: Cell, ref: dict) -> None:
+    """``cfg`` (a packed cell's run configuration) equals ``ref`` (a destination cell's) outside
+    ``CELL_KEYS``; a reference of another method also leaves out the method's own settings
+    (``objective``, ``checks``: a variant's items land there). PackError naming the entries."""
+    skip = CELL_KEYS if ref_cell.label == cell.label else CELL_KEYS + ("objective", "checks")
+    diffs = _differences(_without(cfg, skip), _without(ref, skip))
+    if diffs:
+        raise PackError(f"{cell.name}: its run configuration differs from {ref_cell.name}'s in the destination: "
+                        + "; ".join(diffs[:5]) + (f" (+{len(diffs) - 5} more)" if len(diffs) > 5 else ""))
+
+
+def _initial_values(cell_dir: Path) -> dict:
+    """The evaluation before round 1, per participant, without its timing."""
+    return {r["participant"]: {k: v for k, v in r.items() if k != "eval/seconds"} for r in initial_rows(cell_dir)}
+
+
+def merged_meta(meta: dict, cells: list[Cell], variants: dict | None = None) -> dict:
+    """``meta`` (a grid.json) describing ``cells`` (every finished cell of the folder): the methods,
+    groupings and seeds they cover, in plan order, and their names; the variants of both."""
+    labels = sorted({c.label for c in cells}, key=method_order)
+    seeds = sorted({c.seed for c in cells})
+    return {**meta, "modes": [m for m in meta.get("modes", []) if m in labels] + [m for m in labels if m not in meta.get("modes", [])],
+            "groups": [g for g in ("vertical", "horizontal") if any(c.groups == g for c in cells)],
+            "seeds": len(seeds) if seeds == list(range(len(seeds))) else seeds,
+            "variants": {**(meta.get("variants") or {}), **(variants or {})},
+            "cells": [c.name for c in cells]}
+
+
+def relative_run_dir(cell_dir: Path, cwd: Path) -> str:
+    """A cell's run folder as recorded in its config.json: relative to ``cwd`` when inside it (the
+    committed grids record ``docs/results/<grid>/cells/<cell>/run``), else absolute."""
+    run = (cell_dir / "run").resolve()
+    try:
+        return str(run.relative_to(cwd.resolve()))
+    except ValueError:
+        return str(run)
+
+
+def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path | None = None) -> list[str]:
+    """Add ``src``'s finished cells that ``dest`` lacks to ``dest`` (both grid folders); returns the
+    names packed. Raises PackError (nothing copied) when the grids are not one experiment or a cell
+    does not belong (the module's checks). ``dest``'s grid.json then describes every cell it holds;
+    its summary is the caller's to rewrite (``--summary-only``)."""
+    src, dest, cwd = src.resolve(), dest.resolve(), (cwd or Path.cwd())
+    if src == dest:
+        raise PackError(f"--pack {src}: the same folder as --out")
+    smeta, dmeta = _meta(src), _meta(dest)
+    for k in GRID_KEYS:
+        if smeta.get(k) != dmeta.get(k):
+            raise PackError(f"grid.json {k}: {smeta.get(k)!r} in {src} but {dmeta.get(k)!r} in {dest}: not one experiment")
+    if smeta.get("transport") != dmeta.get("transport"):
+        echo(f"[pack] note: cells run through {smeta.get('transport')} in {src.name}, {dmeta.get('transport')} in "
+             f"{dest.name} (the same engine; grid.json keeps {dmeta.get('transport')})")
+    have = {c.name: c for c in discover_cells(dest)}
+    if not have:
+        raise PackError(f"{dest}: no finished cell to pack into (run or copy the grid there first)")
+    new = [c for c in discover_cells(src) if c.name not in have]
+    for c in discover_cells(src):
+        if c.name in have:
+            echo(f"[pack] {c.name}: already in {dest.name}, kept as it is")
+    svar, dvar = smeta.get("variants") or {}, dmeta.get("variants") or {}
+    for c in new:
+        if c.variant and c.variant in dvar and svar.get(c.variant) != dvar[c.variant]:
+            raise PackError(f"variant {c.variant!r}: {svar.get(c.variant)} in {src} but {dvar[c.variant]} in {dest}")
+        ref = next((h for h in have.values() if h.label == c.label), next(iter(have.values())))
+        check_config(c, _config(src / "cells" / c.name), ref, _config(dest / "cells" / ref.name))
+    with tempfile.TemporaryDirectory() as tmp:               # the union, as links: the summary's own checks
+        union = Path(tmp)
+        (union / "cells").mkdir()
+        shutil.copy(dest / "grid.json", union / "grid.json")
+        for name in have:
+            os.symlink(dest / "cells" / name, union / "cells" / name)
+        for c in new:
+            os.symlink(src / "cells" / c.name, union / "cells" / c.name)
+        union_cells = discover_cells(union)
+        check_weights([c.name for c in union_cells], union)
+        check_starts(union_cells, union)
+    starts = [n for n in (shared_start(dest), shared_start(src)) if n]
+    if len(starts) == 2:
+        a, b = _initial_values(dest / "cells" / starts[0]), _initial_values(src / "cells" / starts[1])
+        if a != b:
+            raise PackError(f"the evaluation before round 1 differs: {starts[0]} in {dest} and {starts[1]} in {src} "
+                            "(other held-out prompts or other models)")
+    for c in new:
+        final = dest / "cells" / c.name
+        part = final.with_name(f"{c.name}.packing")
+        shutil.rmtree(part, ignore_errors=True)
+        (part / "run").mkdir(parents=True)
+        for name in KEPT:
+            if (src / "cells" / c.name / "run" / name).exists():
+                shutil.copy(src / "cells" / c.name / "run" / name, part / "run" / name)
+        cfg = _config(src / "cells" / c.name)
+        cfg["output_dir"] = relative_run_dir(final, cwd)
+        (part / "run" / "config.json").write_text(json.dumps(cfg, indent=1))
+        shutil.copy(src / "cells" / c.name / "done.json", part / "done.json")
+        part.rename(final)
+        echo(f"[pack] {c.name}: packed into {dest}")
+    (dest / "grid.json").write_text(json.dumps(merged_meta(dmeta, discover_cells(dest), smeta.get("variants")), indent=1))
+    return [c.name for c in new]

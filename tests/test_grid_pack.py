@@ -1,0 +1,160 @@
+"""``ftis-fed grid --seed-from`` and ``--pack``: seeds run in a folder of their own join a grid as if
+one run had made them all (the summary byte for byte that of the whole grid), and cells of another
+experiment — other run-config items, another configuration, other weights, another evaluation before
+training — are refused with nothing copied. A grid run again into its folder with more methods
+describes every cell it holds."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ftis_fed.commands.cli import main
+from ftis_fed.commands.experiment import grid_meta
+from ftis_fed.grid.pack import PackError, pack
+from ftis_fed.grid.plan import plan
+from ftis_fed.grid.records import MixedWeights
+from ftis_fed.grid.run import run_grid
+from tests.test_grid_metric import OUTPUTS, _sampled_runner
+
+MODES = ["alone", "noIS", "F-TIS"]
+META = {"preset": "fixture", "modes": MODES, "run_config": ["eval-seed=0"], "metric": "sampled"}
+
+
+def _grid(out: Path, seeds: int, seed_from: int = 0) -> Path:
+    assert run_grid(plan(MODES, seeds, seed_from=seed_from), out, _sampled_runner(), echo=lambda s: None,
+                    shared_initial=True) == []
+    (out / "grid.json").write_text(json.dumps(META, indent=1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def grids(tmp_path_factory) -> dict[str, Path]:
+    """The whole grid (seeds 0-2, one run) and its two parts: seeds 0-1, and seed 2 run alone with
+    ``seed_from = 2`` (its first cell evaluates before training again)."""
+    root = tmp_path_factory.mktemp("pack")
+    whole = _grid(root / "whole", 3)
+    assert main(["grid", "--summary-only", "--out", str(whole)]) == 0
+    return {"whole": whole, "first": _grid(root / "first", 2), "rest": _grid(root / "rest", 1, seed_from=2)}
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _copies(grids, tmp_path) -> tuple[Path, Path]:
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(grids["first"], a)
+    shutil.copytree(grids["rest"], b)
+    return a, b
+
+
+def test_seed_from_plans_the_later_seeds_only():
+    assert [c.name for c in plan(["alone", "F-TIS"], 2, seed_from=5)] == [
+        "alone__vertical__s5", "F-TIS__vertical__s5", "alone__vertical__s6", "F-TIS__vertical__s6"]
+    with pytest.raises(ValueError, match="--seed-from=-1"):
+        plan(["alone"], 1, seed_from=-1)
+
+
+def test_packed_seeds_summarise_byte_for_byte_as_the_whole_grid(grids, tmp_path, capsys):
+    a, b = _copies(grids, tmp_path)
+    assert main(["grid", "--pack", str(b), "--out", str(a)]) == 0
+    assert "[pack] F-TIS__vertical__s2: packed into" in capsys.readouterr().out
+    for name in OUTPUTS:
+        assert (a / name).read_bytes() == (grids["whole"] / name).read_bytes(), name
+    meta = json.loads((a / "grid.json").read_text())
+    assert meta["seeds"] == 3 and meta["cells"] == [c.name for c in plan(MODES, 3)] and meta["modes"] == MODES
+    cfg = json.loads((a / "cells" / "noIS__vertical__s2" / "run" / "config.json").read_text())
+    assert Path(cfg["output_dir"]) == (a / "cells" / "noIS__vertical__s2" / "run").resolve()   # its new home
+    assert not list(a.glob("cells/*.packing"))
+    # packing again adds nothing and keeps every file as it is
+    before = _files(a)
+    assert pack(b, a, echo=lambda s: None) == []
+    assert _files(a) == before
+
+
+def test_a_cell_the_destination_has_is_kept_as_it_is(grids, tmp_path):
+    a, b = _copies(grids, tmp_path)
+    shutil.copytree(b / "cells" / "alone__vertical__s2", a / "cells" / "alone__vertical__s2")
+    (a / "cells" / "alone__vertical__s2" / "done.json").write_text('{"mine": 1}')
+    got = []
+    assert pack(b, a, echo=got.append) == ["noIS__vertical__s2", "F-TIS__vertical__s2"]
+    assert (a / "cells" / "alone__vertical__s2" / "done.json").read_text() == '{"mine": 1}'
+    assert any("alone__vertical__s2: already in a, kept as it is" in s for s in got)
+
+
+def _rewrite_metrics(cell: Path, change) -> None:
+    path = cell / "run" / "metrics.jsonl.gz"
+    rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines()]
+    path.write_bytes(gzip.compress("".join(json.dumps(change(r)) + "\n" for r in rows).encode()))
+
+
+def _other_start(r: dict) -> dict:
+    return {**r, "eval/id/accuracy": 0.99} if r["round"] == 0 and r["phase"] == "eval" else r
+
+
+def _other_weights(r: dict) -> dict:
+    return {**r, "model_weights": "w-other"} if r["phase"] == "train" and r["participant"] != "_federation" else r
+
+
+@pytest.mark.parametrize("tamper, error, words", [
+    (lambda a, b: (b / "grid.json").write_text(json.dumps({**META, "run_config": ["eval-seed=1"]})),
+     PackError, "grid.json run_config: ['eval-seed=1'] in"),
+    (lambda a, b: (b / "grid.json").write_text(json.dumps({**META, "preset": "other"})),
+     PackError, "grid.json preset: 'other' in"),
+    (lambda a, b: (b / "cells" / "noIS__vertical__s2" / "run" / "config.json").write_text(
+        json.dumps({"eval_samples": 4, "num_rounds": 9})),
+     PackError, "noIS__vertical__s2: its run configuration differs from noIS__vertical__s0's in the destination: "
+                "num_rounds = 9 (here None)"),
+    (lambda a, b: _rewrite_metrics(b / "cells" / "alone__vertical__s2", _other_start),
+     PackError, "the evaluation before round 1 differs: alone__vertical__s0 in"),
+    (lambda a, b: _rewrite_metrics(b / "cells" / "F-TIS__vertical__s2", _other_weights),
+     MixedWeights, "cells started from different model weights"),
+])
+def test_cells_of_another_experiment_are_refused_and_nothing_is_copied(grids, tmp_path, tamper, error, words):
+    a, b = _copies(grids, tmp_path)
+    for cell in (a / "cells").iterdir():                  # the destination's weights are fingerprinted too
+        _rewrite_metrics(cell, lambda r: {**r, "model_weights": "w-1"} if r["phase"] == "train"
+                         and r["participant"] != "_federation" else r)
+    for cell in (b / "cells").iterdir():
+        _rewrite_metrics(cell, lambda r: {**r, "model_weights": "w-1"} if r["phase"] == "train"
+                         and r["participant"] != "_federation" else r)
+    tamper(a, b)
+    before = _files(a)
+    with pytest.raises(error, match=None) as e:
+        pack(b, a, echo=lambda s: None)
+    assert words in str(e.value)
+    assert _files(a) == before
+
+
+def test_pack_on_the_command_line_names_what_is_wrong(grids, tmp_path, capsys):
+    a, b = _copies(grids, tmp_path)
+    assert main(["grid", "--pack", str(b)]) == 2
+    assert "--pack needs --out" in capsys.readouterr().err
+    (b / "grid.json").write_text(json.dumps({**META, "metric": "greedy"}))
+    assert main(["grid", "--pack", str(b), "--out", str(a)]) == 2
+    assert "grid.json metric: 'greedy' in" in capsys.readouterr().err and not (a / "cells" / "alone__vertical__s2").exists()
+    assert main(["grid", "--pack", str(a), "--out", str(a)]) == 2
+    assert "the same folder as --out" in capsys.readouterr().err
+
+
+def test_a_grid_run_again_with_more_methods_describes_every_cell(grids, tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    shutil.copytree(grids["first"] / "cells" / "alone__vertical__s0", a / "cells" / "alone__vertical__s0")
+    shutil.copytree(grids["first"] / "cells" / "alone__vertical__s1", a / "cells" / "alone__vertical__s1")
+    fixed = {"preset": "fixture", "run_config": ["eval-seed=0"], "transport": "inprocess", "metric": "sampled"}
+    (a / "grid.json").write_text(json.dumps({**fixed, "modes": ["alone"], "seeds": 2}))
+    meta = grid_meta(a, fixed, plan(["F-TIS"], 3), {})
+    assert meta["modes"] == ["alone", "F-TIS"] and meta["seeds"] == 3
+    assert meta["cells"] == ["alone__vertical__s0", "F-TIS__vertical__s0", "alone__vertical__s1", "F-TIS__vertical__s1",
+                             "F-TIS__vertical__s2"]
+    with pytest.raises(ValueError, match="holds a grid with run_config \\['eval-seed=0'\\], not \\['eval-seed=3'\\]"):
+        grid_meta(a, {**fixed, "run_config": ["eval-seed=3"]}, plan(["F-TIS"], 3), {})
+    fresh = grid_meta(tmp_path / "new", fixed, plan(["alone", "F-TIS"], 2), {})
+    assert list(fresh) == ["preset", "modes", "groups", "seeds", "run_config", "transport", "variants", "cells",
+                           "metric"] and fresh["seeds"] == 2
