@@ -8,6 +8,7 @@ learning tier wants a start of 15–40 % greedy with pass@k far above it.
 
     python -m sims.calibrate_learning --model micro-llama-s --families add30,sub30 --max-new-tokens 8
     python -m sims.calibrate_learning --size s --families add99,sub99 --steps 200 --worked --out runs/w200
+    python -m sims.calibrate_learning --arch qwen2 --tokenizer char --families sub99 --steps 200 --worked
 
 Built models go to ``--out`` (default: a folder under the system's temporary directory named after the
 spec); nothing is downloaded. ``--jsonl FILE`` appends the line to FILE too.
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="", help="a registered or local model (else one is built from the spec below)")
     ap.add_argument("--size", choices=("s", "m", "l"), default="s", help="micro shape: 0.33 M / 1.2 M / 3.6 M")
+    ap.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="the built model's architecture")
+    ap.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe", help="the built model's tokenizer")
     ap.add_argument("--families", default="add99,sub99", help="ID families (warm-up and evaluation)")
     ap.add_argument("--steps", type=int, default=200, help="warm-up steps of 64 problems")
     ap.add_argument("--lr", type=float, default=3e-3, help="warm-up peak learning rate")
@@ -75,14 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model
     if not model:
         shape = {"s": micro._SMALL, "m": micro._MEDIUM, "l": micro._LARGE}[a.size]
-        spec = micro.MicroSpec("llama", "bpe", **shape, families=families, steps=a.steps, lr=a.lr, batch=64,
+        spec = micro.MicroSpec(a.arch, a.tokenizer, **shape, families=families, steps=a.steps, lr=a.lr, batch=64,
                                worked=a.worked)
-        out = Path(a.out or Path(tempfile.gettempdir()) / f"ftis-micro-{a.size}-{'-'.join(families)}-{a.steps}"
+        out = Path(a.out or Path(tempfile.gettempdir()) / f"ftis-micro-{a.arch}-{a.tokenizer}-{a.size}-"
+                   f"{'-'.join(families)}-{a.steps}"
                    f"-{a.lr}{'-worked' if a.worked else ''}")
         t0 = time.process_time()
         if not (out / "config.json").exists():
             micro.build_micro(out, spec, log=False)
-        built = {"size": a.size, "steps": a.steps, "lr": a.lr, "worked": a.worked,
+        built = {"arch": a.arch, "tokenizer": a.tokenizer, "size": a.size, "steps": a.steps, "lr": a.lr, "worked": a.worked,
                  "build_cpu_s": round(time.process_time() - t0, 1)}
         model = str(out)
     line = json.dumps({**built, **probe(model, families, a.n, a.k, a.max_new_tokens, temperature=a.temperature)})

@@ -116,6 +116,34 @@ def paired(grid: str) -> str:
     return _table(["A − B", "participant", "seeds", "ID [95 % CI]", "t over seeds", "seeds won A/B"], body)
 
 
+def ood(grid: str) -> str:
+    """OOD before → after per method and participant (all OOD prompts, then each family's mean), and
+    the paired OOD differences A − B with each family's (the OOD-aware pair's claims 4–6)."""
+    rs = rows(grid)
+    fams = sorted({r["set"] for r in rs if r["kind"] == "start" and r["set"].startswith("ood:")
+                   and any(float(x["sampled"] if _known(x.get("sampled")) else x["greedy"]) > 0
+                           for x in rs if x["kind"] == "start" and x["set"] == r["set"])})
+    start = {(r["participant"], r["set"]): float(r["sampled"] if _known(r.get("sampled")) else r["greedy"])
+             for r in rs if r["kind"] == "start"}
+    final = {(r["method"], r["participant"], r["set"]): float(r["mean"]) for r in rs if r["kind"] == "family"}
+    body = []
+    for r in rs:
+        if r["kind"] == "gain" and r["set"] == "ood":
+            f = " | ".join(f"{start[(r['participant'], s)]:.3f} → {final[(r['method'], r['participant'], s)]:.3f}"
+                           for s in fams)
+            body.append(f"| {r['method']} | {r['participant']} | {r['seeds']} | {float(r['start']):.3f} → "
+                        f"{float(r['final']):.3f} | {_iv(r)} | {_tv(r)} | {f} |")
+    gains_ = _table(["method", "participant", "seeds", "OOD before → after", "gain [95 % CI]", "t over seeds",
+                     *fams], body)
+    by = {(r["a"], r["b"], r["participant"], r["set"]): r for r in rs if r["kind"] == "paired_prompts"}
+    body = [f"| {r['a']} − {r['b']} | {r['participant']} | {r['seeds']} | {_iv(r)} | {_tv(r)} | "
+            f"{r['a_wins']}/{r['b_wins']} | "
+            + " | ".join(_iv(by[k]) if (k := (r["a"], r["b"], r["participant"], s)) in by else "–" for s in fams) + " |"
+            for r in rs if r["kind"] == "paired_prompts" and r["set"] == "ood"]
+    return gains_ + "\n\n" + _table(["A − B", "participant", "seeds", "OOD [95 % CI]", "t over seeds", "seeds won A/B",
+                                      *fams], body)
+
+
 def efficiency(grids=LEARNING) -> str:
     """Updates to reach alone's final level, over alone's updates (held-out ID and training reward)."""
     body = []

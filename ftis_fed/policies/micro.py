@@ -10,23 +10,24 @@ take milliseconds, so a research cell can run 50+ updates per participant on thi
 Names (``MICRO_MODELS``; measured sizes, accuracies and round times in docs/models.md, recomputed by
 ``ftis-fed bench micro --n 64 --round-time``):
 
-=======================  ======  =========  ============  ===========  =================================
-name                     arch    tokenizer  size          warm-up on   role
-=======================  ======  =========  ============  ===========  =================================
-``micro-llama-s``        Llama   BPE        0.33 M, 3 L   add30+sub30  small base
-``micro-llama-s-add``    Llama   BPE        0.33 M, 3 L   add30        small addition specialist
-``micro-llama-s-sub``    Llama   BPE        0.33 M, 3 L   sub30        small subtraction specialist
-``micro-llama-l``        Llama   BPE        3.6 M, 5 L    add30+sub30  large base
-``micro-qwen-m``         Qwen2   BPE        1.2 M, 4 L    add30+sub30  other architecture, same tokenizer
-``micro-qwen-s-char``    Qwen2   char       0.33 M, 3 L   sub30        other tokenizer (sequence level)
-``micro-llama-s-o``      Llama   BPE        0.33 M, 3 L   add30+sub30  base, OOD not at 0 (``pretrain``)
-``micro-llama-s-sub-o``  Llama   BPE        0.33 M, 3 L   sub30        specialist, OOD not at 0
-``micro-llama-w``        Llama   BPE        0.33 M, 3 L   add99+sub99  worked replies (learning tier)
-``micro-llama-w-sub``    Llama   BPE        0.33 M, 3 L   sub99        worked subtraction specialist
-``micro-llama-w250``     Llama   BPE        0.33 M, 3 L   add99+sub99  worked, 250 warm-up steps (RL learns)
-``micro-llama-w-o``      Llama   BPE        0.33 M, 3 L   add99+sub99  worked base, OOD not at 0
-``micro-llama-w-sub-o``  Llama   BPE        0.33 M, 3 L   sub99        worked specialist, OOD not at 0
-=======================  ======  =========  ============  ===========  =================================
+=========================  ======  =========  ============  ===========  =================================
+name                       arch    tokenizer  size          warm-up on   role
+=========================  ======  =========  ============  ===========  =================================
+``micro-llama-s``          Llama   BPE        0.33 M, 3 L   add30+sub30  small base
+``micro-llama-s-add``      Llama   BPE        0.33 M, 3 L   add30        small addition specialist
+``micro-llama-s-sub``      Llama   BPE        0.33 M, 3 L   sub30        small subtraction specialist
+``micro-llama-l``          Llama   BPE        3.6 M, 5 L    add30+sub30  large base
+``micro-qwen-m``           Qwen2   BPE        1.2 M, 4 L    add30+sub30  other architecture, same tokenizer
+``micro-qwen-s-char``      Qwen2   char       0.33 M, 3 L   sub30        other tokenizer (sequence level)
+``micro-llama-s-o``        Llama   BPE        0.33 M, 3 L   add30+sub30  base, OOD not at 0 (``pretrain``)
+``micro-llama-s-sub-o``    Llama   BPE        0.33 M, 3 L   sub30        specialist, OOD not at 0
+``micro-llama-w``          Llama   BPE        0.33 M, 3 L   add99+sub99  worked replies (learning tier)
+``micro-llama-w-sub``      Llama   BPE        0.33 M, 3 L   sub99        worked subtraction specialist
+``micro-llama-w250``       Llama   BPE        0.33 M, 3 L   add99+sub99  worked, 250 warm-up steps (RL learns)
+``micro-llama-w-o``        Llama   BPE        0.33 M, 3 L   add99+sub99  worked base, OOD not at 0
+``micro-llama-w-sub-o``    Llama   BPE        0.33 M, 3 L   sub99        worked specialist, OOD not at 0
+``micro-qwen-w-sub-char``  Qwen2   char       0.33 M, 3 L   sub99        worked specialist, other tokenizer
+=========================  ======  =========  ============  ===========  =================================
 
 The ``-w`` models (issue #27's learning tier, calibrated: docs/results/calibration/) answer
 two-digit problems with their column steps (``worked``: "7+8=15; 4+3+1=8; so 85", ~22 tokens), from
@@ -44,8 +45,9 @@ counts chosen so the worked families start where ``micro-llama-w250`` / ``micro-
 (docs/models.md).
 
 The Llama and Qwen2 BPE models share one tokenizer (the BPE is trained on the same seeded corpus),
-so batches between them are token-level (F-TIS's per-token ratios); ``micro-qwen-s-char`` is the
-participant whose batches must be re-tokenized.
+so batches between them are token-level (F-TIS's per-token ratios); ``micro-qwen-s-char`` and, on the
+learning tier, ``micro-qwen-w-sub-char`` (the mixed pair's specialist beside ``micro-llama-w250``) are the
+participants whose batches must be re-tokenized.
 
 Tokenizers (``build_tokenizer``), both real ``transformers`` fast tokenizers saved with the model,
 with pad / EOS tokens and a chat template (``CHAT_TEMPLATE``: ``<|user|>question<|assistant|>reply
@@ -324,6 +326,10 @@ MICRO_MODELS: dict[str, MicroSpec] = {
                                    worked=True),
     "micro-llama-w-o": MicroSpec("llama", "bpe", **_SMALL, families=("add99", "sub99"), steps=325, **_WORKED_O),
     "micro-llama-w-sub-o": MicroSpec("llama", "bpe", **_SMALL, families=("sub99",), steps=230, **_WORKED_O),
+    # the learning tier's mixed pair: another architecture and tokenizer than micro-llama-w250, the same
+    # worked subtraction (215 steps: greedy 0.50, pass@1 at T 0.7 0.22 on sub99; 200 / 225 gave 0.28 / 0.83)
+    "micro-qwen-w-sub-char": MicroSpec("qwen2", "char", **_SMALL, families=("sub99",), steps=215, lr=3e-3, batch=64,
+                                       worked=True),
 }
 
 for _name, _spec in MICRO_MODELS.items():
