@@ -16,6 +16,7 @@ import pytest
 from ftis_fed.commands.cli import main
 from ftis_fed.commands.experiment import grid_meta
 from ftis_fed.grid.pack import PackError, pack
+from ftis_fed.grid import plan as gplan
 from ftis_fed.grid.plan import plan
 from ftis_fed.grid.records import MixedWeights
 from ftis_fed.grid.run import run_grid
@@ -85,6 +86,30 @@ def test_a_cell_the_destination_has_is_kept_as_it_is(grids, tmp_path):
     assert pack(b, a, echo=got.append) == ["noIS__vertical__s2", "F-TIS__vertical__s2"]
     assert (a / "cells" / "alone__vertical__s2" / "done.json").read_text() == '{"mine": 1}'
     assert any("alone__vertical__s2: already in a, kept as it is" in s for s in got)
+
+
+def test_an_interrupted_pack_leaves_no_finished_half_cell_and_a_second_one_completes(grids, tmp_path, monkeypatch):
+    a, b = _copies(grids, tmp_path)
+    real_copy = shutil.copy
+
+    def copy(src, dst):                       # the machine stops as the second cell gets its done.json
+        if Path(src).name == "done.json" and "noIS__vertical__s2" in str(dst):
+            raise KeyboardInterrupt
+        return real_copy(src, dst)
+
+    monkeypatch.setattr(shutil, "copy", copy)
+    with pytest.raises(KeyboardInterrupt):
+        pack(b, a, echo=lambda s: None)
+    monkeypatch.setattr(shutil, "copy", real_copy)
+    assert (a / "cells" / "alone__vertical__s2" / "done.json").exists()
+    assert (a / "cells" / "noIS__vertical__s2").is_dir() and not (a / "cells" / "noIS__vertical__s2" / "done.json").exists()
+    assert "noIS__vertical__s2" not in [c.name for c in gplan.discover_cells(a)]        # not counted as finished
+    got = []
+    assert pack(b, a, echo=got.append) == ["noIS__vertical__s2", "F-TIS__vertical__s2"]
+    assert any("noIS__vertical__s2: an unfinished folder there moved to noIS__vertical__s2.interrupted-" in s for s in got)
+    assert main(["grid", "--summary-only", "--out", str(a)]) == 0
+    for name in OUTPUTS:
+        assert (a / name).read_bytes() == (grids["whole"] / name).read_bytes(), name
 
 
 def _rewrite_metrics(cell: Path, change) -> None:

@@ -10,8 +10,10 @@ evaluation flag); the union must pass the summary's own checks (``check_weights`
 model weights; ``check_starts``: a seed's first samples equal whatever the method); and where both
 folders carry the evaluation before round 1 (``records.shared_start``) it must be the same. A cell
 the destination already has is kept as it is (skipped, never overwritten). Each packed cell is
-copied to ``<name>.packing`` and renamed into place after its ``done.json`` is written, so an
-interrupted pack leaves no half cell that counts as finished.
+copied to ``<name>.packing``, renamed into place, and given its ``done.json`` last, so an
+interrupted pack leaves no half cell that counts as finished (a grid run moves such a folder aside).
+What a cell keeps is what ``compact_cell`` keeps (``KEPT``) and its ``done.json``; its ``run.log.gz``
+stays in the source folder.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -163,8 +166,12 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
         cfg = _config(src / "cells" / c.name)
         cfg["output_dir"] = relative_run_dir(final, cwd)
         (part / "run" / "config.json").write_text(json.dumps(cfg, indent=1))
-        shutil.copy(src / "cells" / c.name / "done.json", part / "done.json")
+        if final.exists():                          # unfinished (no done.json): kept aside, as the grid does
+            aside = final.with_name(f"{c.name}.interrupted-{int(time.time())}")
+            final.rename(aside)
+            echo(f"[pack] {c.name}: an unfinished folder there moved to {aside.name}")
         part.rename(final)
+        shutil.copy(src / "cells" / c.name / "done.json", final / "done.json")      # last: now it counts
         echo(f"[pack] {c.name}: packed into {dest}")
     (dest / "grid.json").write_text(json.dumps(merged_meta(dmeta, discover_cells(dest), smeta.get("variants")), indent=1))
     return [c.name for c in new]
