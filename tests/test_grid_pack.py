@@ -78,6 +78,25 @@ def test_packed_seeds_summarise_byte_for_byte_as_the_whole_grid(grids, tmp_path,
     assert _files(a) == before
 
 
+def test_a_new_folder_becomes_a_copy_of_the_grid_checked_cell_by_cell(grids, tmp_path):
+    new = tmp_path / "docs" / "results" / "g"
+    assert pack(grids["whole"], new, echo=lambda s: None, cwd=tmp_path) == [c.name for c in plan(MODES, 3)]
+    assert main(["grid", "--summary-only", "--out", str(new)]) == 0
+    for name in OUTPUTS:
+        assert (new / name).read_bytes() == (grids["whole"] / name).read_bytes(), name
+    cfg = json.loads((new / "cells" / "F-TIS__vertical__s1" / "run" / "config.json").read_text())
+    assert cfg["output_dir"] == "docs/results/g/cells/F-TIS__vertical__s1/run"       # relative to the repository
+    assert json.loads((new / "grid.json").read_text())["preset"] == "fixture"
+    # a source whose cells disagree among themselves is refused there too
+    b = tmp_path / "b"
+    shutil.copytree(grids["whole"], b)
+    (b / "cells" / "alone__vertical__s2" / "run" / "config.json").write_text(json.dumps({"eval_samples": 8}))
+    with pytest.raises(PackError, match="alone__vertical__s2: its run configuration differs from alone__vertical__s0's "
+                                        "in the source \(the destination is new\): eval_samples = 8"):
+        pack(b, tmp_path / "other", echo=lambda s: None)
+    assert not (tmp_path / "other").exists()
+
+
 def test_a_cell_the_destination_has_is_kept_as_it_is(grids, tmp_path):
     a, b = _copies(grids, tmp_path)
     shutil.copytree(b / "cells" / "alone__vertical__s2", a / "cells" / "alone__vertical__s2")

@@ -72,14 +72,14 @@ def _differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [f"{path} = {a!r} (here {b!r})"]
 
 
-def check_config(cell: Cell, cfg: dict, ref_cell: Cell, ref: dict) -> None:
+def check_config(cell: Cell, cfg: dict, ref_cell: Cell, ref: dict, where: str = "the destination") -> None:
     """``cfg`` (a packed cell's run configuration) equals ``ref`` (a destination cell's) outside
     ``CELL_KEYS``; a reference of another method also leaves out the method's own settings
     (``objective``, ``checks``: a variant's items land there). PackError naming the entries."""
     skip = CELL_KEYS if ref_cell.label == cell.label else CELL_KEYS + ("objective", "checks")
     diffs = _differences(_without(cfg, skip), _without(ref, skip))
     if diffs:
-        raise PackError(f"{cell.name}: its run configuration differs from {ref_cell.name}'s in the destination: "
+        raise PackError(f"{cell.name}: its run configuration differs from {ref_cell.name}'s in {where}: "
                         + "; ".join(diffs[:5]) + (f" (+{len(diffs) - 5} more)" if len(diffs) > 5 else ""))
 
 
@@ -111,24 +111,31 @@ def relative_run_dir(cell_dir: Path, cwd: Path) -> str:
 
 
 def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path | None = None) -> list[str]:
-    """Add ``src``'s finished cells that ``dest`` lacks to ``dest`` (both grid folders); returns the
+    """Add ``src``'s finished cells that ``dest`` lacks to ``dest`` (both grid folders; a ``dest``
+    that does not exist yet, or holds no grid, becomes a copy of ``src``'s grid); returns the
     names packed. Raises PackError (nothing copied) when the grids are not one experiment or a cell
     does not belong (the module's checks). ``dest``'s grid.json then describes every cell it holds;
     its summary is the caller's to rewrite (``--summary-only``)."""
     src, dest, cwd = src.resolve(), dest.resolve(), (cwd or Path.cwd())
     if src == dest:
         raise PackError(f"--pack {src}: the same folder as --out")
-    smeta, dmeta = _meta(src), _meta(dest)
+    smeta = _meta(src)
+    fresh = not (dest / "grid.json").exists() and not ((dest / "cells").exists() and discover_cells(dest))
+    dmeta = smeta if fresh else _meta(dest)          # a new grid folder: the source's grid, its cells checked
     for k in GRID_KEYS:
         if smeta.get(k) != dmeta.get(k):
             raise PackError(f"grid.json {k}: {smeta.get(k)!r} in {src} but {dmeta.get(k)!r} in {dest}: not one experiment")
     if smeta.get("transport") != dmeta.get("transport"):
         echo(f"[pack] note: cells run through {smeta.get('transport')} in {src.name}, {dmeta.get('transport')} in "
              f"{dest.name} (the same engine; grid.json keeps {dmeta.get('transport')})")
-    have = {c.name: c for c in discover_cells(dest)}
-    if not have:
-        raise PackError(f"{dest}: no finished cell to pack into (run or copy the grid there first)")
+    have = {c.name: c for c in discover_cells(dest)} if (dest / "cells").exists() else {}
+    if not have and not fresh:
+        raise PackError(f"{dest}: a grid.json but no finished cell to pack into")
     new = [c for c in discover_cells(src) if c.name not in have]
+    if not new and fresh:
+        raise PackError(f"{src}: no finished cell to pack")
+    # each cell's configuration against the destination's (a new folder: the source's first cell)
+    refs = {h.name: (h, dest / "cells" / h.name) for h in have.values()} or {new[0].name: (new[0], src / "cells" / new[0].name)}
     for c in discover_cells(src):
         if c.name in have:
             echo(f"[pack] {c.name}: already in {dest.name}, kept as it is")
@@ -136,12 +143,13 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
     for c in new:
         if c.variant and c.variant in dvar and svar.get(c.variant) != dvar[c.variant]:
             raise PackError(f"variant {c.variant!r}: {svar.get(c.variant)} in {src} but {dvar[c.variant]} in {dest}")
-        ref = next((h for h in have.values() if h.label == c.label), next(iter(have.values())))
-        check_config(c, _config(src / "cells" / c.name), ref, _config(dest / "cells" / ref.name))
+        ref, ref_dir = next((r for r in refs.values() if r[0].label == c.label), next(iter(refs.values())))
+        check_config(c, _config(src / "cells" / c.name), ref, _config(ref_dir),
+                     "the destination" if have else "the source (the destination is new)")
     with tempfile.TemporaryDirectory() as tmp:               # the union, as links: the summary's own checks
         union = Path(tmp)
         (union / "cells").mkdir()
-        shutil.copy(dest / "grid.json", union / "grid.json")
+        (union / "grid.json").write_text(json.dumps(dmeta))
         for name in have:
             os.symlink(dest / "cells" / name, union / "cells" / name)
         for c in new:
@@ -149,12 +157,13 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
         union_cells = discover_cells(union)
         check_weights([c.name for c in union_cells], union)
         check_starts(union_cells, union)
-    starts = [n for n in (shared_start(dest), shared_start(src)) if n]
+    starts = [n for n in (shared_start(dest) if have else None, shared_start(src)) if n]
     if len(starts) == 2:
         a, b = _initial_values(dest / "cells" / starts[0]), _initial_values(src / "cells" / starts[1])
         if a != b:
             raise PackError(f"the evaluation before round 1 differs: {starts[0]} in {dest} and {starts[1]} in {src} "
                             "(other held-out prompts or other models)")
+    (dest / "cells").mkdir(parents=True, exist_ok=True)
     for c in new:
         final = dest / "cells" / c.name
         part = final.with_name(f"{c.name}.packing")
