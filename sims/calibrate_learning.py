@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.process_time()
         if not (out / "config.json").exists():
             micro.build_micro(out, spec, log=False)
-        built = {"arch": a.arch, "tokenizer": a.tokenizer, "size": a.size, "steps": a.steps, "lr": a.lr, "worked": a.worked,
+        built = {"arch": a.arch, "tokenizer": a.tokenizer, "size": a.size, "steps": a.steps, "lr": a.lr,
+                 "worked": a.worked,
                  "build_cpu_s": round(time.process_time() - t0, 1)}
         model = str(out)
     line = json.dumps({**built, **probe(model, families, a.n, a.k, a.max_new_tokens, temperature=a.temperature)})

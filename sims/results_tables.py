@@ -142,10 +142,11 @@ def ood(grid: str) -> str:
     by = {(r["a"], r["b"], r["participant"], r["set"]): r for r in rs if r["kind"] == "paired_prompts"}
     body = [f"| {r['a']} − {r['b']} | {r['participant']} | {r['seeds']} | {_iv(r)} | {_tv(r)} | "
             f"{r['a_wins']}/{r['b_wins']} | "
-            + " | ".join(_iv(by[k]) if (k := (r["a"], r["b"], r["participant"], s)) in by else "–" for s in fams) + " |"
+            + " | ".join(_iv(by[k]) if (k := (r["a"], r["b"], r["participant"], f)) in by else "–"
+                         for f in fams) + " |"
             for r in rs if r["kind"] == "paired_prompts" and r["set"] == "ood"]
-    return gains_ + "\n\n" + _table(["A − B", "participant", "seeds", "OOD [95 % CI]", "t over seeds", "seeds won A/B",
-                                      *fams], body)
+    head = ["A − B", "participant", "seeds", "OOD [95 % CI]", "t over seeds", "seeds won A/B", *fams]
+    return gains_ + "\n\n" + _table(head, body)
 
 
 def efficiency(grids=(*LEARNING, OOD_PAIR, MIXED_PAIR)) -> str:

@@ -121,11 +121,13 @@ def test_an_interrupted_pack_leaves_no_finished_half_cell_and_a_second_one_compl
         pack(b, a, echo=lambda s: None)
     monkeypatch.setattr(shutil, "copy", real_copy)
     assert (a / "cells" / "alone__vertical__s2" / "done.json").exists()
-    assert (a / "cells" / "noIS__vertical__s2").is_dir() and not (a / "cells" / "noIS__vertical__s2" / "done.json").exists()
+    half = a / "cells" / "noIS__vertical__s2"
+    assert half.is_dir() and not (half / "done.json").exists()
     assert "noIS__vertical__s2" not in [c.name for c in gplan.discover_cells(a)]        # not counted as finished
     got = []
     assert pack(b, a, echo=got.append) == ["noIS__vertical__s2", "F-TIS__vertical__s2"]
-    assert any("noIS__vertical__s2: an unfinished folder there moved to noIS__vertical__s2.interrupted-" in s for s in got)
+    assert any("noIS__vertical__s2: an unfinished folder there moved to noIS__vertical__s2.interrupted-" in s
+               for s in got)
     assert main(["grid", "--summary-only", "--out", str(a)]) == 0
     for name in OUTPUTS:
         assert (a / name).read_bytes() == (grids["whole"] / name).read_bytes(), name
@@ -181,7 +183,8 @@ def test_pack_on_the_command_line_names_what_is_wrong(grids, tmp_path, capsys):
     assert "--pack needs --out" in capsys.readouterr().err
     (b / "grid.json").write_text(json.dumps({**META, "metric": "greedy"}))
     assert main(["grid", "--pack", str(b), "--out", str(a)]) == 2
-    assert "grid.json metric: 'greedy' in" in capsys.readouterr().err and not (a / "cells" / "alone__vertical__s2").exists()
+    assert "grid.json metric: 'greedy' in" in capsys.readouterr().err
+    assert not (a / "cells" / "alone__vertical__s2").exists()
     assert main(["grid", "--pack", str(a), "--out", str(a)]) == 2
     assert "the same folder as --out" in capsys.readouterr().err
 

@@ -93,7 +93,8 @@ def merged_meta(meta: dict, cells: list[Cell], variants: dict | None = None) -> 
     groupings and seeds they cover, in plan order, and their names; the variants of both."""
     labels = sorted({c.label for c in cells}, key=method_order)
     seeds = sorted({c.seed for c in cells})
-    return {**meta, "modes": [m for m in meta.get("modes", []) if m in labels] + [m for m in labels if m not in meta.get("modes", [])],
+    known = meta.get("modes") or []
+    return {**meta, "modes": [m for m in known if m in labels] + [m for m in labels if m not in known],
             "groups": [g for g in ("vertical", "horizontal") if any(c.groups == g for c in cells)],
             "seeds": len(seeds) if seeds == list(range(len(seeds))) else seeds,
             "variants": {**(meta.get("variants") or {}), **(variants or {})},
@@ -124,7 +125,8 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
     dmeta = smeta if fresh else _meta(dest)          # a new grid folder: the source's grid, its cells checked
     for k in GRID_KEYS:
         if smeta.get(k) != dmeta.get(k):
-            raise PackError(f"grid.json {k}: {smeta.get(k)!r} in {src} but {dmeta.get(k)!r} in {dest}: not one experiment")
+            raise PackError(f"grid.json {k}: {smeta.get(k)!r} in {src} but {dmeta.get(k)!r} in {dest}: "
+                            "not one experiment")
     if smeta.get("transport") != dmeta.get("transport"):
         echo(f"[pack] note: cells run through {smeta.get('transport')} in {src.name}, {dmeta.get('transport')} in "
              f"{dest.name} (the same engine; grid.json keeps {dmeta.get('transport')})")
@@ -135,7 +137,8 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
     if not new and fresh:
         raise PackError(f"{src}: no finished cell to pack")
     # each cell's configuration against the destination's (a new folder: the source's first cell)
-    refs = {h.name: (h, dest / "cells" / h.name) for h in have.values()} or {new[0].name: (new[0], src / "cells" / new[0].name)}
+    refs = ({h.name: (h, dest / "cells" / h.name) for h in have.values()}
+            or {new[0].name: (new[0], src / "cells" / new[0].name)})
     for c in discover_cells(src):
         if c.name in have:
             echo(f"[pack] {c.name}: already in {dest.name}, kept as it is")
@@ -182,5 +185,6 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
         part.rename(final)
         shutil.copy(src / "cells" / c.name / "done.json", final / "done.json")      # last: now it counts
         echo(f"[pack] {c.name}: packed into {dest}")
-    (dest / "grid.json").write_text(json.dumps(merged_meta(dmeta, discover_cells(dest), smeta.get("variants")), indent=1))
+    meta = merged_meta(dmeta, discover_cells(dest), smeta.get("variants"))
+    (dest / "grid.json").write_text(json.dumps(meta, indent=1))
     return [c.name for c in new]
