@@ -75,7 +75,10 @@ def _differences(a, b, path: str = "") -> list[str]:
 def check_config(cell: Cell, cfg: dict, ref_cell: Cell, ref: dict, where: str = "the destination") -> None:
     """``cfg`` (a packed cell's run configuration) equals ``ref`` (a destination cell's) outside
     ``CELL_KEYS``; a reference of another method also leaves out the method's own settings
-    (``objective``, ``checks``: a variant's items land there). PackError naming the entries."""
+    (``objective``, ``checks``: where the loss mode and the built-in variants' items land). A new
+    variant whose items change other settings (``2G``'s ``prompts-per-round``) is refused until the
+    destination holds a cell of it: run that first cell into the grid itself. PackError naming the
+    entries."""
     skip = CELL_KEYS if ref_cell.label == cell.label else CELL_KEYS + ("objective", "checks")
     diffs = _differences(_without(cfg, skip), _without(ref, skip))
     if diffs:
