@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from ftis_fed.grid.plan import Cell, discover_cells, method_order
-from ftis_fed.grid.records import initial_rows, check_starts, check_weights, shared_start
+from ftis_fed.grid.records import check_starts, check_weights, initial_rows, shared_start
 from ftis_fed.grid.run import KEPT
 
 #: grid.json keys two grids must share to be one experiment (the transport may differ: one engine).
