@@ -14,8 +14,8 @@ preset or other run-config items.
 
 More seeds elsewhere, then joined (``ftis_fed.grid.pack``: every cell checked to belong first):
 
-    ftis-fed grid --preset grid-small --modes alone,F-TIS --seeds 5 --seed-from 3 --out /tmp/more
-    ftis-fed grid --pack /tmp/more --out outputs/grid-grid-small
+    ftis-fed grid --preset grid-small --modes alone,F-TIS --seeds 5 --seed-from 3 --out outputs/more
+    ftis-fed grid --pack outputs/more --out outputs/grid-grid-small
 
 A *variant* is a method plus extra run-config items, written ``MODE+VARIANT`` in ``--modes``:
 ``F-TIS+adapt`` is F-TIS with ``source-adapt = "kl"`` (``VARIANTS``; ``--variant NAME:key=value,...``
@@ -55,7 +55,7 @@ from pathlib import Path
 
 from ftis_fed.grid.metric import BY_NAME as METRIC_NAMES, MissingMetric, metric as metric_named, recorded_metric
 from ftis_fed.grid.pack import PackError, merged_meta, pack
-from ftis_fed.grid.plan import VARIANTS, discover_cells, method_order, parse_variant, plan
+from ftis_fed.grid.plan import VARIANTS, discover_cells, parse_variant, plan, plan_order
 from ftis_fed.grid.records import MixedWeights
 from ftis_fed.grid.report import write_summary
 from ftis_fed.commands.cells import inprocess_runner, sim_runner
@@ -149,8 +149,7 @@ def grid_meta(out: Path, fixed: dict, cells, variants: dict) -> dict:
             raise ValueError(f"{out} holds a grid with {k} {old.get(k)!r}, not {fixed[k]!r}: use another --out "
                              "(and --pack it into this one if it is the same experiment)")
     planned = {c.name: c for c in cells}
-    held = [c for c in discover_cells(out) if c.name not in planned] if (out / "cells").exists() else []
-    union = sorted([*cells, *held], key=lambda c: (c.seed, c.groups != "vertical", method_order(c.label)))
+    union = sorted([*cells, *(c for c in discover_cells(out) if c.name not in planned)], key=plan_order)
     order = ("preset", "modes", "groups", "seeds", "run_config", "transport", "variants", "cells", "metric")
     meta = {k: None for k in order} | old | fixed
     meta["modes"] = list(dict.fromkeys([*(old.get("modes") or []), *(c.label for c in cells)]))

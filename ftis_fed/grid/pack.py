@@ -124,7 +124,8 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
     if src == dest:
         raise PackError(f"--pack {src}: the same folder as --out")
     smeta = _meta(src)
-    fresh = not (dest / "grid.json").exists() and not ((dest / "cells").exists() and discover_cells(dest))
+    have = {c.name: c for c in discover_cells(dest)}
+    fresh = not (dest / "grid.json").exists() and not have
     dmeta = smeta if fresh else _meta(dest)          # a new grid folder: the source's grid, its cells checked
     for k in GRID_KEYS:
         if smeta.get(k) != dmeta.get(k):
@@ -133,16 +134,16 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
     if smeta.get("transport") != dmeta.get("transport"):
         echo(f"[pack] note: cells run through {smeta.get('transport')} in {src.name}, {dmeta.get('transport')} in "
              f"{dest.name} (the same engine; grid.json keeps {dmeta.get('transport')})")
-    have = {c.name: c for c in discover_cells(dest)} if (dest / "cells").exists() else {}
     if not have and not fresh:
         raise PackError(f"{dest}: a grid.json but no finished cell to pack into")
-    new = [c for c in discover_cells(src) if c.name not in have]
+    src_cells = discover_cells(src)
+    new = [c for c in src_cells if c.name not in have]
     if not new and fresh:
         raise PackError(f"{src}: no finished cell to pack")
     # each cell's configuration against the destination's (a new folder: the source's first cell)
     refs = ({h.name: (h, dest / "cells" / h.name) for h in have.values()}
             or {new[0].name: (new[0], src / "cells" / new[0].name)})
-    for c in discover_cells(src):
+    for c in src_cells:
         if c.name in have:
             echo(f"[pack] {c.name}: already in {dest.name}, kept as it is")
     svar, dvar = smeta.get("variants") or {}, dmeta.get("variants") or {}

@@ -136,6 +136,11 @@ def method_order(method: str) -> tuple[int, str]:
 
 
 
+def plan_order(cell: Cell) -> tuple:
+    """Sort key of the plan's order: seed, vertical before horizontal, the paper's method order."""
+    return (cell.seed, cell.groups != "vertical", method_order(cell.label))
+
+
 def discover_cells(out: Path) -> list[Cell]:
     """The finished cells in ``out/cells`` (``<label>__<groups>__s<seed>`` with a ``done.json``), in
     plan order (seed, grouping, method): what ``--summary-only`` summarises."""
@@ -144,4 +149,4 @@ def discover_cells(out: Path) -> list[Cell]:
         label, groups, seed = done.parent.name.split("__")
         mode, _, var = label.partition("+")
         cells.append(Cell(mode, groups, int(seed.removeprefix("s")), var))
-    return sorted(cells, key=lambda c: (c.seed, c.groups != "vertical", method_order(c.label)))
+    return sorted(cells, key=plan_order)
