@@ -33,7 +33,8 @@ reason, or ``error``; on CUDA each also has ``peak_gpu_memory``):
   (vLLM's part needs CUDA and vLLM); the ratio.
 - ``federation``: a ``rounds``-round ``ftis-fed sim`` of the ``gpu-offline`` preset (dry:
   ``quick``), seconds per round from its metrics (``fed/round_seconds``). Off in ``--dry`` unless
-  ``--federation``: on 2 CPU cores it takes minutes.
+  ``--federation``: on 2 CPU cores it takes minutes. ``--transport inprocess`` runs it through the
+  same engine and participants without Flower and Ray (a machine that has neither).
 
 Exit status: 0 when no check failed (and, without ``--dry``, CUDA really ran); 1 otherwise.
 """
@@ -308,7 +309,7 @@ def _free_port() -> int:
 def check_federation(a) -> dict:
     if a.dry and not a.federation:
         return {"skipped": "dry run without --federation (minutes on a CPU)"}
-    from ftis_fed.commands.sim import simulate
+    from ftis_fed.commands.sim import simulate, simulate_inprocess
 
     preset = a.preset or ("gpu-offline" if cuda() else "quick")
     tmp = Path(tempfile.mkdtemp(prefix="ftis-gpu-check-"))
@@ -317,9 +318,13 @@ def check_federation(a) -> dict:
                                     "FTIS_FED_RUNTIME": str(tmp / "rt")}))
     try:
         t0 = time.perf_counter()
+        run_config = [f"num-rounds={a.rounds}", f'output-dir="{tmp / "out"}"']
         with contextlib.redirect_stdout(sys.stderr):
-            rc = simulate(ROOT, run_config=[f"num-rounds={a.rounds}", f'output-dir="{tmp / "out"}"'], preset=preset,
-                          address=f"127.0.0.1:{_free_port()}", stream=False)
+            if a.transport == "inprocess":         # the same engine and participants, no Flower or Ray
+                rc = simulate_inprocess(ROOT, run_config=run_config, preset=preset)
+            else:
+                rc = simulate(ROOT, run_config=run_config, preset=preset, address=f"127.0.0.1:{_free_port()}",
+                              stream=False)
         wall = time.perf_counter() - t0
         rows = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()
                 if line.strip()] if (tmp / "out" / "metrics.jsonl").exists() else []
@@ -333,7 +338,8 @@ def check_federation(a) -> dict:
         if not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     per_round = [round(float(r["fed/round_seconds"]), 1) for r in rows if "fed/round_seconds" in r]
-    return {"preset": preset, "rounds": a.rounds, "exit_status": rc, "wall_s": round(wall, 1),
+    return {"preset": preset, "transport": a.transport, "rounds": a.rounds, "exit_status": rc,
+            "wall_s": round(wall, 1),
             "round_seconds": per_round, "ok": rc == 0 and len(per_round) == a.rounds}
 
 
@@ -384,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--preset", default="", help="federation preset (default gpu-offline; dry: quick)")
     ap.add_argument("--federation", action="store_true", help="with --dry: run the federation too")
+    ap.add_argument("--transport", choices=("flwr", "inprocess"), default="flwr",
+                    help="how the federation runs: flwr (ftis-fed sim: flwr run, Ray) or inprocess (the same "
+                         "engine and participants without Flower, for a machine without flwr/ray)")
     ap.add_argument("--skip", default="", help="comma-separated checks to leave out")
     ap.add_argument("--keep", action="store_true", help="keep the federation's output folder")
     ap.add_argument("--out", default="", help="also append the JSON line to this file")

@@ -60,6 +60,16 @@ def test_dry_run_exercises_the_cpu_paths_and_skips_cuda(capfd):
     assert res["failed"] == []
 
 
+def test_dry_federation_through_the_inprocess_transport(capfd):
+    """``--transport inprocess``: the federation check on a machine without Ray (how it ran on the H200,
+    docs/gpu.md): the same engine and participants, seconds per round from the run's own metrics."""
+    res = dry_in_process(capfd, "--skip", "participants,qlora,bf16_weights,throughput,vllm", "--federation",
+                         "--transport", "inprocess", "--rounds", "2")
+    f = res["federation"]
+    assert res["ok"] and f["ok"] and f["exit_status"] == 0, f
+    assert f["preset"] == "quick" and f["transport"] == "inprocess" and len(f["round_seconds"]) == 2
+
+
 @pytest.mark.slow                      # Ray start-up and a 2-round CPU federation: minutes
 def test_dry_run_with_participants_and_federation():
     res = run_dry("--skip", "qlora,bf16_weights,throughput", "--federation", "--rounds", "2")
