@@ -107,6 +107,17 @@ def test_a_cell_the_destination_has_is_kept_as_it_is(grids, tmp_path):
     assert any("alone__vertical__s2: already in a, kept as it is" in s for s in got)
 
 
+def test_a_grid_from_before_metric_existed_reads_as_greedy(grids, tmp_path):
+    """A grid.json written before ``--metric`` records none: its cells were summarised on greedy
+    pass@1 (``recorded_metric``), so greedy cells join it and sampled ones do not."""
+    a, b = _copies(grids, tmp_path)
+    (a / "grid.json").write_text(json.dumps({k: v for k, v in META.items() if k != "metric"}))
+    with pytest.raises(PackError, match="metric: 'sampled' in .* but 'greedy' in"):
+        pack(b, a, echo=lambda s: None)
+    (b / "grid.json").write_text(json.dumps({**META, "metric": "greedy"}))
+    assert pack(b, a, echo=lambda s: None) == [f"{m}__vertical__s2" for m in MODES]
+
+
 def test_an_interrupted_pack_leaves_no_finished_half_cell_and_a_second_one_completes(grids, tmp_path, monkeypatch):
     a, b = _copies(grids, tmp_path)
     real_copy = shutil.copy

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ftis_fed.grid.metric import recorded_metric
 from ftis_fed.grid.plan import Cell, discover_cells, method_order
 from ftis_fed.grid.records import check_starts, check_weights, initial_rows, shared_start
 from ftis_fed.grid.run import KEPT
@@ -44,7 +45,8 @@ def _meta(out: Path) -> dict:
     path = out / "grid.json"
     if not path.exists():
         raise PackError(f"{path}: no grid.json (not a grid folder written by ftis-fed grid)")
-    return json.loads(path.read_text())
+    meta = json.loads(path.read_text())
+    return {**meta, "metric": recorded_metric(out)}           # a grid from before --metric: greedy
 
 
 def _config(cell_dir: Path) -> dict:
