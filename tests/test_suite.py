@@ -1,0 +1,49 @@
+"""sims/suite.py: the learning tier's suite read from the committed grids — the commands that make
+each grid's finished cells, and what the cells cost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sims import suite
+
+
+def _grid(tmp: Path, cells: dict[str, float], meta: dict) -> Path:
+    for name, seconds in cells.items():
+        (tmp / "cells" / name).mkdir(parents=True)
+        (tmp / "cells" / name / "done.json").write_text(json.dumps({"seconds": seconds, "load1_start": 2.0}))
+    (tmp / "cells" / "TIS__vertical__s9").mkdir()                   # unfinished: no done.json, not a cell
+    (tmp / "grid.json").write_text(json.dumps(meta))
+    return tmp
+
+
+def test_one_command_per_set_of_methods_sharing_their_seeds(tmp_path):
+    meta = {"preset": "research-w", "transport": "inprocess", "run_config": ["eval-seed=0", "num-rounds=10"],
+            "metric": "sampled", "variants": {"guard": {"source-adapt": "guard"}, "2G": {"prompts-per-round": 64}}}
+    cells = {f"{m}__vertical__s{s}": 60.0 for m in ("alone", "alone+2G") for s in range(3)}
+    cells |= {"F-TIS+guard__vertical__s0": 600.0, "F-TIS+guard__vertical__s1": 600.0,
+              "F-TIS+guard__vertical__s3": 600.0}
+    grid = _grid(tmp_path, cells, meta)
+    common = ["ftis-fed", "grid", "--preset", "research-w", "--transport", "inprocess", "--eval-seed", "0",
+              "--run-config", "num-rounds=10", "--metric", "sampled", "--out", str(grid)]
+    assert suite.commands(grid) == [
+        [*common, "--modes", "alone,alone+2G", "--groups", "vertical", "--variant", "2G:prompts-per-round=64",
+         "--seeds", "3"],
+        [*common, "--modes", "F-TIS+guard", "--groups", "vertical", "--seeds", "2"],      # built-in: no --variant
+        [*common, "--modes", "F-TIS+guard", "--groups", "vertical", "--seeds", "1", "--seed-from", "3"]]
+    assert suite.cost(grid) == {"cells": 9, "seconds": 2160.0, "load": 2.0}
+
+
+def test_the_committed_suite_has_a_command_for_every_finished_cell(capsys):
+    assert suite.main([]) == 0
+    out = capsys.readouterr().out
+    for name in suite.SUITE:
+        grid = suite.RESULTS / name
+        planned = 0
+        for cmd in suite.commands(grid):
+            n = int(cmd[cmd.index("--seeds") + 1])
+            planned += n * len(cmd[cmd.index("--modes") + 1].split(","))
+        assert planned == suite.cost(grid)["cells"] > 0, name
+        assert f"| `{name}` |" in out
+    assert "cell-hours: at least" in out and "docs/results/research-w " in out
