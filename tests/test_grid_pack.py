@@ -107,6 +107,29 @@ def test_a_cell_the_destination_has_is_kept_as_it_is(grids, tmp_path):
     assert any("alone__vertical__s2: already in a, kept as it is" in s for s in got)
 
 
+def test_cells_of_another_code_version_compare_on_what_both_record(grids, tmp_path):
+    """A setting only one side records (the older code did not have it) must hold today's default;
+    one today's code no longer has is named, not compared."""
+    from ftis_fed.config.federation import FederationConfig
+
+    a, b = _copies(grids, tmp_path)
+    default_share = FederationConfig().attack_payload_share
+    for value, packs in ((default_share, True), (default_share / 2, False)):
+        for cell in (b / "cells").iterdir():
+            cfg = json.loads((cell / "run" / "config.json").read_text())
+            (cell / "run" / "config.json").write_text(json.dumps({**cfg, "attack_payload_share": value,
+                                                                   "retired_setting": 1}))
+        got = []
+        if packs:
+            assert pack(b, a, echo=got.append) == [f"{m}__vertical__s2" for m in MODES]
+            assert any("recorded by one code version only, not compared: retired_setting" in s for s in got)
+        else:
+            a2 = tmp_path / "a2"
+            shutil.copytree(grids["first"], a2)
+            with pytest.raises(PackError, match=rf"attack_payload_share = {value} \(here absent\)"):
+                pack(b, a2, echo=got.append)
+
+
 def test_a_grid_from_before_metric_existed_reads_as_greedy(grids, tmp_path):
     """A grid.json written before ``--metric`` records none: its cells were summarised on greedy
     pass@1 (``recorded_metric``), so greedy cells join it and sampled ones do not."""
@@ -166,7 +189,7 @@ def _other_weights(r: dict) -> dict:
     (lambda a, b: (b / "cells" / "noIS__vertical__s2" / "run" / "config.json").write_text(
         json.dumps({"eval_samples": 4, "num_rounds": 9})),
      PackError, "noIS__vertical__s2: its run configuration differs from noIS__vertical__s0's in the destination: "
-                "num_rounds = 9 (here None)"),
+                "num_rounds = 9 (here absent)"),
     (lambda a, b: _rewrite_metrics(b / "cells" / "alone__vertical__s2", _other_start),
      PackError, "the evaluation before round 1 differs: alone__vertical__s0 in"),
     (lambda a, b: _rewrite_metrics(b / "cells" / "F-TIS__vertical__s2", _other_weights),

@@ -68,24 +68,62 @@ def _without(cfg: dict, paths: tuple[str, ...]) -> dict:
     return cfg
 
 
-def _differences(a, b, path: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{path}.{k}".lstrip("."))]
-    return [] if a == b else [f"{path} = {a!r} (here {b!r})"]
+_ABSENT = object()
 
 
-def check_config(cell: Cell, cfg: dict, ref_cell: Cell, ref: dict, where: str = "the destination") -> None:
+def _leaves(cfg, path: str = "") -> dict:
+    """``cfg`` as dotted paths -> values (nested settings flattened)."""
+    if isinstance(cfg, dict):
+        return {k: v for key, sub in cfg.items() for k, v in _leaves(sub, f"{path}.{key}".lstrip(".")).items()}
+    return {path: cfg}
+
+
+def _defaults() -> dict:
+    from ftis_fed.config.federation import FederationConfig, to_jsonable
+
+    return _leaves(to_jsonable(FederationConfig()))
+
+
+def _differences(a: dict, b: dict) -> tuple[list[str], list[str]]:
+    """The settings in which run configurations ``a`` and ``b`` differ, and those only one of them
+    records that are left out as another code version's: cells run before a setting existed do not
+    record it, so a setting recorded on one side only counts as a difference unless it holds today's
+    default (what the older code did); one today's code no longer has (renamed) is named, not
+    compared."""
+    la, lb, defaults = _leaves(a), _leaves(b), None
+    diffs, versions = [], []
+    for k in sorted(set(la) | set(lb)):
+        va, vb = la.get(k, _ABSENT), lb.get(k, _ABSENT)
+        if va == vb:
+            continue
+        if va is _ABSENT or vb is _ABSENT:
+            defaults = defaults if defaults is not None else _defaults()
+            value = vb if va is _ABSENT else va
+            if k not in defaults:
+                versions.append(k)
+                continue
+            if value == defaults[k]:
+                continue
+        shown = lambda v: "absent" if v is _ABSENT else repr(v)                      # noqa: E731
+        diffs.append(f"{k} = {shown(va)} (here {shown(vb)})")
+    return diffs, versions
+
+
+def check_config(cell: Cell, cfg: dict, ref_cell: Cell, ref: dict, where: str = "the destination",
+                 echo: Callable[[str], None] = print) -> None:
     """``cfg`` (a packed cell's run configuration) equals ``ref`` (a destination cell's) outside
     ``CELL_KEYS``; a reference of another method also leaves out the method's own settings
     (``objective``, ``checks``: where the loss mode and the built-in variants' items land). A new
     variant whose items change other settings (``2G``'s ``prompts-per-round``) is refused until the
-    destination holds a cell of it: run that first cell into the grid itself. PackError naming the
-    entries."""
+    destination holds a cell of it: run that first cell into the grid itself. Cells of another code
+    version compare as ``_differences`` says. PackError naming the entries."""
     skip = CELL_KEYS if ref_cell.label == cell.label else CELL_KEYS + ("objective", "checks")
-    diffs = _differences(_without(cfg, skip), _without(ref, skip))
+    diffs, versions = _differences(_without(cfg, skip), _without(ref, skip))
     if diffs:
         raise PackError(f"{cell.name}: its run configuration differs from {ref_cell.name}'s in {where}: "
                         + "; ".join(diffs[:5]) + (f" (+{len(diffs) - 5} more)" if len(diffs) > 5 else ""))
+    if versions:
+        echo(f"[pack] {cell.name}: settings recorded by one code version only, not compared: {', '.join(versions)}")
 
 
 def _initial_values(cell_dir: Path) -> dict:
@@ -154,7 +192,7 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
             raise PackError(f"variant {c.variant!r}: {svar.get(c.variant)} in {src} but {dvar[c.variant]} in {dest}")
         ref, ref_dir = next((r for r in refs.values() if r[0].label == c.label), next(iter(refs.values())))
         check_config(c, _config(src / "cells" / c.name), ref, _config(ref_dir),
-                     "the destination" if have else "the source (the destination is new)")
+                     "the destination" if have else "the source (the destination is new)", echo)
     with tempfile.TemporaryDirectory() as tmp:               # the union, as links: the summary's own checks
         union = Path(tmp)
         (union / "cells").mkdir()
