@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="", help="a registered or local model (else one is built from the spec below)")
-    ap.add_argument("--size", choices=("s", "m", "l"), default="s", help="micro shape: 0.33 M / 1.2 M / 3.6 M")
+    ap.add_argument("--size", choices=("t", "s", "m", "l"), default="s",
+                    help="micro shape: 0.11 M / 0.33 M / 1.2 M / 3.6 M")
     ap.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="the built model's architecture")
     ap.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe", help="the built model's tokenizer")
     ap.add_argument("--families", default="add99,sub99", help="ID families (warm-up and evaluation)")
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     built = {}
     model = a.model
     if not model:
-        shape = {"s": micro._SMALL, "m": micro._MEDIUM, "l": micro._LARGE}[a.size]
+        shape = {"t": micro._TINY, "s": micro._SMALL, "m": micro._MEDIUM, "l": micro._LARGE}[a.size]
         spec = micro.MicroSpec(a.arch, a.tokenizer, **shape, families=families, steps=a.steps, lr=a.lr, batch=64,
                                worked=a.worked)
         out = Path(a.out or Path(tempfile.gettempdir()) / f"ftis-micro-{a.arch}-{a.tokenizer}-{a.size}-"

@@ -27,6 +27,7 @@ name                       arch    tokenizer  size          warm-up on   role
 ``micro-llama-w-o``        Llama   BPE        0.33 M, 3 L   add99+sub99  worked base, OOD not at 0
 ``micro-llama-w-sub-o``    Llama   BPE        0.33 M, 3 L   sub99        worked specialist, OOD not at 0
 ``micro-qwen-w-sub-char``  Qwen2   char       0.33 M, 3 L   sub99        worked specialist, other tokenizer
+``micro-llama-w-t``        Llama   BPE        0.11 M, 2 L   add99+sub99  worked, the size pair's small model
 =========================  ======  =========  ============  ===========  =================================
 
 The ``-w`` models (issue #27's learning tier, calibrated: docs/results/calibration/) answer
@@ -296,6 +297,7 @@ def build_micro(out: Path, spec: MicroSpec, log: bool = True) -> None:
 
 # ----------------------------------------------------------------------------- the family
 
+_TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=176)
 _SMALL = dict(hidden=96, layers=3, heads=4, kv_heads=2, intermediate=256)
 _MEDIUM = dict(hidden=160, layers=4, heads=4, kv_heads=2, intermediate=448)
 _LARGE = dict(hidden=256, layers=5, heads=8, kv_heads=4, intermediate=688)
@@ -330,6 +332,11 @@ MICRO_MODELS: dict[str, MicroSpec] = {
     # worked subtraction (215 steps: greedy 0.50, pass@1 at T 0.7 0.22 on sub99; 200 / 225 gave 0.28 / 0.83)
     "micro-qwen-w-sub-char": MicroSpec("qwen2", "char", **_SMALL, families=("sub99",), steps=215, lr=3e-3, batch=64,
                                        worked=True),
+    # the learning tier's size pair's small model: a third of micro-llama-w250's parameters (0.11 M), the same
+    # worked families, started where micro-llama-w250 starts (350 steps: pass@1 at T 0.7 0.30 / 0.28 on add99 /
+    # sub99; 340 steps started at 0.155 sampled and gained +3.7 alone in 100 rounds: docs/models.md)
+    "micro-llama-w-t": MicroSpec("llama", "bpe", **_TINY, families=("add99", "sub99"), steps=350, lr=3e-3, batch=64,
+                                 worked=True),
 }
 
 for _name, _spec in MICRO_MODELS.items():
