@@ -51,6 +51,32 @@ def test_a_trained_build_is_stamped_and_a_copy_built_otherwise_is_rebuilt(fake_t
     assert len(fake_trained) == 3
 
 
+def test_a_build_of_another_recipe_is_rebuilt(fake_trained, monkeypatch):
+    """A registry spec changed since the cache was built (a micro model's warm-up steps, say): the
+    stamp's recipe differs, so the next use rebuilds instead of loading the old weights."""
+    monkeypatch.setitem(store.RECIPES, "fake-trained", "MicroSpec(steps=340)")
+    out = store.cache_root() / "models" / "fake-trained"
+    resolve_model("fake-trained")
+    assert json.loads((out / store.BUILD_STAMP).read_text())["recipe"] == "MicroSpec(steps=340)"
+    resolve_model("fake-trained")
+    assert len(fake_trained) == 1
+    monkeypatch.setitem(store.RECIPES, "fake-trained", "MicroSpec(steps=350)")
+    assert not store.is_built("fake-trained")
+    resolve_model("fake-trained")
+    assert len(fake_trained) == 2 and json.loads((out / "config.json").read_text())["build"] == 2
+    stamp = json.loads((out / store.BUILD_STAMP).read_text())
+    assert stamp["recipe"] == "MicroSpec(steps=350)"
+    del stamp["recipe"]                                              # a stamp from before recipes: kept
+    (out / store.BUILD_STAMP).write_text(json.dumps(stamp))
+    assert store.is_built("fake-trained")
+
+
+def test_every_micro_model_has_its_spec_as_recipe():
+    from ftis_fed.policies import micro
+
+    assert {n: store.RECIPES[n] for n in micro.MICRO_MODELS} == {n: repr(s) for n, s in micro.MICRO_MODELS.items()}
+
+
 def test_an_untrained_build_needs_no_stamp(tmp_path, monkeypatch):
     monkeypatch.setenv("FTIS_FED_CACHE", str(tmp_path))
     calls = []

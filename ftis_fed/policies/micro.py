@@ -75,7 +75,7 @@ from typing import Sequence
 
 # torch is imported inside the builders: importing this module only registers them (the launcher's
 # model-name check does, and needs no torch)
-from ftis_fed.policies.store import OFFLINE_MODELS, TRAINED_BUILDS
+from ftis_fed.policies.store import OFFLINE_MODELS, RECIPES, TRAINED_BUILDS
 
 #: Special tokens, ids 0.. in this order: padding, end of reply (EOS), the two chat roles.
 PAD, EOS, USER, ASSISTANT, SYSTEM = "<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"
@@ -342,3 +342,4 @@ MICRO_MODELS: dict[str, MicroSpec] = {
 for _name, _spec in MICRO_MODELS.items():
     OFFLINE_MODELS[_name] = lambda out, spec=_spec: build_micro(out, spec)
 TRAINED_BUILDS.update(MICRO_MODELS)               # warm-ups: built with pinned kernels (store.TRAINED_BUILDS)
+RECIPES.update({_name: repr(_spec) for _name, _spec in MICRO_MODELS.items()})   # a changed spec rebuilds

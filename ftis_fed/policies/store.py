@@ -157,6 +157,10 @@ OFFLINE_MODELS: dict[str, Callable[[Path], None]] = {
 #: older cache, or built otherwise, is rebuilt on its next use. Elsewhere (no AVX2: ARM, old x86) the
 #: build runs as it is and its weights may differ from the committed ones.
 TRAINED_BUILDS: set[str] = set()
+#: name -> the recipe of a build (a micro model's spec, ``repr``), recorded in its stamp: a cached build
+#: whose stamp records another recipe (the registry's spec changed since) is rebuilt on its next use.
+#: Stamps from before recipes were recorded carry none and are kept.
+RECIPES: dict[str, str] = {}
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 BUILD_STAMP = "ftis_fed_build.json"
 
@@ -179,11 +183,13 @@ def _pinned_here() -> bool:
     return all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items())
 
 
-def _stamp_ok(folder: Path) -> bool:
+def _stamp_ok(folder: Path, name: str = "") -> bool:
     try:
-        return json.loads((folder / BUILD_STAMP).read_text()).get("kernels") == build_kernels()
+        stamp = json.loads((folder / BUILD_STAMP).read_text())
     except (OSError, ValueError):
         return False
+    recipe = stamp.get("recipe")
+    return stamp.get("kernels") == build_kernels() and (recipe is None or recipe == RECIPES.get(name))
 
 
 def _build_trained(name: str, out: Path) -> None:
@@ -209,11 +215,11 @@ def build_here(name: str, out: Path) -> None:
         kernels = "unpinned"                            # an AVX2 CPU's build without the pin: not stamped as one
     (out / BUILD_STAMP).write_text(json.dumps(
         {"model": name, "kernels": kernels, "aten_capability": torch.backends.cpu.get_cpu_capability(),
-         "torch": torch.__version__}, indent=1) + "\n")
+         "torch": torch.__version__, **({"recipe": RECIPES[name]} if name in RECIPES else {})}, indent=1) + "\n")
 
 
 def _cached(name: str, out: Path) -> bool:
-    return (out / "config.json").exists() and (name not in TRAINED_BUILDS or _stamp_ok(out))
+    return (out / "config.json").exists() and (name not in TRAINED_BUILDS or _stamp_ok(out, name))
 
 
 def is_built(name: str) -> bool:
