@@ -78,6 +78,10 @@ def _leaves(cfg, path: str = "") -> dict:
     return {path: cfg}
 
 
+def _shown(v) -> str:
+    return "absent" if v is _ABSENT else repr(v)
+
+
 def _defaults() -> dict:
     from ftis_fed.config.federation import FederationConfig, to_jsonable
 
@@ -104,8 +108,7 @@ def _differences(a: dict, b: dict) -> tuple[list[str], list[str]]:
                 continue
             if value == defaults[k]:
                 continue
-        shown = lambda v: "absent" if v is _ABSENT else repr(v)                      # noqa: E731
-        diffs.append(f"{k} = {shown(va)} (here {shown(vb)})")
+        diffs.append(f"{k} = {_shown(va)} (here {_shown(vb)})")
     return diffs, versions
 
 
