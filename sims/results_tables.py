@@ -28,8 +28,10 @@ STEPS = "research-w-spec-steps"
 OOD_PAIR = "research-w-ood"
 #: the mixed pair: a specialist of another architecture and tokenizer (every peer batch re-tokenized)
 MIXED_PAIR = "research-w-mixed"
+#: the size pair: a third of the parameters beside micro-llama-w250, started at the same competence
+SIZE_PAIR = "research-w-sizes"
 #: every learning-tier grid with a verdict column, in the order the document reads them
-DECIDED = (*LEARNING, STEPS, OOD_PAIR, MIXED_PAIR)
+DECIDED = (*LEARNING, STEPS, OOD_PAIR, MIXED_PAIR, SIZE_PAIR)
 MICRO = ("research", "research-ood", "research-sizes", "research-mixed", "smollm2-check")
 #: claim statements shortened in the verdict tables (the summaries' own text is longer)
 SHORT = {"5": "the stronger partner loses OOD accuracy with F-TIS vs Alone",
@@ -62,7 +64,7 @@ def _table(head: list[str], body: list[str]) -> str:
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *body])
 
 
-def calibration(grids=(*LEARNING, OOD_PAIR, MIXED_PAIR, *MICRO)) -> str:
+def calibration(grids=(*LEARNING, OOD_PAIR, MIXED_PAIR, SIZE_PAIR, *MICRO)) -> str:
     """Alone's gain per participant with the start's greedy / sampled pass@1 and pass@k."""
     body = []
     for g in grids:
@@ -149,7 +151,7 @@ def ood(grid: str) -> str:
     return gains_ + "\n\n" + _table(head, body)
 
 
-def efficiency(grids=(*LEARNING, OOD_PAIR, MIXED_PAIR)) -> str:
+def efficiency(grids=(*LEARNING, OOD_PAIR, MIXED_PAIR, SIZE_PAIR)) -> str:
     """Updates to reach alone's final level, over alone's updates (held-out ID and training reward)."""
     body = []
     for g in grids:
