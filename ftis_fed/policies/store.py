@@ -183,7 +183,7 @@ def _pinned_here() -> bool:
     return all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items())
 
 
-def _stamp_ok(folder: Path, name: str = "") -> bool:
+def _stamp_ok(folder: Path, name: str) -> bool:
     try:
         stamp = json.loads((folder / BUILD_STAMP).read_text())
     except (OSError, ValueError):
