@@ -3,12 +3,17 @@ tier, the commands that re-run it, and what it cost, all read from the grid's ow
 
     python -m sims.suite                                   # per grid: its commands, cells, cell-hours
     python -m sims.suite --run --out outputs/suite --jobs 2   # run the whole suite (resumable)
+    python -m sims.suite --check                           # today's presets still make the committed cells?
 
 A grid's commands come from its ``grid.json`` (preset, transport, metric, run-config items, variants)
 and its finished cells (which methods ran on which seeds): one ``ftis-fed grid`` command per set of
 methods that share their seeds, so re-running them gives the same cells. Its cost is the sum of its
 cells' ``done.json`` seconds (wall time of each cell, at the load recorded beside it), and the
 suite's wall time at ``--jobs`` cells at once is at least that sum divided by the jobs.
+
+The commands name presets, so they make the committed cells only while each preset, with the grid's
+items, still resolves to the run configuration its cells recorded: ``drift`` resolves it today for
+one cell of each method and compares (``--check``; ``--run`` checks first and refuses on a drift).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from ftis_fed.grid.metric import recorded_metric
-from ftis_fed.grid.plan import VARIANTS, discover_cells
+from ftis_fed.grid.pack import PackError, check_config
+from ftis_fed.grid.plan import VARIANTS, Cell, discover_cells
 from sims.results_tables import DECIDED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +36,12 @@ RESULTS = ROOT / "docs" / "results"
 #: the calibration's grids (its other sweeps are single runs: docs/results/calibration/README.md)
 CALIBRATION = ("calibration/sweep-1", "calibration/worked-1", "calibration/alone-5")
 SUITE = (*CALIBRATION, *DECIDED)
+#: run-config items a grid's cells ran with that its preset no longer holds (the preset moved on as the
+#: calibration went): the suite's commands for that grid add them, so they make the committed cells.
+PINNED: dict[str, tuple[str, ...]] = {
+    "calibration/worked-1": ("prompts-per-round=16", "task-scheme=\"expertise\"", "eval-size=128", "eval-samples=8",
+                             "threads=0"),
+}
 
 
 def _seed_args(seeds: list[int]) -> list[list[str]]:
@@ -43,8 +55,9 @@ def _seed_args(seeds: list[int]) -> list[list[str]]:
     return runs
 
 
-def commands(grid: Path, out: Path | None = None) -> list[list[str]]:
-    """The ``ftis-fed grid`` commands that make ``grid``'s finished cells, in ``out`` (default: ``grid``)."""
+def commands(grid: Path, out: Path | None = None, pinned: tuple[str, ...] = ()) -> list[list[str]]:
+    """The ``ftis-fed grid`` commands that make ``grid``'s finished cells, in ``out`` (default: ``grid``),
+    with ``pinned`` run-config items added (``PINNED``)."""
     meta = json.loads((grid / "grid.json").read_text())
     seeds: dict[tuple[str, str], list[int]] = defaultdict(list)
     for c in discover_cells(grid):
@@ -56,6 +69,8 @@ def commands(grid: Path, out: Path | None = None) -> list[list[str]]:
     for item in meta.get("run_config", []):
         key, _, value = item.partition("=")
         common += ["--eval-seed", value] if key == "eval-seed" else ["--run-config", item]
+    for item in pinned:
+        common += ["--run-config", item]
     common += ["--metric", recorded_metric(grid), "--out", str(out or grid)]
     cmds = []
     for (s, groups), labels in sorted(by_seeds.items(), key=lambda kv: -len(kv[0][0])):   # plan order within
@@ -68,6 +83,43 @@ def commands(grid: Path, out: Path | None = None) -> list[list[str]]:
             cmds.append(["ftis-fed", "grid", *common, "--modes", ",".join(labels), "--groups", groups,
                          *var_args, *seed_args])
     return cmds
+
+
+def today_config(grid: Path, cell: Cell, pinned: tuple[str, ...] = ()) -> dict:
+    """The run configuration ``cell`` of ``grid`` would record if its command ran today: the grid's
+    preset and items (``grid.json``), the ``pinned`` items, the variant's and the cell's own, resolved and parsed as
+    ``ftis-fed grid --transport inprocess`` does (``commands.sim``), without building a model."""
+    from ftis_fed.commands.sim import layered_overrides, merged_run_config
+    from ftis_fed.config.federation import to_jsonable
+    from ftis_fed.config.participants import absolute_paths
+    from ftis_fed.config.validation import validate_run_config
+
+    meta = json.loads((grid / "grid.json").read_text())
+    extra = {**VARIANTS, **(meta.get("variants") or {})}.get(cell.variant, {}) if cell.variant else {}
+    cell = Cell(cell.mode, cell.groups, cell.seed, cell.variant, tuple(sorted(extra.items())))
+    items = [*meta.get("run_config", []), *pinned,
+             *(f"{k}={json.dumps(v)}" for k, v in cell.run_config(grid / "cells" / cell.name / "run").items())]
+    overrides = layered_overrides(ROOT, items, meta["preset"])
+    rc, _ = absolute_paths(merged_run_config(ROOT, overrides), {})
+    return to_jsonable(validate_run_config(rc, check_models=False, explicit=overrides))
+
+
+def drift(grid: Path, pinned: tuple[str, ...] = ()) -> list[str]:
+    """Where ``grid``'s commands would no longer make its cells: for the first cell of each method,
+    the settings in which today's resolution (``today_config``) differs from its recorded
+    ``run/config.json``, compared as ``--pack`` compares two cells (``grid.pack.check_config``: a
+    setting only one side records counts unless it holds today's default). Empty when none differs."""
+    first: dict[str, Cell] = {}
+    for c in discover_cells(grid):
+        first.setdefault(c.label, c)
+    found = []
+    for cell in first.values():
+        recorded = json.loads((grid / "cells" / cell.name / "run" / "config.json").read_text())
+        try:
+            check_config(cell, recorded, cell, today_config(grid, cell, pinned), where="today's preset", echo=lambda _: None)
+        except PackError as e:
+            found.append(str(e))
+    return found
 
 
 def cost(grid: Path) -> dict:
@@ -83,15 +135,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", action="store_true", help="run every command (a finished cell is skipped)")
     ap.add_argument("--out", default="", help="with --run: the folder the grids go to (one sub-folder each)")
     ap.add_argument("--jobs", type=int, default=2, help="cells at once (--run), and the wall-time estimate's")
+    ap.add_argument("--check", action="store_true",
+                    help="only check that today's presets resolve to the committed cells' configurations")
     a = ap.parse_args(argv)
     if a.run and not a.out:
         ap.error("--run needs --out (the committed grids stay as they are)")
+    if a.check or a.run:
+        drifted = [(name, d) for name in SUITE for d in drift(RESULTS / name, PINNED.get(name, ()))]
+        for name, d in drifted:
+            print(f"[suite] {name}: {d}", file=sys.stderr)
+        print(f"[suite] {len(SUITE) - len({n for n, _ in drifted})} of {len(SUITE)} grids: today's presets "
+              "resolve to their cells' recorded configurations", file=sys.stderr)
+        if drifted:
+            return 1
+        if a.check:
+            return 0
     total_s, total_cells = 0.0, 0
     print(f"| grid | cells | cell-hours | mean load at a cell's start | commands |\n|---|---|---|---|---|")
     for name in SUITE:
         grid = RESULTS / name
         out = Path(a.out) / name if a.out else None
-        cmds = commands(grid, out)
+        cmds = commands(grid, out, PINNED.get(name, ()))
         c = cost(grid)
         total_s, total_cells = total_s + c["seconds"], total_cells + c["cells"]
         load = f"{c['load']:.1f}" if c["load"] is not None else "–"

@@ -47,3 +47,23 @@ def test_the_committed_suite_has_a_command_for_every_finished_cell(capsys):
         assert planned == suite.cost(grid)["cells"] > 0, name
         assert f"| `{name}` |" in out
     assert "cell-hours: at least" in out and "docs/results/research-w " in out
+
+
+def test_today_s_presets_resolve_to_every_committed_grid_s_cells(capsys, monkeypatch):
+    """Each grid's command names a preset: it makes the committed cells only while the preset (with the
+    grid's items and the suite's pins) resolves to what the cells recorded. worked-1 ran research-w as it
+    was before the calibration moved it (16 prompts a round on the expertise split, 128 held-out prompts):
+    without its pinned items it drifts, by exactly those settings."""
+    for name in suite.SUITE:
+        assert suite.drift(suite.RESULTS / name, suite.PINNED.get(name, ())) == [], name
+    found = suite.drift(suite.RESULTS / "calibration/worked-1")
+    assert len(found) == 2 and all("alone+lr" in f for f in found)
+    for setting in ("task.prompts_per_round = 16 (here 32)", "task.scheme = 'expertise' (here 'iid')",
+                    "eval_size = 128 (here 256)"):
+        assert setting in found[0]
+    assert suite.main(["--check"]) == 0
+    monkeypatch.setattr(suite, "PINNED", {})
+    assert suite.main(["--check"]) == 1
+    assert suite.main(["--run", "--out", "unused"]) == 1                 # refused before any cell runs
+    err = capsys.readouterr().err
+    assert "calibration/worked-1: alone+lr1__vertical__s0" in err and "9 of 10 grids" in err
