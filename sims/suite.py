@@ -116,7 +116,8 @@ def drift(grid: Path, pinned: tuple[str, ...] = ()) -> list[str]:
     for cell in first.values():
         recorded = json.loads((grid / "cells" / cell.name / "run" / "config.json").read_text())
         try:
-            check_config(cell, recorded, cell, today_config(grid, cell, pinned), where="today's preset", echo=lambda _: None)
+            check_config(cell, recorded, cell, today_config(grid, cell, pinned), where="today's preset",
+                         echo=lambda _: None)
         except PackError as e:
             found.append(str(e))
     return found
