@@ -87,21 +87,17 @@ def commands(grid: Path, out: Path | None = None, pinned: tuple[str, ...] = ()) 
 
 def today_config(grid: Path, cell: Cell, pinned: tuple[str, ...] = ()) -> dict:
     """The run configuration ``cell`` of ``grid`` would record if its command ran today: the grid's
-    preset and items (``grid.json``), the ``pinned`` items, the variant's and the cell's own, resolved and parsed as
-    ``ftis-fed grid --transport inprocess`` does (``commands.sim``), without building a model."""
-    from ftis_fed.commands.sim import layered_overrides, merged_run_config
+    preset and items (``grid.json``), the ``pinned`` items, the variant's and the cell's own, resolved and
+    parsed by the launcher's own parse (``commands.sim.checked_run_config``), without building a model."""
+    from ftis_fed.commands.sim import checked_run_config, layered_overrides
     from ftis_fed.config.federation import to_jsonable
-    from ftis_fed.config.participants import absolute_paths
-    from ftis_fed.config.validation import validate_run_config
 
     meta = json.loads((grid / "grid.json").read_text())
     extra = {**VARIANTS, **(meta.get("variants") or {})}.get(cell.variant, {}) if cell.variant else {}
     cell = Cell(cell.mode, cell.groups, cell.seed, cell.variant, tuple(sorted(extra.items())))
     items = [*meta.get("run_config", []), *pinned,
              *(f"{k}={json.dumps(v)}" for k, v in cell.run_config(grid / "cells" / cell.name / "run").items())]
-    overrides = layered_overrides(ROOT, items, meta["preset"])
-    rc, _ = absolute_paths(merged_run_config(ROOT, overrides), {})
-    return to_jsonable(validate_run_config(rc, check_models=False, explicit=overrides))
+    return to_jsonable(checked_run_config(ROOT, layered_overrides(ROOT, items, meta["preset"]))[2])
 
 
 def drift(grid: Path, pinned: tuple[str, ...] = ()) -> list[str]:
