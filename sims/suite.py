@@ -95,8 +95,7 @@ def today_config(grid: Path, cell: Cell, pinned: tuple[str, ...] = ()) -> dict:
     meta = json.loads((grid / "grid.json").read_text())
     extra = {**VARIANTS, **(meta.get("variants") or {})}.get(cell.variant, {}) if cell.variant else {}
     cell = Cell(cell.mode, cell.groups, cell.seed, cell.variant, tuple(sorted(extra.items())))
-    items = [*meta.get("run_config", []), *pinned,
-             *(f"{k}={json.dumps(v)}" for k, v in cell.run_config(grid / "cells" / cell.name / "run").items())]
+    items = [*meta.get("run_config", []), *pinned, *cell.run_config_items(grid / "cells" / cell.name / "run")]
     return to_jsonable(checked_run_config(ROOT, layered_overrides(ROOT, items, meta["preset"]))[2])
 
 

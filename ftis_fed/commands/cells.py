@@ -4,7 +4,6 @@ one (``commands.sim``); ``ftis_fed.grid`` only plans, loops, reads and reports."
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ def sim_runner(app: Path, preset: str, extra: Sequence[str] = (), sim_args: Sequ
     PYTHONPATH, so the grid's cells run the code of the tree the grid was started from."""
 
     def run(cell: Cell, cell_dir: Path, log_path: Path) -> int:
-        items = [f"{k}={json.dumps(v)}" for k, v in cell.run_config(cell_dir / "run").items()]
+        items = cell.run_config_items(cell_dir / "run")
         cmd = [sys.executable, "-m", "ftis_fed.commands.cli", "sim", "--app", str(app), "--preset", preset, *sim_args]
         for item in [*extra, *items]:
             cmd += ["--run-config", item]
@@ -48,7 +47,7 @@ def inprocess_runner(app: Path, preset: str, extra: Sequence[str] = ()) -> Runne
 
         from ftis_fed.commands.sim import simulate_inprocess
 
-        items = [*extra, *(f"{k}={json.dumps(v)}" for k, v in cell.run_config(cell_dir / "run").items())]
+        items = [*extra, *cell.run_config_items(cell_dir / "run")]
         with open(log_path, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             handler = logging.StreamHandler(log)
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

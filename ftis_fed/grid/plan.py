@@ -8,6 +8,7 @@ a *variant* is a method plus extra run-config items, written ``MODE+VARIANT`` in
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,10 @@ class Cell:
         if self.eval_initial is not None:
             rc["eval-initial"] = self.eval_initial
         return rc
+
+    def run_config_items(self, out_dir: Path) -> list[str]:
+        """``run_config`` as ``--run-config`` items (``key=<JSON value>``), as the cell runners pass them."""
+        return [f"{k}={json.dumps(v)}" for k, v in self.run_config(out_dir).items()]
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
