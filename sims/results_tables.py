@@ -30,8 +30,10 @@ OOD_PAIR = "research-w-ood"
 MIXED_PAIR = "research-w-mixed"
 #: the size pair: a third of the parameters beside micro-llama-w250, started at the same competence
 SIZE_PAIR = "research-w-sizes"
+#: the federation of four: research-w-het's pair, the size pair's small model and the mixed pair's specialist
+FOUR = "research-w-four"
 #: every learning-tier grid with a verdict column, in the order the document reads them
-DECIDED = (*LEARNING, STEPS, OOD_PAIR, MIXED_PAIR, SIZE_PAIR)
+DECIDED = (*LEARNING, STEPS, OOD_PAIR, MIXED_PAIR, SIZE_PAIR, FOUR)
 #: the learning-tier grids of the calibration and sample-efficiency tables (STEPS reads its own section)
 TABLED = tuple(g for g in DECIDED if g != STEPS)
 MICRO = ("research", "research-ood", "research-sizes", "research-mixed", "smollm2-check")
