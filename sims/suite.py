@@ -96,7 +96,8 @@ def today_config(grid: Path, cell: Cell, pinned: tuple[str, ...] = ()) -> dict:
     extra = {**VARIANTS, **(meta.get("variants") or {})}.get(cell.variant, {}) if cell.variant else {}
     cell = Cell(cell.mode, cell.groups, cell.seed, cell.variant, tuple(sorted(extra.items())))
     items = [*meta.get("run_config", []), *pinned, *cell.run_config_items(grid / "cells" / cell.name / "run")]
-    return to_jsonable(checked_run_config(ROOT, layered_overrides(ROOT, items, meta["preset"]))[2])
+    _, _, fed = checked_run_config(ROOT, layered_overrides(ROOT, items, meta["preset"]))
+    return to_jsonable(fed)
 
 
 def drift(grid: Path, pinned: tuple[str, ...] = ()) -> list[str]:
