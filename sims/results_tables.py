@@ -184,6 +184,23 @@ def filters(grids=(*DECIDED, *MICRO)) -> str:
                    "dropped"], body)
 
 
+#: the seeds table's order of methods (the baselines first; variants after, by name)
+METHOD_ORDER = ("alone", "alone+2G", "alone+4G", "noIS", "VIS", "TIS", "F-TIS")
+
+
+def seeds(grids=(*DECIDED, "smollm2-check")) -> str:
+    """The finished seeds of each method per grid (what "more seeds" in the readings is measured against)."""
+    body = []
+    for g in grids:
+        n: dict[str, int] = {}
+        for r in rows(g):
+            if r["kind"] == "mean_sd":
+                n[r["method"]] = max(n.get(r["method"], 0), int(r["seeds"]))
+        order = sorted(n, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m))
+        body.append(f"| `{g}` | " + ", ".join(f"{m} {n[m]}" for m in order) + " |")
+    return _table(["grid", "method: seeds finished"], body)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "calibration": calibration,
     "verdicts-learning": lambda: verdicts(DECIDED),
@@ -192,6 +209,7 @@ TABLES: dict[str, Callable[[], str]] = {
     f"ood-{OOD_PAIR}": lambda: ood(OOD_PAIR),
     "efficiency": efficiency,
     "filter": filters,
+    "seeds": seeds,
     "verdicts-micro": lambda: verdicts(MICRO),
 }
 #: a marked table: its start marker line, its body (possibly empty; never across another marker), its end

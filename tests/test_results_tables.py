@@ -55,3 +55,15 @@ def test_sims_paired_reads_the_metric_the_grid_records():
         assert r["metric"] == "sampled" and r["seeds"] == int(want[p]["seeds"])
         assert r["diff"] == round(100 * float(want[p]["diff"]), 1)
     assert {r["metric"] for r in compare(grid, "F-TIS", "TIS", metric="greedy")} == {"greedy"}
+
+
+def test_the_seeds_table_counts_each_methods_finished_cells():
+    """The seeds table (RESULTS' one count of seeds) matches the committed cells' folders."""
+    from collections import Counter
+
+    cells = Counter(d.name.split("__")[0] for d in (ROOT / "docs" / "results" / T.FOUR / "cells").iterdir()
+                    if d.is_dir())
+    row = next(line for line in T.seeds().splitlines() if line.startswith(f"| `{T.FOUR}` |"))
+    got = dict(item.rsplit(" ", 1) for item in row.split(" | ")[1].rstrip(" |").split(", "))
+    assert {m: int(n) for m, n in got.items()} == dict(cells)
+    assert list(got)[0] == "alone"                                                   # baselines first
