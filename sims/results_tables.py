@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from ftis_fed.grid.plan import method_order
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 LEARNING = ("research-w", "research-w-spec", "research-w-het")
@@ -184,10 +186,6 @@ def filters(grids=(*DECIDED, *MICRO)) -> str:
                    "dropped"], body)
 
 
-#: the seeds table's order of methods (the baselines first; variants after, by name)
-METHOD_ORDER = ("alone", "alone+2G", "alone+4G", "noIS", "VIS", "TIS", "F-TIS")
-
-
 def seeds(grids=(*DECIDED, "smollm2-check")) -> str:
     """The finished seeds of each method per grid (what "more seeds" in the readings is measured against)."""
     body = []
@@ -196,8 +194,7 @@ def seeds(grids=(*DECIDED, "smollm2-check")) -> str:
         for r in rows(g):
             if r["kind"] == "mean_sd":
                 n[r["method"]] = max(n.get(r["method"], 0), int(r["seeds"]))
-        order = sorted(n, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m))
-        body.append(f"| `{g}` | " + ", ".join(f"{m} {n[m]}" for m in order) + " |")
+        body.append(f"| `{g}` | " + ", ".join(f"{m} {n[m]}" for m in sorted(n, key=method_order)) + " |")
     return _table(["grid", "method: seeds finished"], body)
 
 
