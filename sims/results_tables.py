@@ -186,6 +186,23 @@ def filters(grids=(*DECIDED, *MICRO)) -> str:
                    "dropped"], body)
 
 
+def guards(grids=(*DECIDED, *MICRO)) -> str:
+    """What ``source-adapt = guard`` did to each peer's samples (the grids' "guard" rows): the share of
+    rounds whose update kept the peers and the peer's alignment weight, each with its per-seed range."""
+    body = []
+    for g in grids:
+        for r in rows(g):
+            if r["kind"] == "guard":
+                f = {k: float(r[k]) for k in ("kept", "kept_min", "kept_max", "weight", "weight_min", "weight_max",
+                                              "weight_zero", "cos", "own_cos")}
+                body.append(f"| `{g}` | {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
+                            f"{100 * f['kept']:.0f} % [{100 * f['kept_min']:.0f}, {100 * f['kept_max']:.0f}] | "
+                            f"{f['weight']:.2f} [{f['weight_min']:.2f}, {f['weight_max']:.2f}] | "
+                            f"{100 * f['weight_zero']:.0f} % | {f['cos']:+.3f} | {f['own_cos']:+.3f} |")
+    return _table(["grid", "method", "receiver", "peer", "seeds", "kept peers [per seed]", "weight [per seed]",
+                   "weight 0", "cos peer", "cos own"], body)
+
+
 def seeds(grids=(*DECIDED, "smollm2-check")) -> str:
     """The finished seeds of each method per grid (what "more seeds" in the readings is measured against)."""
     body = []
@@ -206,6 +223,7 @@ TABLES: dict[str, Callable[[], str]] = {
     f"ood-{OOD_PAIR}": lambda: ood(OOD_PAIR),
     "efficiency": efficiency,
     "filter": filters,
+    "guard": guards,
     "seeds": seeds,
     "verdicts-micro": lambda: verdicts(MICRO),
 }

@@ -22,7 +22,7 @@ from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import cell_rows, check_starts, check_weights, forget_cell_rows, initial_eval, num
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
-                                  paired_prompt_table, start_table, stronger_participant, summarize,
+                                  guard_table, paired_prompt_table, start_table, stronger_participant, summarize,
                                   train_diagnostics)
 
 
@@ -70,7 +70,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      families: Sequence[dict] = (), verdict_rows: Sequence[dict] = (),
                      efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = (),
                      gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None,
-                     starts: Sequence[dict] = (), any_sign: Sequence[str] = ()) -> str:
+                     starts: Sequence[dict] = (), any_sign: Sequence[str] = (),
+                     guards: Sequence[dict] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -215,6 +216,22 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                          f"{r['kl_p90']:.2f} | {r['kl_p99']:.2f} | {r['kl_max']:.2f} | {100 * r['kl_ge_g_frac']:.1f} % | "
                          f"{100 * r['filtered_frac']:.1f} % |")
         lines.append("")
+    if guards:
+        lines += ["## The guard: what `source-adapt = guard` did to each peer's samples (`learn/guard.py`)", "",
+                  "Per cell over its training rounds, then the mean over the seeds [per-seed range]: the share of "
+                  "rounds whose update kept the peers (the update with the weighted peer samples scored no worse "
+                  "on the receiver's validation batch than the update without them); the peer samples' mean "
+                  "alignment weight (their advantages' factor, clip(cos_peer / cos_own, 0, 1)) and the share of "
+                  "rounds it was 0; the mean cosines of the peer's and the own samples' gradients with the "
+                  "validation gradient.", "",
+                  "| method | receiver | peer | seeds | kept peers | weight | weight 0 | cos peer | cos own |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in guards:
+            lines.append(f"| {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
+                         f"{100 * r['kept']:.0f} % [{100 * r['kept_min']:.0f}, {100 * r['kept_max']:.0f}] | "
+                         f"{r['weight']:.2f} [{r['weight_min']:.2f}, {r['weight_max']:.2f}] | "
+                         f"{100 * r['weight_zero']:.0f} % | {r['cos']:+.3f} | {r['own_cos']:+.3f} |")
+        lines.append("")
     if diagnostics:
         lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
                   "this receiver)", "",
@@ -347,6 +364,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
     families = family_table(cells, out, metric)
     gains = gain_table(cells, out, metric)
     filters = filter_table(cells, out)
+    guards = guard_table(cells, out)
     starts = start_table(cells, out)
     methods = {c.method for c in cells}
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
@@ -367,17 +385,18 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                [{**r, "kind": "verdict", **tag} for r in verdict_rows] +
                [{**r, "kind": "gain", **tag} for r in gains] +
                [{**r, "kind": "filter", **tag} for r in filters] +
-               [{**r, "kind": "start", **tag} for r in starts])
+               [{**r, "kind": "start", **tag} for r in starts] +
+               [{**r, "kind": "guard", **tag} for r in guards])
     objectives = _objectives(cells, out)
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
-                                                     starts, _any_sign_methods(objectives)))
+                                                     starts, _any_sign_methods(objectives), guards))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
             "verdicts": verdict_rows, "efficiency": efficiency, "gains": gains, "filters": filters, "starts": starts,
-            "metric": metric.name, "ks": ks}
+            "guards": guards, "metric": metric.name, "ks": ks}
 
 
 def _objectives(cells: Sequence[Cell], out: Path) -> dict[Cell, dict]:

@@ -178,6 +178,47 @@ def filter_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     return table
 
 
+#: columns of ``guard_table``: (column, metrics key; ``{peer}``: the peer source, else the receiver's key)
+GUARD_COLUMNS = (("kept", "guard/kept_peers"), ("weight", "guard/{peer}/weight"), ("cos", "guard/{peer}/cos"),
+                 ("own_cos", "guard/own_cos"))
+
+
+def guard_table(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """Per method × receiver × peer, from the cells whose rows carry the guard's keys
+    (``source-adapt = guard``, ``learn/guard.py``; other cells give no row, so their summaries are
+    unchanged): per cell over its training rounds, the share of rounds whose update kept the peers
+    (``guard/kept_peers``: the receiver's, the same for each of its peers), the mean alignment weight
+    of the peer's samples and the share of rounds it was 0, the mean cosines of the peer's and the own
+    samples' gradients with the validation gradient; then the mean over the seeds, with the per-seed
+    range of ``kept`` and ``weight`` (``_min`` / ``_max``)."""
+    per: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        rows = participant_rows(cell_rows(out / "cells" / c.name), "train")
+        keys = {(r["participant"], k.split("/")[1]) for r in rows for k in r
+                if k.startswith("guard/") and k.endswith("/weight")}
+        for receiver, peer in sorted(keys):
+            mine = [r for r in rows if r["participant"] == receiver and math.isfinite(num(r.get("guard/kept_peers")))]
+            for col, key in GUARD_COLUMNS:
+                vs = [num(r.get(key.format(peer=peer))) for r in mine]
+                vs = [v for v in vs if math.isfinite(v)]
+                if vs:
+                    per[(c.method, receiver, peer)][col].append(statistics.fmean(vs))
+                    if col == "weight":
+                        per[(c.method, receiver, peer)]["weight_zero"].append(statistics.fmean(v == 0 for v in vs))
+    table = []
+    for (method, receiver, peer), cols in sorted(per.items(), key=lambda kv: (method_order(kv[0][0]), kv[0][1:])):
+        row = {"method": method, "participant": receiver, "peer": peer, "seeds": len(cols.get("weight", []))}
+        for col in ("kept", "weight", "weight_zero", "cos", "own_cos"):
+            vs = cols.get(col, [])
+            row[col] = statistics.fmean(vs) if vs else math.nan
+            if col in ("kept", "weight"):
+                row[col + "_min"], row[col + "_max"] = (min(vs), max(vs)) if vs else (math.nan, math.nan)
+        table.append(row)
+    return table
+
+
 def _final_vectors(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> dict[tuple[str, str, int], dict]:
     """(method, participant, seed) -> set key -> (ids, per-prompt values of ``metric``) of every
     finished cell."""

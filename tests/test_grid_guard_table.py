@@ -1,0 +1,62 @@
+"""The grid's guard table: what ``source-adapt = guard`` did to each peer's samples, read from the
+cells' ``guard/...`` metrics (``grid.tables.guard_table``), its summary section and its rows in
+summary.csv; cells without the guard give no row, so their grids' summaries are unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftis_fed.grid.plan import Cell
+from ftis_fed.grid.report import summary_markdown
+from ftis_fed.grid.tables import guard_table
+
+
+def _cell(tmp_path, method: str, seed: int, rows: list[dict]) -> Cell:
+    c = Cell(method, "vertical", seed)
+    d = tmp_path / "cells" / c.name
+    (d / "run").mkdir(parents=True)
+    (d / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "done.json").write_text("{}")
+    return c
+
+
+def _row(rnd: int, who: str, peer: str, kept: float, weight: float, cos: float, own: float) -> dict:
+    return {"round": rnd, "participant": who, "phase": "train", "guard/kept_peers": kept,
+            f"guard/{peer}/weight": weight, f"guard/{peer}/cos": cos, "guard/own_cos": own}
+
+
+def test_the_guard_table_averages_rounds_then_seeds_with_the_per_seed_range(tmp_path):
+    c0 = _cell(tmp_path, "F-TIS+guard", 0, [_row(1, "spec", "base", 1.0, 0.0, -0.2, 0.1),
+                                            _row(2, "spec", "base", 1.0, 1.0, 0.3, 0.1),
+                                            _row(3, "spec", "base", 0.0, 0.5, 0.1, 0.2),
+                                            _row(1, "base", "spec", 1.0, 1.0, 0.2, -0.1),
+                                            {"round": 0, "participant": "spec", "phase": "eval"}])
+    c1 = _cell(tmp_path, "F-TIS+guard", 1, [_row(1, "spec", "base", 1.0, 0.0, -0.1, 0.3)])
+    plain = _cell(tmp_path, "F-TIS", 0, [{"round": 1, "participant": "spec", "phase": "train",
+                                          "offpolicy/base/kl_p50": 3.0}])
+    unfinished = _cell(tmp_path, "F-TIS+guard", 2, [_row(1, "spec", "base", 0.0, 0.0, 0.0, 0.0)])
+    (tmp_path / "cells" / unfinished.name / "done.json").unlink()
+    got = {(r["participant"], r["peer"]): r for r in guard_table([c0, c1, plain, unfinished], tmp_path)}
+    assert set(got) == {("spec", "base"), ("base", "spec")}          # no row for the cell without the guard
+    s = got[("spec", "base")]
+    assert s["method"] == "F-TIS+guard" and s["seeds"] == 2            # the unfinished cell is not read
+    assert s["kept"] == pytest.approx((2 / 3 + 1.0) / 2)
+    assert (s["kept_min"], s["kept_max"]) == pytest.approx((2 / 3, 1.0))
+    assert s["weight"] == pytest.approx((0.5 + 0.0) / 2)
+    assert (s["weight_min"], s["weight_max"]) == (0.0, 0.5)
+    assert s["weight_zero"] == pytest.approx((1 / 3 + 1.0) / 2)       # the share of rounds with weight 0
+    assert s["cos"] == pytest.approx((0.2 / 3 - 0.1) / 2)
+    assert s["own_cos"] == pytest.approx((0.4 / 3 + 0.3) / 2)
+    assert got[("base", "spec")]["seeds"] == 1 and got[("base", "spec")]["kept"] == 1.0
+    assert guard_table([plain], tmp_path) == []
+
+
+def test_the_summary_has_a_guard_section_only_with_guard_rows():
+    row = {"method": "F-TIS+guard", "participant": "spec", "peer": "base", "seeds": 5, "kept": 0.85,
+           "kept_min": 0.82, "kept_max": 0.87, "weight": 0.39, "weight_min": 0.15, "weight_max": 0.54,
+           "weight_zero": 0.56, "cos": -0.014, "own_cos": -0.008}
+    with_guard = summary_markdown([], [], [], "t", guards=[row])
+    assert "| F-TIS+guard | spec | base | 5 | 85 % [82, 87] | 0.39 [0.15, 0.54] | 56 % | -0.014 | -0.008 |" in with_guard
+    assert "## The guard" not in summary_markdown([], [], [], "t")
