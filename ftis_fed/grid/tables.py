@@ -140,6 +140,20 @@ def train_diagnostics(cells: Sequence[Cell], out: Path) -> list[dict]:
 
 
 
+def _peer_rows(cells: Sequence[Cell], out: Path, prefix: str, suffix: str):
+    """(cell, receiver, peer, the receiver's training rows) for each finished cell and each receiver
+    and peer (not the receiver itself) whose rows carry ``<prefix>/<peer>/<suffix>``."""
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        rows = participant_rows(cell_rows(out / "cells" / c.name), "train")
+        keys = {(r["participant"], k.split("/")[1]) for r in rows for k in r
+                if k.startswith(prefix + "/") and k.endswith("/" + suffix) and k.count("/") == 2}
+        for receiver, peer in sorted(keys):
+            if peer != receiver:
+                yield c, receiver, peer, [r for r in rows if r["participant"] == receiver]
+
+
 #: per-sample KL columns of ``filter_table``: (metrics key suffix, how a cell's rounds combine)
 FILTER_COLUMNS = (("kl_p50", "mean"), ("kl_p90", "mean"), ("kl_p99", "mean"), ("kl_max", "max"),
                   ("kl_ge_g_frac", "mean"), ("filtered_frac", "mean"))
@@ -153,21 +167,12 @@ def filter_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     ``kl_max``, the mean share at or above g (``kl_ge_g_frac``) and the mean share the filter dropped
     (``filtered_frac``); then per method the mean over the seeds (``kl_max``: their largest)."""
     per: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for c in cells:
-        if not (out / "cells" / c.name / "done.json").exists():
-            continue
-        rows = participant_rows(cell_rows(out / "cells" / c.name), "train")
-        keys = {(r["participant"], k.split("/")[1]) for r in rows for k in r
-                if k.startswith("offpolicy/") and k.endswith("/kl_p50")}
-        for receiver, peer in sorted(keys):
-            if peer == receiver:
-                continue
-            mine = [r for r in rows if r["participant"] == receiver]
-            for col, how in FILTER_COLUMNS:
-                vs = [num(r.get(f"offpolicy/{peer}/{col}")) for r in mine]
-                vs = [v for v in vs if math.isfinite(v)]
-                if vs:
-                    per[(c.method, receiver, peer)][col].append(max(vs) if how == "max" else statistics.fmean(vs))
+    for c, receiver, peer, mine in _peer_rows(cells, out, "offpolicy", "kl_p50"):
+        for col, how in FILTER_COLUMNS:
+            vs = [num(r.get(f"offpolicy/{peer}/{col}")) for r in mine]
+            vs = [v for v in vs if math.isfinite(v)]
+            if vs:
+                per[(c.method, receiver, peer)][col].append(max(vs) if how == "max" else statistics.fmean(vs))
     table = []
     for (method, receiver, peer), cols in sorted(per.items(), key=lambda kv: (method_order(kv[0][0]), kv[0][1:])):
         row = {"method": method, "participant": receiver, "peer": peer, "seeds": len(cols.get("kl_p50", []))}
@@ -192,21 +197,14 @@ def guard_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     samples' gradients with the validation gradient; then the mean over the seeds, with the per-seed
     range of ``kept`` and ``weight`` (``_min`` / ``_max``)."""
     per: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for c in cells:
-        if not (out / "cells" / c.name / "done.json").exists():
-            continue
-        rows = participant_rows(cell_rows(out / "cells" / c.name), "train")
-        keys = {(r["participant"], k.split("/")[1]) for r in rows for k in r
-                if k.startswith("guard/") and k.endswith("/weight")}
-        for receiver, peer in sorted(keys):
-            mine = [r for r in rows if r["participant"] == receiver and math.isfinite(num(r.get("guard/kept_peers")))]
-            for col, key in GUARD_COLUMNS:
-                vs = [num(r.get(key.format(peer=peer))) for r in mine]
-                vs = [v for v in vs if math.isfinite(v)]
-                if vs:
-                    per[(c.method, receiver, peer)][col].append(statistics.fmean(vs))
-                    if col == "weight":
-                        per[(c.method, receiver, peer)]["weight_zero"].append(statistics.fmean(v == 0 for v in vs))
+    for c, receiver, peer, mine in _peer_rows(cells, out, "guard", "weight"):
+        for col, key in GUARD_COLUMNS:
+            vs = [num(r.get(key.format(peer=peer))) for r in mine]
+            vs = [v for v in vs if math.isfinite(v)]
+            if vs:
+                per[(c.method, receiver, peer)][col].append(statistics.fmean(vs))
+                if col == "weight":
+                    per[(c.method, receiver, peer)]["weight_zero"].append(statistics.fmean(v == 0 for v in vs))
     table = []
     for (method, receiver, peer), cols in sorted(per.items(), key=lambda kv: (method_order(kv[0][0]), kv[0][1:])):
         row = {"method": method, "participant": receiver, "peer": peer, "seeds": len(cols.get("weight", []))}
