@@ -221,7 +221,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "Per cell over its training rounds, then the mean over the seeds [per-seed range]: the share of "
                   "rounds whose update kept the peers (the update with the weighted peer samples scored no worse "
                   "on the receiver's validation batch than the update without them); the peer samples' mean "
-                  "alignment weight (their advantages' factor, clip(cos_peer / cos_own, 0, 1)) and the share of "
+                  "alignment weight (their advantages' factor: clip(cos_peer / cos_own, 0, 1), or 1[cos_peer > 0] "
+                  "where cos_own ≤ 0) and the share of "
                   "rounds it was 0; the mean cosines of the peer's and the own samples' gradients with the "
                   "validation gradient.", "",
                   "| method | receiver | peer | seeds | kept peers | weight | weight 0 | cos peer | cos own |",
