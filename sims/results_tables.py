@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from ftis_fed.grid.plan import method_order
+from ftis_fed.grid.report import GUARD_FIGURES, guard_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -193,12 +194,9 @@ def guards(grids=(*DECIDED, *MICRO)) -> str:
     for g in grids:
         for r in rows(g):
             if r["kind"] == "guard":
-                f = {k: float(r[k]) for k in ("kept", "kept_min", "kept_max", "weight", "weight_min", "weight_max",
-                                              "weight_zero", "cos", "own_cos")}
+                f = {k: float(r[k]) for k in GUARD_FIGURES}
                 body.append(f"| `{g}` | {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
-                            f"{100 * f['kept']:.0f} % [{100 * f['kept_min']:.0f}, {100 * f['kept_max']:.0f}] | "
-                            f"{f['weight']:.2f} [{f['weight_min']:.2f}, {f['weight_max']:.2f}] | "
-                            f"{100 * f['weight_zero']:.0f} % | {f['cos']:+.3f} | {f['own_cos']:+.3f} |")
+                            f"{guard_figures(f)} |")
     return _table(["grid", "method", "receiver", "peer", "seeds", "kept peers [per seed]", "weight [per seed]",
                    "weight 0", "cos peer", "cos own"], body)
 

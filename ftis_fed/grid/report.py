@@ -64,6 +64,18 @@ def _axis(metric: Metric, key: str, ks: Sequence[int]) -> str:
     return f"{key.split('/')[1].upper()} {metric.words} ({_k(ks)})"
 
 
+#: the numeric columns of a ``guard_table`` row (summary.csv's "guard" rows, read back as floats)
+GUARD_FIGURES = ("kept", "kept_min", "kept_max", "weight", "weight_min", "weight_max", "weight_zero", "cos", "own_cos")
+
+
+def guard_figures(r: dict) -> str:
+    """A guard row's figures as table cells: kept peers [per-seed range] | weight [range] | weight 0 |
+    cos peer | cos own (the summary's guard section and docs/RESULTS.md's guard table)."""
+    return (f"{100 * r['kept']:.0f} % [{100 * r['kept_min']:.0f}, {100 * r['kept_max']:.0f}] | "
+            f"{r['weight']:.2f} [{r['weight_min']:.2f}, {r['weight_max']:.2f}] | "
+            f"{100 * r['weight_zero']:.0f} % | {r['cos']:+.3f} | {r['own_cos']:+.3f}")
+
+
 def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
                      title: str, initial: dict[str, dict] | None = None,
                      diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
@@ -228,10 +240,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "| method | receiver | peer | seeds | kept peers | weight | weight 0 | cos peer | cos own |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in guards:
-            lines.append(f"| {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
-                         f"{100 * r['kept']:.0f} % [{100 * r['kept_min']:.0f}, {100 * r['kept_max']:.0f}] | "
-                         f"{r['weight']:.2f} [{r['weight_min']:.2f}, {r['weight_max']:.2f}] | "
-                         f"{100 * r['weight_zero']:.0f} % | {r['cos']:+.3f} | {r['own_cos']:+.3f} |")
+            lines.append(f"| {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | {guard_figures(r)} |")
         lines.append("")
     if diagnostics:
         lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
