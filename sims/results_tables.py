@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import re
 import sys
 from pathlib import Path
 from typing import Callable
 
 from ftis_fed.grid.plan import method_order
-from ftis_fed.grid.report import GUARD_FIGURES, guard_figures
+from ftis_fed.grid.report import (EFFICIENCY_FIGURES, FILTER_FIGURES, GUARD_FIGURES, efficiency_figures,
+                                  filter_figures, guard_figures)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -165,10 +167,9 @@ def efficiency(grids=TABLED) -> str:
         for r in rows(g):
             if r["kind"] == "efficiency" and r["b"] == "alone":
                 measure = "held-out ID" if r["set"] == "updates" else "training reward"
-                ci = (f"{float(r['diff']):.2f} [{float(r['lo']):.2f}, {float(r['hi']):.2f}]" if _known(r["lo"])
-                      else f"{float(r['diff']):.2f}")
+                f = {k: float(r[k]) if _known(r[k]) else math.nan for k in EFFICIENCY_FIGURES}
                 body.append(f"| `{g}` | {r['a']} | {r['participant']} | {measure} | {r['seeds']} | {r['reached']} | "
-                            f"{ci} | {r['ratios']} |")
+                            f"{efficiency_figures(f)} | {r['ratios']} |")
     return _table(["grid", "method", "participant", "measure", "seeds", "reached", "mean ratio [95 % t]", "per seed"],
                   body)
 
@@ -179,10 +180,9 @@ def filters(grids=(*DECIDED, *MICRO)) -> str:
     for g in grids:
         for r in rows(g):
             if r["kind"] == "filter":
-                f = {k: f"{float(r[k]):.2f}" for k in ("kl_p50", "kl_p90", "kl_p99", "kl_max")}
+                f = {k: float(r[k]) for k in FILTER_FIGURES}
                 body.append(f"| `{g}` | {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
-                            f"{f['kl_p50']} | {f['kl_p90']} | {f['kl_p99']} | {f['kl_max']} | "
-                            f"{100 * float(r['kl_ge_g_frac']):.1f} % | {100 * float(r['filtered_frac']):.1f} % |")
+                            f"{filter_figures(f)} |")
     return _table(["grid", "method", "receiver", "peer", "seeds", "KL p50", "KL p90", "KL p99", "largest KL", "KL ≥ g",
                    "dropped"], body)
 

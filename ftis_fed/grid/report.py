@@ -76,6 +76,26 @@ def guard_figures(r: dict) -> str:
             f"{100 * r['weight_zero']:.0f} % | {r['cos']:+.3f} | {r['own_cos']:+.3f}")
 
 
+#: the numeric columns of a ``filter_table`` row (summary.csv's "filter" rows, read back as floats)
+FILTER_FIGURES = ("kl_p50", "kl_p90", "kl_p99", "kl_max", "kl_ge_g_frac", "filtered_frac")
+
+
+def filter_figures(r: dict) -> str:
+    """A filter row's figures as table cells: KL p50 | p90 | p99 | largest KL | KL ≥ g | dropped (the
+    summary's filter section and docs/RESULTS.md's filter table)."""
+    return (f"{r['kl_p50']:.2f} | {r['kl_p90']:.2f} | {r['kl_p99']:.2f} | {r['kl_max']:.2f} | "
+            f"{100 * r['kl_ge_g_frac']:.1f} % | {100 * r['filtered_frac']:.1f} %")
+
+
+#: the numeric columns of an efficiency row (summary.csv's "efficiency" rows; ``lo``/``hi`` may be NaN)
+EFFICIENCY_FIGURES = ("diff", "lo", "hi")
+
+
+def efficiency_figures(r: dict) -> str:
+    """An efficiency row's mean ratio with its 95 % t interval where it has one (one seed: none)."""
+    return f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if math.isfinite(r["lo"]) else f"{r['diff']:.2f}"
+
+
 def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
                      title: str, initial: dict[str, dict] | None = None,
                      diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
@@ -206,9 +226,9 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "| method | participant | measure | seeds | reached | mean ratio [95 % t] | per seed |",
                   "|---|---|---|---|---|---|---|"]
         for r in efficiency:
-            ci = f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if math.isfinite(r["lo"]) else f"{r['diff']:.2f}"
             what = "training reward" if r["set"] == "updates:reward" else "held-out ID"
-            lines.append(f"| {r['a']} | {r['participant']} | {what} | {r['seeds']} | {r['reached']} | {ci} | "
+            lines.append(f"| {r['a']} | {r['participant']} | {what} | {r['seeds']} | {r['reached']} | "
+                         f"{efficiency_figures(r)} | "
                          f"{r['ratios']} |")
         lines.append("")
     if filters:
@@ -224,9 +244,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "| method | receiver | peer | seeds | KL p50 | KL p90 | KL p99 | largest KL | KL ≥ g | dropped |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in filters:
-            lines.append(f"| {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | {r['kl_p50']:.2f} | "
-                         f"{r['kl_p90']:.2f} | {r['kl_p99']:.2f} | {r['kl_max']:.2f} | {100 * r['kl_ge_g_frac']:.1f} % | "
-                         f"{100 * r['filtered_frac']:.1f} % |")
+            lines.append(f"| {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | {filter_figures(r)} |")
         lines.append("")
     if guards:
         lines += ["## The guard: what `source-adapt = guard` did to each peer's samples (`learn/guard.py`)", "",
