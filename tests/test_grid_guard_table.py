@@ -4,21 +4,17 @@ summary.csv; cells without the guard give no row, so their grids' summaries are 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from ftis_fed.grid.plan import Cell
 from ftis_fed.grid.report import summary_markdown
 from ftis_fed.grid.tables import guard_table
+from tests.grid_cells import write_cell
 
 
 def _cell(tmp_path, method: str, seed: int, rows: list[dict]) -> Cell:
-    c = Cell(method, "vertical", seed)
-    d = tmp_path / "cells" / c.name
-    (d / "run").mkdir(parents=True)
-    (d / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "done.json").write_text("{}")
+    write_cell(tmp_path, c := Cell(method, "vertical", seed), rows)
     return c
 
 

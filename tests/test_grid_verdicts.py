@@ -3,7 +3,6 @@ the training reward, and the before-training table (greedy, sampled pass@1, pass
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -12,8 +11,9 @@ import pytest
 from ftis_fed.grid import efficiency, report
 from ftis_fed.grid import stats as gs
 from ftis_fed.grid.claims import CLAIMS, verdicts
-from ftis_fed.grid.plan import discover_cells
+from ftis_fed.grid.plan import Cell, discover_cells
 from ftis_fed.participant import write_eval_prompts
+from tests.grid_cells import write_cell
 
 
 def test_the_verdict_reads_the_union_of_the_pigeonhole_and_t_intervals():
@@ -44,8 +44,7 @@ def test_reward_curves_are_trailing_means_from_the_window_on():
 def _cell(out, mode: str, seed: int, rewards: dict[str, list[float]], k: int = 4) -> None:
     """A finished cell of ``rewards`` per participant and round, with one ID evaluation before round 1
     (8 prompts: greedy flags and sampled counts out of k) and after its last round."""
-    run = out / "cells" / f"{mode}__vertical__s{seed}" / "run"
-    run.mkdir(parents=True)
+    run = out / "cells" / Cell(mode, "vertical", seed).name / "run"
     rows = []
     for p, rs in rewards.items():
         for rnd, v in enumerate(rs, 1):
@@ -58,8 +57,7 @@ def _cell(out, mode: str, seed: int, rewards: dict[str, list[float]], k: int = 4
             write_eval_prompts(run / "participants" / p / "eval_prompts.jsonl.gz", p, rnd,
                                {"id": [(t, i < 4) for i, t in enumerate(ids)]},
                                sampled={"id": [0, 0, 1, 2, 0, 4, 1, 0]}, k=k)
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run.parent / "done.json").write_text(json.dumps({"seconds": 1.0}))
+    write_cell(out, Cell(mode, "vertical", seed), rows, done={"seconds": 1.0})
 
 
 def test_efficiency_on_the_training_reward_and_the_start_table(tmp_path):

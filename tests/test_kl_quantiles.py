@@ -13,6 +13,7 @@ from ftis_fed.learn.objective import ObjectiveConfig, kl_quantiles
 from ftis_fed.learn.training import Trainer, TrainSample
 from ftis_fed.policies import PolicyConfig, build_policy
 from ftis_fed.wire.batch import SamplingParams
+from tests.grid_cells import write_cell
 
 G = 70.0                                 # nats: between the peer samples' median and largest KL here
 SP = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16)
@@ -64,17 +65,11 @@ def test_an_updates_quantiles_are_the_same_in_one_micro_batch_or_many_and_agree_
 def test_the_grid_filter_table_reads_the_quantiles_of_the_peers_samples(tmp_path):
     """Per method x receiver x peer: the rounds' quantiles averaged, the largest KL of any round, the
     shares; a cell made before the quantiles (no kl_p50) gives no row, so older summaries are unchanged."""
-    import json
-
     from ftis_fed.grid.plan import Cell
     from ftis_fed.grid.tables import filter_table
 
     def cell(seed: int, rows: list[dict]) -> Cell:
-        c = Cell("F-TIS", "vertical", seed)
-        d = tmp_path / "cells" / c.name
-        (d / "run").mkdir(parents=True)
-        (d / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (d / "done.json").write_text("{}")
+        write_cell(tmp_path, c := Cell("F-TIS", "vertical", seed), rows)
         return c
 
     def row(rnd: int, who: str, peer: str, p50: float, mx: float, ge: float, dropped: float) -> dict:
@@ -85,11 +80,8 @@ def test_the_grid_filter_table_reads_the_quantiles_of_the_peers_samples(tmp_path
     c0 = cell(0, [row(1, "spec", "base", 40.0, 90.0, 0.4, 0.2), row(2, "spec", "base", 60.0, 120.0, 0.6, 0.3),
                   row(1, "base", "spec", 2.0, 5.0, 0.0, 0.0)])
     c1 = cell(1, [row(1, "spec", "base", 20.0, 70.0, 0.2, 0.1)])
-    old = Cell("TIS", "vertical", 0)
-    (tmp_path / "cells" / old.name / "run").mkdir(parents=True)
-    (tmp_path / "cells" / old.name / "run" / "metrics.jsonl").write_text(json.dumps(
-        {"round": 1, "participant": "spec", "phase": "train", "offpolicy/base/kl_max": 3.0}) + "\n")
-    (tmp_path / "cells" / old.name / "done.json").write_text("{}")
+    write_cell(tmp_path, old := Cell("TIS", "vertical", 0),
+               [{"round": 1, "participant": "spec", "phase": "train", "offpolicy/base/kl_max": 3.0}])
     got = {(r["participant"], r["peer"]): r for r in filter_table([c0, c1, old], tmp_path)}
     assert set(got) == {("spec", "base"), ("base", "spec")}                  # not a receiver's own samples
     s = got[("spec", "base")]
@@ -104,17 +96,13 @@ def test_the_grid_filter_table_reads_the_quantiles_of_the_peers_samples(tmp_path
 def test_the_filter_section_names_the_methods_that_ran_the_any_sign_variant(tmp_path):
     """The summary's filter section says which methods dropped rewarded samples too (``filter-sign =
     any``, read from each cell's config.json); a grid without such cells reads as before."""
-    import json
-
     from ftis_fed.grid.plan import Cell
     from ftis_fed.grid.report import _any_sign_methods, _objectives, summary_markdown
 
     cells = [Cell("F-TIS", "vertical", 0), Cell("F-TIS", "vertical", 0, "any", (("filter-sign", "any"),)),
              Cell("TIS", "vertical", 0)]
     for c, objective in zip(cells, ({"filter_sign": "negative"}, {"filter_sign": "any"}, {})):
-        (tmp_path / "cells" / c.name / "run").mkdir(parents=True)
-        (tmp_path / "cells" / c.name / "run" / "config.json").write_text(json.dumps({"objective": objective}))
-        (tmp_path / "cells" / c.name / "done.json").write_text("{}")
+        write_cell(tmp_path, c, config={"objective": objective})
     assert _any_sign_methods(_objectives(cells, tmp_path)) == ["F-TIS+any"]
     assert _any_sign_methods(_objectives(cells[:1] + cells[2:], tmp_path)) == []
     row = {"method": "F-TIS+any", "participant": "spec", "peer": "base", "seeds": 1, "kl_p50": 1.0, "kl_p90": 2.0,
