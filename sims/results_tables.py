@@ -174,31 +174,27 @@ def efficiency(grids=TABLED) -> str:
                   body)
 
 
+def _peer_table(grids, kind: str, figures: tuple[str, ...], cells: Callable[[dict], str],
+                headers: list[str]) -> str:
+    """One row per summary.csv row of ``kind`` (the grids' per receiver x peer tables): grid, method,
+    receiver, peer, seeds, then the row's ``figures`` read back as floats and formatted by ``cells``."""
+    body = [f"| `{g}` | {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
+            f"{cells({k: float(r[k]) for k in figures})} |"
+            for g in grids for r in rows(g) if r["kind"] == kind]
+    return _table(["grid", "method", "receiver", "peer", "seeds", *headers], body)
+
+
 def filters(grids=(*DECIDED, *MICRO)) -> str:
     """Per-sample summed KL of peer samples at each receiver: quantiles, share ≥ g, share dropped."""
-    body = []
-    for g in grids:
-        for r in rows(g):
-            if r["kind"] == "filter":
-                f = {k: float(r[k]) for k in FILTER_FIGURES}
-                body.append(f"| `{g}` | {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
-                            f"{filter_figures(f)} |")
-    return _table(["grid", "method", "receiver", "peer", "seeds", "KL p50", "KL p90", "KL p99", "largest KL", "KL ≥ g",
-                   "dropped"], body)
+    return _peer_table(grids, "filter", FILTER_FIGURES, filter_figures,
+                       ["KL p50", "KL p90", "KL p99", "largest KL", "KL ≥ g", "dropped"])
 
 
 def guards(grids=(*DECIDED, *MICRO)) -> str:
     """What ``source-adapt = guard`` did to each peer's samples (the grids' "guard" rows): the share of
     rounds whose update kept the peers and the peer's alignment weight, each with its per-seed range."""
-    body = []
-    for g in grids:
-        for r in rows(g):
-            if r["kind"] == "guard":
-                f = {k: float(r[k]) for k in GUARD_FIGURES}
-                body.append(f"| `{g}` | {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | "
-                            f"{guard_figures(f)} |")
-    return _table(["grid", "method", "receiver", "peer", "seeds", "kept peers [per seed]", "weight [per seed]",
-                   "weight 0", "cos peer", "cos own"], body)
+    return _peer_table(grids, "guard", GUARD_FIGURES, guard_figures,
+                       ["kept peers [per seed]", "weight [per seed]", "weight 0", "cos peer", "cos own"])
 
 
 def seeds(grids=(*DECIDED, "smollm2-check")) -> str:
