@@ -4,7 +4,6 @@ summary.csv; cells without the guard give no row, so their grids' summaries are 
 
 from __future__ import annotations
 
-
 import pytest
 
 from ftis_fed.grid.plan import Cell

@@ -228,8 +228,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
         for r in efficiency:
             what = "training reward" if r["set"] == "updates:reward" else "held-out ID"
             lines.append(f"| {r['a']} | {r['participant']} | {what} | {r['seeds']} | {r['reached']} | "
-                         f"{efficiency_figures(r)} | "
-                         f"{r['ratios']} |")
+                         f"{efficiency_figures(r)} | {r['ratios']} |")
         lines.append("")
     if filters:
         g = f"g = {filter_g:g}" if filter_g is not None else "g"
