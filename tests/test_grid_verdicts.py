@@ -44,7 +44,8 @@ def test_reward_curves_are_trailing_means_from_the_window_on():
 def _cell(out, mode: str, seed: int, rewards: dict[str, list[float]], k: int = 4) -> None:
     """A finished cell of ``rewards`` per participant and round, with one ID evaluation before round 1
     (8 prompts: greedy flags and sampled counts out of k) and after its last round."""
-    run = out / "cells" / Cell(mode, "vertical", seed).name / "run"
+    cell = Cell(mode, "vertical", seed)
+    run = out / "cells" / cell.name / "run"
     rows = []
     for p, rs in rewards.items():
         for rnd, v in enumerate(rs, 1):
@@ -57,7 +58,7 @@ def _cell(out, mode: str, seed: int, rewards: dict[str, list[float]], k: int = 4
             write_eval_prompts(run / "participants" / p / "eval_prompts.jsonl.gz", p, rnd,
                                {"id": [(t, i < 4) for i, t in enumerate(ids)]},
                                sampled={"id": [0, 0, 1, 2, 0, 4, 1, 0]}, k=k)
-    write_cell(out, Cell(mode, "vertical", seed), rows, done={"seconds": 1.0})
+    write_cell(out, cell, rows, done={"seconds": 1.0})
 
 
 def test_efficiency_on_the_training_reward_and_the_start_table(tmp_path):
