@@ -168,8 +168,9 @@ class Participant:
     def _guarded(self) -> GuardedUpdate:
         """``source-adapt = guard``: the update weighted by validation-gradient alignment and kept
         only if no worse on this participant's own validation batch (``learn/guard.py``)."""
+        knobs = self.fed.checks["source-adapt"]
         val = validation_prompts(self.fed.task, self.spec.partition_id, self.spec.num_partitions,
-                                 self.fed.checks["source-adapt"].val_size)
+                                 knobs.val_size, knobs.val_families)
         return GuardedUpdate(self.trainer, val, lambda: solved_share(
             val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier))
 

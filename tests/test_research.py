@@ -251,6 +251,9 @@ def test_validation_batch_is_own_families_and_ood_from_the_train_split():
     assert fams[:4] == ["sub30"] * 4 and fams[4:] == list(OOD_FAMILIES[:4])      # expert of sub30: its own family
     assert all(p.task_id.split("/")[1] == "train" for p in val)
     assert validation_prompts(task, 1, 2, 8) == val                               # deterministic
+    # `task`: every family of the task, the one the receiver is not trained on included
+    wide = [p.task_id.split("/")[0] for p in validation_prompts(task, 1, 2, 8, "task")]
+    assert wide == ["add30", "sub30", "add30", "sub30"] + list(OOD_FAMILIES[:4])
 
 
 @pytest.mark.parametrize("with_better", [True, False])

@@ -87,6 +87,11 @@ def test_run_config_keys_and_their_errors():
         federation_from_run_config({"source-adapt-tau": 0})
     with pytest.raises(ValueError, match="source-adapt-decay=1.5"):
         federation_from_run_config({"source-adapt-decay": 1.5})
+    assert federation_from_run_config({}).checks["source-adapt"].val_families == "trained"
+    fed = federation_from_run_config({"source-adapt": "guard", "source-adapt-val-families": "task"})
+    assert fed.checks["source-adapt"].val_families == "task"
+    with pytest.raises(ValueError, match="source-adapt-val-families='peers': must be one of trained, task"):
+        federation_from_run_config({"source-adapt-val-families": "peers"})
 
 
 def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):

@@ -12,7 +12,8 @@ Per update, with own samples O and each peer source s's samples P_s (F-TIS advan
 truncation as configured):
 
 1. **Validation gradient.** The receiver's validation batch V (``validation_prompts``:
-   ``source-adapt-val-size`` prompts, half from its own training families, half from the OOD
+   ``source-adapt-val-size`` prompts, half from its own training families (``source-adapt-val-families
+   = task``: every family of the task, those it is not trained on included), half from the OOD
    families, all from the *train* split under a seed of their own, so disjoint by content from every
    held-out evaluation set) with its reference answers: g_V = gradient of the mean log-likelihood of
    the reference answers (teacher-forced; the direction that makes right answers likelier).
@@ -55,12 +56,17 @@ from ftis_fed.tasks.suite import TaskSpec, task_at
 VAL_SEED_OFFSET = 7_777_777
 
 
-def validation_prompts(task: TaskSpec, partition_id: int, num_partitions: int, n: int) -> list[Prompt]:
-    """The receiver's validation batch: ceil(n/2) prompts from the families it trains on (its
-    mixture's families with weight > 0, round-robin) and the rest from the OOD families, from the
+def validation_prompts(task: TaskSpec, partition_id: int, num_partitions: int, n: int,
+                       families: str = "trained") -> list[Prompt]:
+    """The receiver's validation batch: ceil(n/2) in-distribution prompts, round-robin over
+    ``families`` (``trained``: the families of its mixture with weight > 0; ``task``: every family of
+    the task, as its held-out ID evaluation has them), and the rest from the OOD families, from the
     train split under seed ``task.seed + VAL_SEED_OFFSET + partition_id``."""
-    mix = task.mixture(partition_id, num_partitions)
-    own = [f for f, w in mix.items() if w > 0] or list(task.families)
+    if families == "task":
+        own = list(task.families)
+    else:
+        mix = task.mixture(partition_id, num_partitions)
+        own = [f for f, w in mix.items() if w > 0] or list(task.families)
     seed = task.seed + VAL_SEED_OFFSET + partition_id
     k_own = -(-n // 2)
     out = [task_at(own[i % len(own)], "train", seed, i) for i in range(k_own)]

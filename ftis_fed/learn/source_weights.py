@@ -38,6 +38,8 @@ from typing import Mapping
 from ftis_fed.knobs import knob
 
 SOURCE_ADAPT_MODES = ("off", "kl", "guard")
+#: ``source-adapt-val-families``: which in-distribution families the guard's validation batch draws from
+VAL_FAMILIES = ("trained", "task")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class SourceAdaptConfig:
         ``guard``: prompts of the receiver's validation batch, >= 2: half from its own training families,
         half from the OOD families, all from their *train* split under a seed of their own (disjoint
         by content from every held-out evaluation set).""")
+    val_families: str = knob("source-adapt-val-families", "trained", """
+        ``guard``: the in-distribution half of the validation batch: ``trained`` (the families the
+        receiver trains on, weight > 0 in its mixture) or ``task`` (every family of ``task-families``:
+        all that its held-out ID evaluation covers, including a family it is not trained on, such as a
+        peer's expertise under ``task-scheme = expertise``).""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -71,6 +78,8 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-decay={self.decay}: must lie in (0, 1]")
         if isinstance(self.val_size, bool) or int(self.val_size) != self.val_size or self.val_size < 2:
             raise ValueError(f"source-adapt-val-size={self.val_size!r}: must be an integer >= 2")
+        if self.val_families not in VAL_FAMILIES:
+            raise ValueError(f"source-adapt-val-families={self.val_families!r}: must be one of {', '.join(VAL_FAMILIES)}")
 
 
 def source_weight(mean_kl: float, tau: float) -> float:
