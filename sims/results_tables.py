@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from ftis_fed.grid.plan import method_order
-from ftis_fed.grid.report import (EFFICIENCY_FIGURES, FILTER_FIGURES, GUARD_FIGURES, efficiency_figures,
-                                  filter_figures, guard_figures)
+from ftis_fed.grid.report import (EFFICIENCY_FIGURES, FILTER_FIGURES, FILTER_HEADERS, GUARD_FIGURES,
+                                  efficiency_figures, filter_figures, guard_figures)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -186,8 +186,7 @@ def _peer_table(grids, kind: str, figures: tuple[str, ...], cells: Callable[[dic
 
 def filters(grids=(*DECIDED, *MICRO)) -> str:
     """Per-sample summed KL of peer samples at each receiver: quantiles, share ≥ g, share dropped."""
-    return _peer_table(grids, "filter", FILTER_FIGURES, filter_figures,
-                       ["KL p50", "KL p90", "KL p99", "largest KL", "KL ≥ g", "dropped"])
+    return _peer_table(grids, "filter", FILTER_FIGURES, filter_figures, list(FILTER_HEADERS))
 
 
 def guards(grids=(*DECIDED, *MICRO)) -> str:

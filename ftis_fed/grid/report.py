@@ -78,6 +78,8 @@ def guard_figures(r: dict) -> str:
 
 #: the numeric columns of a ``filter_table`` row (summary.csv's "filter" rows, read back as floats)
 FILTER_FIGURES = ("kl_p50", "kl_p90", "kl_p99", "kl_max", "kl_ge_g_frac", "filtered_frac")
+#: their column names, in both tables
+FILTER_HEADERS = ("KL p50", "KL p90", "KL p99", "largest KL", "KL ≥ g", "dropped")
 
 
 def filter_figures(r: dict) -> str:
@@ -240,8 +242,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "only, 0 elsewhere)." + (f" {', '.join(any_sign)}: `filter-sign = any`, a variant, not the paper: "
                                            "it drops every sample with a nonzero advantage and KL ≥ g."
                                            if any_sign else ""), "",
-                  "| method | receiver | peer | seeds | KL p50 | KL p90 | KL p99 | largest KL | KL ≥ g | dropped |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | receiver | peer | seeds | " + " | ".join(FILTER_HEADERS) + " |",
+                  "|---|---|---|---|" + "---|" * len(FILTER_HEADERS)]
         for r in filters:
             lines.append(f"| {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | {filter_figures(r)} |")
         lines.append("")
