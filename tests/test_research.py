@@ -296,6 +296,59 @@ def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_b
     assert t.steps == 1
 
 
+def test_the_loglik_guard_keeps_the_candidate_whose_worked_replies_are_likelier():
+    """``source-adapt-val-score = loglik``: each candidate update is scored by the mean per-token
+    log-likelihood of the validation prompts' worked solutions (the bare answer where a family has
+    none); the greedy pass@1 is never computed; the kept weights are those of a plain Trainer step on
+    the sample set whose score is no worse, and the reported scores are those candidates' scores."""
+    import dataclasses as dc
+
+    import torch
+
+    from ftis_fed.learn.guard import GuardedUpdate, validation_reply
+    from ftis_fed.learn.objective import ObjectiveConfig
+    from ftis_fed.learn.training import Trainer, TrainSample
+    from ftis_fed.policies import build_policy
+    from ftis_fed.policies.config import PolicyConfig
+    from ftis_fed.tasks.suite import task_at, worked_reply
+    from ftis_fed.wire.batch import SamplingParams
+
+    add, word = task_at("add99", "train", 3, 0), task_at("word_add", "train", 3, 0)
+    assert validation_reply(add, "loglik") == worked_reply("add99", "train", 3, 0) != add.reference
+    assert ";" in validation_reply(add, "loglik") and validation_reply(add) == add.reference
+    assert validation_reply(word, "loglik") == word.reference                  # no worked solution
+
+    def trainer():
+        torch.manual_seed(0)
+        return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig())
+
+    def sample(src, local, adv, ids):
+        return TrainSample([1, 2, 3], ids, np.full(len(ids), -2.0, np.float32), -2.0 * len(ids), adv, src, local)
+
+    def never():
+        raise AssertionError("loglik must not decode greedily")
+
+    samples = [sample("me", True, 1.0, [5, 6]), sample("me", True, -1.0, [7, 8]),
+               sample("peer", False, 1.0, [9, 10]), sample("peer", False, -1.0, [11, 12])]
+    sampling = SamplingParams(max_new_tokens=4)
+    val = [add, word]
+    t = trainer()
+    m = GuardedUpdate(t, val, never, "loglik").step(samples, sampling)
+    w = m["guard/peer/weight"]
+    with_peers, without = trainer(), trainer()
+    with_peers.step(samples[:2] + [dc.replace(s, advantage=s.advantage * w) for s in samples[2:]], sampling)
+    without.step(samples[:2], sampling)
+    ll_with = GuardedUpdate(with_peers, val, never, "loglik").validation_score(sampling)
+    ll_without = GuardedUpdate(without, val, never, "loglik").validation_score(sampling)
+    assert ll_with < 0 and ll_without < 0 and ll_with != ll_without            # continuous: no tie here
+    assert m["guard/val_with"] == pytest.approx(ll_with, abs=1e-5)
+    assert m["guard/val_without"] == pytest.approx(ll_without, abs=1e-5)
+    assert m["guard/kept_peers"] == float(ll_with >= ll_without)
+    ref = with_peers if ll_with >= ll_without else without
+    got, want = t.policy.trainable_state(), ref.policy.trainable_state()
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+
+
 # ----------------------------------------------------------------------------- the calibrated learning tier
 
 @pytest.mark.slow

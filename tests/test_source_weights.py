@@ -92,6 +92,11 @@ def test_run_config_keys_and_their_errors():
     assert fed.checks["source-adapt"].val_families == "task"
     with pytest.raises(ValueError, match="source-adapt-val-families='peers': must be one of trained, task"):
         federation_from_run_config({"source-adapt-val-families": "peers"})
+    assert federation_from_run_config({}).checks["source-adapt"].val_score == "reward"
+    fed = federation_from_run_config({"source-adapt": "guard", "source-adapt-val-score": "loglik"})
+    assert fed.checks["source-adapt"].val_score == "loglik"
+    with pytest.raises(ValueError, match="source-adapt-val-score='pass@k': must be one of reward, loglik"):
+        federation_from_run_config({"source-adapt-val-score": "pass@k"})
 
 
 def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):

@@ -40,6 +40,8 @@ from ftis_fed.knobs import knob
 SOURCE_ADAPT_MODES = ("off", "kl", "guard")
 #: ``source-adapt-val-families``: which in-distribution families the guard's validation batch draws from
 VAL_FAMILIES = ("trained", "task")
+#: ``source-adapt-val-score``: how the guard scores a candidate update on its validation batch
+VAL_SCORES = ("reward", "loglik")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,12 @@ class SourceAdaptConfig:
         receiver trains on, weight > 0 in its mixture) or ``task`` (every family of ``task-families``:
         all that its held-out ID evaluation covers, including a family it is not trained on, such as a
         peer's expertise under ``task-scheme = expertise``).""")
+    val_score: str = knob("source-adapt-val-score", "reward", """
+        ``guard``: what decides between the two candidate updates, and the target of the validation
+        gradient: ``reward`` (greedy pass@1 on the validation batch; the gradient of the reference
+        answers' log-likelihood) or ``loglik`` (the mean per-token log-likelihood of each validation
+        prompt's worked solution, where its family has one, else of its reference answer: a
+        continuous score, no greedy decoding, and the same replies as the gradient's target).""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -80,6 +88,8 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-val-size={self.val_size!r}: must be an integer >= 2")
         if self.val_families not in VAL_FAMILIES:
             raise ValueError(f"source-adapt-val-families={self.val_families!r}: must be one of {', '.join(VAL_FAMILIES)}")
+        if self.val_score not in VAL_SCORES:
+            raise ValueError(f"source-adapt-val-score={self.val_score!r}: must be one of {', '.join(VAL_SCORES)}")
 
 
 def source_weight(mean_kl: float, tau: float) -> float:
