@@ -256,6 +256,30 @@ def test_validation_batch_is_own_families_and_ood_from_the_train_split():
     assert wide == ["add30", "sub30", "add30", "sub30"] + list(OOD_FAMILIES[:4])
 
 
+def _guard_trainer():
+    """The guard tests' receiver: a seeded tiny Llama, fully fine-tuned at 1e-2."""
+    import torch
+
+    from ftis_fed.learn.objective import ObjectiveConfig
+    from ftis_fed.learn.training import Trainer
+    from ftis_fed.policies import build_policy
+    from ftis_fed.policies.config import PolicyConfig
+
+    torch.manual_seed(0)
+    return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig())
+
+
+def _guard_samples():
+    """Two own samples and two of one peer, one of each with a positive and one with a negative advantage."""
+    from ftis_fed.learn.training import TrainSample
+
+    def sample(src, local, adv, ids):
+        return TrainSample([1, 2, 3], ids, np.full(len(ids), -2.0, np.float32), -2.0 * len(ids), adv, src, local)
+
+    return [sample("me", True, 1.0, [5, 6]), sample("me", True, -1.0, [7, 8]),
+            sample("peer", False, 1.0, [9, 10]), sample("peer", False, -1.0, [11, 12])]
+
+
 @pytest.mark.parametrize("with_better", [True, False])
 def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_better):
     """Two candidate updates from the same start; the validation reward decides which one stays:
@@ -265,30 +289,18 @@ def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_b
     import torch
 
     from ftis_fed.learn.guard import GuardedUpdate
-    from ftis_fed.learn.objective import ObjectiveConfig
-    from ftis_fed.learn.training import Trainer, TrainSample
-    from ftis_fed.policies import build_policy
-    from ftis_fed.policies.config import PolicyConfig
     from ftis_fed.tasks.prompt import Prompt
     from ftis_fed.wire.batch import SamplingParams
 
-    def trainer():
-        torch.manual_seed(0)
-        return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig())
-
-    def sample(src, local, adv, ids):
-        return TrainSample([1, 2, 3], ids, np.full(len(ids), -2.0, np.float32), -2.0 * len(ids), adv, src, local)
-
-    samples = [sample("me", True, 1.0, [5, 6]), sample("me", True, -1.0, [7, 8]),
-               sample("peer", False, 1.0, [9, 10]), sample("peer", False, -1.0, [11, 12])]
+    samples = _guard_samples()
     sampling = SamplingParams(max_new_tokens=4)
     rewards = iter([0.5, 0.25] if with_better else [0.25, 0.5])                # with peers, then without
-    t = trainer()
+    t = _guard_trainer()
     g = GuardedUpdate(t, [Prompt("add1/train/0/0", "What is 1 + 2?", "3")], lambda: next(rewards))
     m = g.step(samples, sampling)
     assert m["guard/kept_peers"] == float(with_better) and "guard/peer/weight" in m
     w = m["guard/peer/weight"]
-    ref = trainer()
+    ref = _guard_trainer()
     chosen = samples[:2] + [dc.replace(s, advantage=s.advantage * w) for s in samples[2:]] if with_better else samples[:2]
     ref.step(chosen, sampling)
     got, want = t.policy.trainable_state(), ref.policy.trainable_state()
@@ -306,10 +318,6 @@ def test_the_loglik_guard_keeps_the_candidate_whose_worked_replies_are_likelier(
     import torch
 
     from ftis_fed.learn.guard import GuardedUpdate, validation_reply
-    from ftis_fed.learn.objective import ObjectiveConfig
-    from ftis_fed.learn.training import Trainer, TrainSample
-    from ftis_fed.policies import build_policy
-    from ftis_fed.policies.config import PolicyConfig
     from ftis_fed.tasks.suite import task_at, worked_reply
     from ftis_fed.wire.batch import SamplingParams
 
@@ -318,24 +326,16 @@ def test_the_loglik_guard_keeps_the_candidate_whose_worked_replies_are_likelier(
     assert ";" in validation_reply(add, "loglik") and validation_reply(add) == add.reference
     assert validation_reply(word, "loglik") == word.reference                  # no worked solution
 
-    def trainer():
-        torch.manual_seed(0)
-        return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig())
-
-    def sample(src, local, adv, ids):
-        return TrainSample([1, 2, 3], ids, np.full(len(ids), -2.0, np.float32), -2.0 * len(ids), adv, src, local)
-
     def never():
         raise AssertionError("loglik must not decode greedily")
 
-    samples = [sample("me", True, 1.0, [5, 6]), sample("me", True, -1.0, [7, 8]),
-               sample("peer", False, 1.0, [9, 10]), sample("peer", False, -1.0, [11, 12])]
+    samples = _guard_samples()
     sampling = SamplingParams(max_new_tokens=4)
     val = [add, word]
-    t = trainer()
+    t = _guard_trainer()
     m = GuardedUpdate(t, val, never, "loglik").step(samples, sampling)
     w = m["guard/peer/weight"]
-    with_peers, without = trainer(), trainer()
+    with_peers, without = _guard_trainer(), _guard_trainer()
     with_peers.step(samples[:2] + [dc.replace(s, advantage=s.advantage * w) for s in samples[2:]], sampling)
     without.step(samples[:2], sampling)
     ll_with = GuardedUpdate(with_peers, val, never, "loglik").validation_score(sampling)
