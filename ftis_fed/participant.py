@@ -172,7 +172,8 @@ class Participant:
         val = validation_prompts(self.fed.task, self.spec.partition_id, self.spec.num_partitions,
                                  knobs.val_size, knobs.val_families)
         return GuardedUpdate(self.trainer, val, lambda: solved_share(
-            val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier), knobs.val_score)
+            val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier), knobs.val_score,
+            knobs.align)
 
     def _count_load(self) -> int:
         """Record this model load in state_dir/model_loads.jsonl; return the loads of this run so far

@@ -308,6 +308,35 @@ def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_b
     assert t.steps == 1
 
 
+@pytest.mark.parametrize("with_better", [True, False])
+def test_the_guard_without_alignment_keeps_every_peer_whole_and_only_chooses(with_better):
+    """``source-adapt-align = false``: no validation gradient and no probe backwards; every peer's
+    samples keep their advantages (weight 1), and the kept weights are those of a plain Trainer step
+    on all samples or on the own ones, whichever scored no worse on the validation batch."""
+    import torch
+
+    from ftis_fed.learn.guard import GuardedUpdate
+    from ftis_fed.tasks.prompt import Prompt
+    from ftis_fed.wire.batch import SamplingParams
+
+    def no_probe(*_):
+        raise AssertionError("align = false must not probe gradients")
+
+    samples = _guard_samples()
+    sampling = SamplingParams(max_new_tokens=4)
+    rewards = iter([0.5, 0.25] if with_better else [0.25, 0.5])                # with peers, then without
+    t = _guard_trainer()
+    g = GuardedUpdate(t, [Prompt("add1/train/0/0", "What is 1 + 2?", "3")], lambda: next(rewards), align=False)
+    g._probe = g._val_gradient = no_probe
+    m = g.step(samples, sampling)
+    assert m["guard/peer/weight"] == 1.0 and m["guard/kept_peers"] == float(with_better)
+    assert "guard/own_cos" not in m and "guard/peer/cos" not in m
+    ref = _guard_trainer()
+    ref.step(samples if with_better else samples[:2], sampling)
+    got, want = t.policy.trainable_state(), ref.policy.trainable_state()
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+
+
 def test_the_loglik_guard_keeps_the_candidate_whose_worked_replies_are_likelier():
     """``source-adapt-val-score = loglik``: each candidate update is scored by the mean per-token
     log-likelihood of the validation prompts' worked solutions (the bare answer where a family has

@@ -97,6 +97,10 @@ def test_run_config_keys_and_their_errors():
     assert fed.checks["source-adapt"].val_score == "loglik"
     with pytest.raises(ValueError, match="source-adapt-val-score='pass@k': must be one of reward, loglik"):
         federation_from_run_config({"source-adapt-val-score": "pass@k"})
+    assert federation_from_run_config({}).checks["source-adapt"].align is True
+    assert federation_from_run_config({"source-adapt-align": False}).checks["source-adapt"].align is False
+    with pytest.raises(ValueError, match="source-adapt-align=1: must be true or false"):
+        federation_from_run_config({"source-adapt-align": 1})
 
 
 def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):

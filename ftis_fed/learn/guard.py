@@ -25,6 +25,9 @@ truncation as configured):
    counts as much as my own data when its samples point as well toward my validation objective,
    less when they point less well, not at all when they point away), else 1[c_s > 0]. Every sample
    of P_s (positive and negative advantage alike) has its advantage multiplied by w_s.
+   With ``source-adapt-align = false`` steps 1–2 are skipped and every w_s = 1: on the learning
+   tier (docs/RESULTS.md §5) c_O was <= 0 in 54–59 % of the rounds (|c_O| median ~0.05), so the
+   weights were 0 in about half the rounds and 1 in a third, a coin flip rather than a measurement.
 3. **Guard.** From the same starting state (trainable weights + optimizer state) two candidate
    updates are made: with peers (O + weighted P) and without (O only); each is scored on V by greedy
    pass@1 (``source-adapt-val-score = reward``) or by the mean per-token log-likelihood of the
@@ -33,7 +36,7 @@ truncation as configured):
    score is no worse (>=); otherwise the update without them. Ties keep the peers.
 
 Cost per update (measured in ``train/seconds``, and ``guard/seconds``): one validation backward,
-1 + (peers) probe backwards, two optimizer steps instead of one, two greedy passes over V (``loglik``:
+1 + (peers) probe backwards (neither with ``align = false``), two optimizer steps instead of one, two greedy passes over V (``loglik``:
 two teacher-forced forward passes instead), and a copy of the trainable state and optimizer state.
 Nothing here reads the off-policy diagnostics, so the weights do not depend on ``score-zero-advantage``.
 
@@ -124,11 +127,12 @@ class GuardedUpdate:
 
     trainer: the participant's ``Trainer``; val: its validation prompts; val_reward(): greedy pass@1
     of the current weights on ``val`` (read only with ``score = "reward"``); score: ``source-adapt-val-
-    score``.
+    score``; align: ``source-adapt-align`` (false: every peer at weight 1, no gradient probes).
     """
 
-    def __init__(self, trainer, val: Sequence[Prompt], val_reward: Callable[[], float], score: str = "reward"):
-        self.trainer, self.val, self.val_reward, self.score = trainer, list(val), val_reward, score
+    def __init__(self, trainer, val: Sequence[Prompt], val_reward: Callable[[], float], score: str = "reward",
+                 align: bool = True):
+        self.trainer, self.val, self.val_reward, self.score, self.align = trainer, list(val), val_reward, score, align
         pol = trainer.policy
         # (prompt_ids, reply_ids + EOS) per validation prompt
         self.val_rows = [pol.retokenize(p.text, validation_reply(p, score), True) for p in self.val]
@@ -188,21 +192,25 @@ class GuardedUpdate:
 
     def step(self, samples: Sequence[TrainSample], sampling) -> dict[str, float]:
         """One guarded update on ``samples`` (own + peers); returns the kept update's metrics plus
-        ``guard/...``: per-source ``guard/<s>/cos`` and ``guard/<s>/weight``, ``guard/own_cos``,
-        ``guard/kept_peers`` (1 / 0), ``guard/val_with`` / ``guard/val_without``, ``guard/seconds``."""
+        ``guard/...``: per-source ``guard/<s>/weight`` (and with ``align``, ``guard/<s>/cos`` and
+        ``guard/own_cos``), ``guard/kept_peers`` (1 / 0), ``guard/val_with`` / ``guard/val_without``,
+        ``guard/seconds``."""
         t0 = time.perf_counter()
         own = [s for s in samples if s.local]
         sources = list(dict.fromkeys(s.source for s in samples if not s.local))
         if not sources:
             return self.trainer.step(samples, sampling)
-        g_val = self._val_gradient(sampling)
-        c_own = _cos(self._probe(own, sampling), g_val) if own else 0.0
-        out: dict[str, float] = {"guard/own_cos": c_own}
-        weights = {}
-        for src in sources:
-            c = _cos(self._probe([s for s in samples if s.source == src], sampling), g_val)
-            weights[src] = alignment_weight(c, c_own)
-            out[f"guard/{src}/cos"], out[f"guard/{src}/weight"] = c, weights[src]
+        out: dict[str, float] = {}
+        weights = dict.fromkeys(sources, 1.0)
+        if self.align:
+            g_val = self._val_gradient(sampling)
+            c_own = _cos(self._probe(own, sampling), g_val) if own else 0.0
+            out["guard/own_cos"] = c_own
+            for src in sources:
+                c = _cos(self._probe([s for s in samples if s.source == src], sampling), g_val)
+                weights[src] = alignment_weight(c, c_own)
+                out[f"guard/{src}/cos"] = c
+        out.update({f"guard/{src}/weight": w for src, w in weights.items()})
         weighted = own + [dataclasses.replace(s, advantage=s.advantage * weights[s.source])
                           for s in samples if not s.local]
         start = self._state()

@@ -76,6 +76,10 @@ class SourceAdaptConfig:
         answers' log-likelihood) or ``loglik`` (the mean per-token log-likelihood of each validation
         prompt's worked solution, where its family has one, else of its reference answer: a
         continuous score, no greedy decoding, and the same replies as the gradient's target).""")
+    align: bool = knob("source-adapt-align", True, """
+        ``guard``: weigh each peer by how its samples' gradient aligns with the validation gradient
+        (true), or keep every peer at weight 1 and let only the choice between the two candidate
+        updates decide (false: no validation gradient and no probe backwards, so a cheaper update).""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -90,6 +94,8 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-val-families={self.val_families!r}: must be one of {', '.join(VAL_FAMILIES)}")
         if self.val_score not in VAL_SCORES:
             raise ValueError(f"source-adapt-val-score={self.val_score!r}: must be one of {', '.join(VAL_SCORES)}")
+        if not isinstance(self.align, bool):
+            raise ValueError(f"source-adapt-align={self.align!r}: must be true or false")
 
 
 def source_weight(mean_kl: float, tau: float) -> float:
