@@ -55,3 +55,16 @@ def test_the_summary_has_a_guard_section_only_with_guard_rows():
     with_guard = summary_markdown([], [], [], "t", guards=[row])
     assert "| F-TIS+guard | spec | base | 5 | 85 % [82, 87] | 0.39 [0.15, 0.54] | 56 % | -0.014 | -0.008 |" in with_guard
     assert "## The guard" not in summary_markdown([], [], [], "t")
+
+
+def test_a_guard_without_alignment_gives_weight_1_and_no_cosines(tmp_path):
+    """``source-adapt-align = false``: the cells carry ``guard/<peer>/weight`` = 1 and no cosines; the
+    row's cosines are NaN and the summary reads them as –."""
+    rows = [{"round": r, "participant": "spec", "phase": "train", "guard/kept_peers": k, "guard/base/weight": 1.0}
+            for r, k in ((1, 1.0), (2, 0.0))]
+    c = _cell(tmp_path, "F-TIS+guardchoice", 0, rows)
+    (row,) = guard_table([c], tmp_path)
+    assert row["kept"] == 0.5 and row["weight"] == 1.0 and row["weight_zero"] == 0.0
+    assert row["cos"] != row["cos"] and row["own_cos"] != row["own_cos"]          # NaN: not measured
+    md = summary_markdown([], [], [], "t", guards=[row])
+    assert "| F-TIS+guardchoice | spec | base | 1 | 50 % [50, 50] | 1.00 [1.00, 1.00] | 0 % | – | – |" in md

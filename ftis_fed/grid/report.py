@@ -70,10 +70,14 @@ GUARD_FIGURES = ("kept", "kept_min", "kept_max", "weight", "weight_min", "weight
 
 def guard_figures(r: dict) -> str:
     """A guard row's figures as table cells: kept peers [per-seed range] | weight [range] | weight 0 |
-    cos peer | cos own (the summary's guard section and docs/RESULTS.md's guard table)."""
+    cos peer | cos own (the summary's guard section and docs/RESULTS.md's guard table); a cosine the
+    guard did not measure (``source-adapt-align = false``) reads –."""
+    def cos(v: float) -> str:
+        return f"{v:+.3f}" if math.isfinite(v) else "–"
+
     return (f"{100 * r['kept']:.0f} % [{100 * r['kept_min']:.0f}, {100 * r['kept_max']:.0f}] | "
             f"{r['weight']:.2f} [{r['weight_min']:.2f}, {r['weight_max']:.2f}] | "
-            f"{100 * r['weight_zero']:.0f} % | {r['cos']:+.3f} | {r['own_cos']:+.3f}")
+            f"{100 * r['weight_zero']:.0f} % | {cos(r['cos'])} | {cos(r['own_cos'])}")
 
 
 #: the numeric columns of a ``filter_table`` row (summary.csv's "filter" rows, read back as floats)
