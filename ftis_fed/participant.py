@@ -173,7 +173,7 @@ class Participant:
                                  knobs.val_size, knobs.val_families)
         return GuardedUpdate(self.trainer, val, lambda: solved_share(
             val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier), knobs.val_score,
-            knobs.align)
+            knobs.align, knobs.window)
 
     def _count_load(self) -> int:
         """Record this model load in state_dir/model_loads.jsonl; return the loads of this run so far
@@ -436,6 +436,8 @@ class Participant:
                  "checks": checks_state(self.checks), "model_id": self.policy.model_id, "run_id": self.run_id,
                  "peer_models": self.peer_models, "heldout": {str(k): v for k, v in self.heldout.items()},
                  "run_key": self.run_key}
+        if self.guarded is not None:
+            state["guarded"] = self.guarded.to_json()
         atomic_write(self.state_dir / "participant.json", json.dumps(state))
 
     def _rejoin(self) -> None:
@@ -466,4 +468,6 @@ class Participant:
                                                            "phrase": state.get("phrases")})     # its two states
         self.peer_models = dict(state.get("peer_models", {}))
         self.heldout = {int(k): v for k, v in state.get("heldout", {}).items()}
+        if self.guarded is not None:
+            self.guarded.load_json(state.get("guarded"))
 

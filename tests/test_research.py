@@ -337,6 +337,42 @@ def test_the_guard_without_alignment_keeps_every_peer_whole_and_only_chooses(wit
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
 
 
+def test_the_guard_s_window_decides_by_the_mean_difference_of_its_last_rounds():
+    """``source-adapt-window = W``: the peers are kept while the mean of the last W differences
+    (score with − score without, this round's included) is >= 0; a non-finite difference drops the
+    peers and is not kept; the differences are the state a resume carries."""
+    import torch
+
+    from ftis_fed.learn.guard import GuardedUpdate
+    from ftis_fed.tasks.prompt import Prompt
+    from ftis_fed.wire.batch import SamplingParams
+
+    val = [Prompt("add1/train/0/0", "What is 1 + 2?", "3")]
+    g = GuardedUpdate(_guard_trainer(), val, lambda: 0.0, window=3)
+    got = [g.keeps_peers(w, wo) for w, wo in [(0.3, 0.1), (0.1, 0.2), (0.0, 0.2), (0.5, 0.4), (math.nan, 0.1)]]
+    assert got == [True, True, False, False, False]       # means +0.2, +0.05, -0.03, -0.07 (last 3); NaN: dropped
+    assert list(g.diffs) == pytest.approx([-0.1, -0.2, 0.1])
+    assert g.to_json() == {"diffs": list(g.diffs)}
+    one = GuardedUpdate(_guard_trainer(), val, lambda: 0.0)                       # window 1: this round alone
+    assert [one.keeps_peers(w, wo) for w, wo in [(0.2, 0.2), (0.1, 0.2), (0.3, 0.2)]] == [True, False, True]
+
+    # through a real step: this round's candidates say "without" (0.25 < 0.5), the window's history
+    # says "with" (+0.5 restored from a saved state), so the update with the peers is kept
+    rewards = iter([0.25, 0.5])
+    t = _guard_trainer()
+    g = GuardedUpdate(t, val, lambda: next(rewards), align=False, window=2)
+    g.load_json({"diffs": [0.4, 0.5]})
+    assert list(g.diffs) == [0.4, 0.5]
+    samples, sampling = _guard_samples(), SamplingParams(max_new_tokens=4)
+    m = g.step(samples, sampling)
+    assert m["guard/kept_peers"] == 1.0 and m["guard/diff_mean"] == pytest.approx((0.5 - 0.25) / 2)
+    ref = _guard_trainer()
+    ref.step(samples, sampling)
+    got, want = t.policy.trainable_state(), ref.policy.trainable_state()
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    assert "guard/diff_mean" not in GuardedUpdate(_guard_trainer(), val, iter([0.5, 0.25]).__next__).step(samples, sampling)
+
+
 def test_the_loglik_guard_keeps_the_candidate_whose_worked_replies_are_likelier():
     """``source-adapt-val-score = loglik``: each candidate update is scored by the mean per-token
     log-likelihood of the validation prompts' worked solutions (the bare answer where a family has

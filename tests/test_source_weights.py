@@ -101,6 +101,11 @@ def test_run_config_keys_and_their_errors():
     assert federation_from_run_config({"source-adapt-align": False}).checks["source-adapt"].align is False
     with pytest.raises(ValueError, match="source-adapt-align=1: must be true or false"):
         federation_from_run_config({"source-adapt-align": 1})
+    assert federation_from_run_config({}).checks["source-adapt"].window == 1
+    assert federation_from_run_config({"source-adapt-window": 20}).checks["source-adapt"].window == 20
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=f"source-adapt-window={bad!r}: must be an integer"):
+            federation_from_run_config({"source-adapt-window": bad})
 
 
 def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):
@@ -122,3 +127,26 @@ def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):
     m = alice.learn(1, bob.generate(1, False)[0])
     assert m["offpolicy/accepted"] == 1 and set(alice.trainer.source_kl) == {"bob"}
     assert next(c for c in alice.checks if c.alias == "source-adapt").adapter.kl == {"bob": max(0.0, m["offpolicy/bob/kl_mean"])} == {"bob": m["adapt/bob/kl_ema"]}
+
+
+def test_a_resumed_participant_keeps_its_guard_s_window(tmp_path):
+    """``source-adapt = guard`` with a window: the last rounds' score differences are saved with the
+    checkpoint and a resumed participant decides with them (a real participant, tiny model)."""
+    import dataclasses
+
+    def fed(resume):
+        return FederationConfig(group_size=2, max_new_tokens=3, run_name="win", output_dir=str(tmp_path), eval_every=0,
+                                resume=resume, checks={"source-adapt": SourceAdaptConfig("guard", window=4)},
+                                task=TaskSpec(families=("add1",), prompts_per_round=2))
+    generate_keypair("alice", tmp_path / "keys")
+    spec = ParticipantSpec("alice", PolicyConfig(model="tiny-llama", adapter="full", lr=1e-3), 0, 1,
+                           str(tmp_path / "keys"), str(tmp_path / "alice"))
+    alice = Participant(spec, fed(False))
+    assert alice.guarded.window == 4 and not alice.guarded.diffs
+    for w, wo in [(0.5, 0.25), (0.0, 0.5)]:
+        alice.guarded.keeps_peers(w, wo)
+    alice.save()
+    again = Participant(dataclasses.replace(spec), fed(True))
+    assert list(again.guarded.diffs) == [0.25, -0.5] and again.guarded.diffs.maxlen == 4
+    fresh = Participant(spec, fed(False))                        # not resumed: a window of its own
+    assert not fresh.guarded.diffs

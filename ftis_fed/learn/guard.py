@@ -33,7 +33,12 @@ truncation as configured):
    pass@1 (``source-adapt-val-score = reward``) or by the mean per-token log-likelihood of the
    validation replies (``loglik``: continuous, so the two candidates rarely tie; pass@1 on 16
    prompts tied in 83 % of ``research-w-spec``'s rounds). The update with peers is kept when its
-   score is no worse (>=); otherwise the update without them. Ties keep the peers.
+   score is no worse (>=); otherwise the update without them. Ties keep the peers. With
+   ``source-adapt-window = W`` > 1 the rule reads the mean of the last W rounds' differences
+   d = score with − score without (this round's included; a non-finite d keeps neither it nor the
+   peers): kept when that mean is >= 0. Per round d is mostly noise (on ``research-w`` with the
+   ``loglik`` score its standard deviation was 3–9 times its mean, so the peers were kept in only
+   52–60 % of rounds though they help), while its mean over rounds is the peers' effect.
 
 Cost per update (measured in ``train/seconds``, and ``guard/seconds``): one validation backward,
 1 + (peers) probe backwards (neither with ``align = false``), two optimizer steps instead of one, two greedy passes over V (``loglik``:
@@ -46,11 +51,12 @@ selection has seen problems of the OOD families' kind (never the evaluation prob
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -127,15 +133,35 @@ class GuardedUpdate:
 
     trainer: the participant's ``Trainer``; val: its validation prompts; val_reward(): greedy pass@1
     of the current weights on ``val`` (read only with ``score = "reward"``); score: ``source-adapt-val-
-    score``; align: ``source-adapt-align`` (false: every peer at weight 1, no gradient probes).
+    score``; align: ``source-adapt-align`` (false: every peer at weight 1, no gradient probes);
+    window: ``source-adapt-window`` (the differences it holds are its state: ``to_json`` /
+    ``load_json`` carry them across a resume).
     """
 
     def __init__(self, trainer, val: Sequence[Prompt], val_reward: Callable[[], float], score: str = "reward",
-                 align: bool = True):
+                 align: bool = True, window: int = 1):
         self.trainer, self.val, self.val_reward, self.score, self.align = trainer, list(val), val_reward, score, align
+        self.window = window
+        self.diffs: collections.deque[float] = collections.deque(maxlen=window)
         pol = trainer.policy
         # (prompt_ids, reply_ids + EOS) per validation prompt
         self.val_rows = [pol.retokenize(p.text, validation_reply(p, score), True) for p in self.val]
+
+    def to_json(self) -> dict:
+        return {"diffs": list(self.diffs)}
+
+    def load_json(self, state: Mapping | None) -> None:
+        """Restore ``to_json``'s differences (the last ``window`` of them; none when ``state`` is None)."""
+        self.diffs = collections.deque((float(d) for d in (state or {}).get("diffs", [])), maxlen=self.window)
+
+    def keeps_peers(self, r_with: float, r_without: float) -> bool:
+        """Fold in this round's difference and decide: the mean over the window is >= 0 (window 1:
+        ``r_with >= r_without``); a non-finite difference is not kept and drops the peers."""
+        d = r_with - r_without
+        if not math.isfinite(d):
+            return False
+        self.diffs.append(d)
+        return sum(self.diffs) / len(self.diffs) >= 0
 
     def _val_loglik(self, sampling, grad: bool) -> torch.Tensor:
         """The mean per-token log-likelihood of the validation replies: a scalar, with its graph when
@@ -194,7 +220,7 @@ class GuardedUpdate:
         """One guarded update on ``samples`` (own + peers); returns the kept update's metrics plus
         ``guard/...``: per-source ``guard/<s>/weight`` (and with ``align``, ``guard/<s>/cos`` and
         ``guard/own_cos``), ``guard/kept_peers`` (1 / 0), ``guard/val_with`` / ``guard/val_without``,
-        ``guard/seconds``."""
+        with ``window`` > 1 ``guard/diff_mean`` (the mean that decided), ``guard/seconds``."""
         t0 = time.perf_counter()
         own = [s for s in samples if s.local]
         sources = list(dict.fromkeys(s.source for s in samples if not s.local))
@@ -223,7 +249,9 @@ class GuardedUpdate:
         self._restore(start)
         m_without = self.trainer.step(own, sampling)
         r_without = self.validation_score(sampling)
-        keep = r_with >= r_without
+        keep = self.keeps_peers(r_with, r_without)
+        if self.window > 1:
+            out["guard/diff_mean"] = sum(self.diffs) / len(self.diffs) if self.diffs else math.nan
         if keep:
             self._restore(with_peers)
         out.update({"guard/kept_peers": float(keep), "guard/val_with": r_with, "guard/val_without": r_without})

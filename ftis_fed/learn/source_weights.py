@@ -80,6 +80,11 @@ class SourceAdaptConfig:
         ``guard``: weigh each peer by how its samples' gradient aligns with the validation gradient
         (true), or keep every peer at weight 1 and let only the choice between the two candidate
         updates decide (false: no validation gradient and no probe backwards, so a cheaper update).""")
+    window: int = knob("source-adapt-window", 1, """
+        ``guard``: rounds, >= 1; the update with peers is kept when the mean of (its validation score −
+        that of the update without them) over the last ``window`` rounds, this one included, is >= 0
+        (1: this round's comparison alone). A longer window keeps a peer whose samples help a little on
+        average though single rounds disagree, and drops one whose harm builds over rounds.""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -94,6 +99,8 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-val-families={self.val_families!r}: must be one of {', '.join(VAL_FAMILIES)}")
         if self.val_score not in VAL_SCORES:
             raise ValueError(f"source-adapt-val-score={self.val_score!r}: must be one of {', '.join(VAL_SCORES)}")
+        if isinstance(self.window, bool) or int(self.window) != self.window or self.window < 1:
+            raise ValueError(f"source-adapt-window={self.window!r}: must be an integer >= 1")
         if not isinstance(self.align, bool):
             raise ValueError(f"source-adapt-align={self.align!r}: must be true or false")
 
