@@ -26,7 +26,7 @@ truncation as configured):
    less when they point less well, not at all when they point away), else 1[c_s > 0]. Every sample
    of P_s (positive and negative advantage alike) has its advantage multiplied by w_s.
    With ``source-adapt-align = false`` steps 1–2 are skipped and every w_s = 1: on the learning
-   tier (docs/RESULTS.md §5) c_O was <= 0 in 54–59 % of the rounds (|c_O| median ~0.05), so the
+   tier (docs/RESULTS.md §4) c_O was <= 0 in 54–59 % of the rounds (|c_O| median ~0.05), so the
    weights were 0 in about half the rounds and 1 in a third, a coin flip rather than a measurement.
 3. **Guard.** From the same starting state (trainable weights + optimizer state) two candidate
    updates are made: with peers (O + weighted P) and without (O only); each is scored on V by greedy
