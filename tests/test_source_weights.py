@@ -131,9 +131,7 @@ def test_a_participant_adapts_to_the_kl_its_trainer_measured(tmp_path):
 
 def test_a_resumed_participant_keeps_its_guard_s_window(tmp_path):
     """``source-adapt = guard`` with a window: the last rounds' score differences are saved with the
-    checkpoint and a resumed participant decides with them (a real participant, tiny model)."""
-    import dataclasses
-
+    checkpoint and a resumed participant restores them (a real participant, tiny model)."""
     def fed(resume):
         return FederationConfig(group_size=2, max_new_tokens=3, run_name="win", output_dir=str(tmp_path), eval_every=0,
                                 resume=resume, checks={"source-adapt": SourceAdaptConfig("guard", window=4)},
@@ -146,7 +144,7 @@ def test_a_resumed_participant_keeps_its_guard_s_window(tmp_path):
     for w, wo in [(0.5, 0.25), (0.0, 0.5)]:
         alice.guarded.keeps_peers(w, wo)
     alice.save()
-    again = Participant(dataclasses.replace(spec), fed(True))
+    again = Participant(spec, fed(True))
     assert list(again.guarded.diffs) == [0.25, -0.5] and again.guarded.diffs.maxlen == 4
     fresh = Participant(spec, fed(False))                        # not resumed: a window of its own
     assert not fresh.guarded.diffs

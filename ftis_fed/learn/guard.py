@@ -40,9 +40,10 @@ truncation as configured):
    ``loglik`` score its standard deviation was 3–9 times its mean, so the peers were kept in only
    52–60 % of rounds though they help), while its mean over rounds is the peers' effect.
 
-Cost per update (measured in ``train/seconds``, and ``guard/seconds``): one validation backward,
-1 + (peers) probe backwards (neither with ``align = false``), two optimizer steps instead of one, two greedy passes over V (``loglik``:
-two teacher-forced forward passes instead), and a copy of the trainable state and optimizer state.
+Cost per update (measured in ``train/seconds``, and ``guard/seconds``): one validation backward and
+1 + (peers) probe backwards (neither with ``align = false``), two optimizer steps instead of one, two
+greedy passes over V (``loglik``: two teacher-forced forward passes instead), and a copy of the
+trainable state and optimizer state.
 Nothing here reads the off-policy diagnostics, so the weights do not depend on ``score-zero-advantage``.
 
 Caveat, stated where the results are: V includes OOD-family *train* problems, so this option's

@@ -3,8 +3,8 @@ of the sample KL the receiver measured on that peer's samples (``learn/source_we
 its knobs ``SourceAdaptConfig`` and the state). On in every run: it observes the KL after every step
 and reports ``adapt/<peer>/{weight, kl_ema}`` (weight 1 unless ``kl``), and weights only under ``kl``.
 Its knobs also say ``guard`` (``source-adapt = guard``, ``source-adapt-val-size``,
-``source-adapt-val-families``, ``source-adapt-val-score``, ``source-adapt-align``), which replaces the
-optimizer step (``Participant``: ``learn/guard.py``)."""
+``source-adapt-val-families``, ``source-adapt-val-score``, ``source-adapt-align``,
+``source-adapt-window``), which replaces the optimizer step (``Participant``: ``learn/guard.py``)."""
 
 from __future__ import annotations
 
