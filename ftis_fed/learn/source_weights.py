@@ -84,7 +84,7 @@ class SourceAdaptConfig:
         ``guard``: rounds, >= 1; the update with peers is kept when the mean of (its validation score −
         that of the update without them) over the last ``window`` rounds, this one included, is >= 0
         (1: this round's comparison alone). A longer window keeps a peer whose samples help a little on
-        average though single rounds disagree, and drops one whose harm builds over rounds.""")
+        average though single rounds disagree; it drops one only where the harm shows in that mean.""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
