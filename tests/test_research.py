@@ -280,39 +280,15 @@ def _guard_samples():
             sample("peer", False, 1.0, [9, 10]), sample("peer", False, -1.0, [11, 12])]
 
 
+@pytest.mark.parametrize("align", [True, False])
 @pytest.mark.parametrize("with_better", [True, False])
-def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_better):
+def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_better, align):
     """Two candidate updates from the same start; the validation reward decides which one stays:
-    the kept weights equal those of a plain Trainer step on the chosen sample set."""
+    the kept weights equal those of a plain Trainer step on the chosen sample set. With
+    ``source-adapt-align = false`` there is no validation gradient and no probe backward, and every
+    peer's samples keep their advantages (weight 1)."""
     import dataclasses as dc
 
-    import torch
-
-    from ftis_fed.learn.guard import GuardedUpdate
-    from ftis_fed.tasks.prompt import Prompt
-    from ftis_fed.wire.batch import SamplingParams
-
-    samples = _guard_samples()
-    sampling = SamplingParams(max_new_tokens=4)
-    rewards = iter([0.5, 0.25] if with_better else [0.25, 0.5])                # with peers, then without
-    t = _guard_trainer()
-    g = GuardedUpdate(t, [Prompt("add1/train/0/0", "What is 1 + 2?", "3")], lambda: next(rewards))
-    m = g.step(samples, sampling)
-    assert m["guard/kept_peers"] == float(with_better) and "guard/peer/weight" in m
-    w = m["guard/peer/weight"]
-    ref = _guard_trainer()
-    chosen = samples[:2] + [dc.replace(s, advantage=s.advantage * w) for s in samples[2:]] if with_better else samples[:2]
-    ref.step(chosen, sampling)
-    got, want = t.policy.trainable_state(), ref.policy.trainable_state()
-    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
-    assert t.steps == 1
-
-
-@pytest.mark.parametrize("with_better", [True, False])
-def test_the_guard_without_alignment_keeps_every_peer_whole_and_only_chooses(with_better):
-    """``source-adapt-align = false``: no validation gradient and no probe backwards; every peer's
-    samples keep their advantages (weight 1), and the kept weights are those of a plain Trainer step
-    on all samples or on the own ones, whichever scored no worse on the validation batch."""
     import torch
 
     from ftis_fed.learn.guard import GuardedUpdate
@@ -326,15 +302,20 @@ def test_the_guard_without_alignment_keeps_every_peer_whole_and_only_chooses(wit
     sampling = SamplingParams(max_new_tokens=4)
     rewards = iter([0.5, 0.25] if with_better else [0.25, 0.5])                # with peers, then without
     t = _guard_trainer()
-    g = GuardedUpdate(t, [Prompt("add1/train/0/0", "What is 1 + 2?", "3")], lambda: next(rewards), align=False)
-    g._probe = g._val_gradient = no_probe
+    g = GuardedUpdate(t, [Prompt("add1/train/0/0", "What is 1 + 2?", "3")], lambda: next(rewards), align=align)
+    if not align:
+        g._probe = g._val_gradient = no_probe
     m = g.step(samples, sampling)
-    assert m["guard/peer/weight"] == 1.0 and m["guard/kept_peers"] == float(with_better)
-    assert "guard/own_cos" not in m and "guard/peer/cos" not in m
+    assert m["guard/kept_peers"] == float(with_better) and "guard/peer/weight" in m
+    w = m["guard/peer/weight"]
+    if not align:
+        assert w == 1.0 and "guard/own_cos" not in m and "guard/peer/cos" not in m
     ref = _guard_trainer()
-    ref.step(samples if with_better else samples[:2], sampling)
+    chosen = samples[:2] + [dc.replace(s, advantage=s.advantage * w) for s in samples[2:]] if with_better else samples[:2]
+    ref.step(chosen, sampling)
     got, want = t.policy.trainable_state(), ref.policy.trainable_state()
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    assert t.steps == 1
 
 
 def test_the_guard_s_window_decides_by_the_mean_difference_of_its_last_rounds():
