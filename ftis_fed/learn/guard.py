@@ -155,6 +155,10 @@ class GuardedUpdate:
         """Restore ``to_json``'s differences (the last ``window`` of them; none when ``state`` is None)."""
         self.diffs = collections.deque((float(d) for d in (state or {}).get("diffs", [])), maxlen=self.window)
 
+    def diff_mean(self) -> float:
+        """The mean of the window's differences (NaN while it holds none)."""
+        return sum(self.diffs) / len(self.diffs) if self.diffs else math.nan
+
     def keeps_peers(self, r_with: float, r_without: float) -> bool:
         """Fold in this round's difference and decide: the mean over the window is >= 0 (window 1:
         ``r_with >= r_without``); a non-finite difference is not kept and drops the peers."""
@@ -162,7 +166,7 @@ class GuardedUpdate:
         if not math.isfinite(d):
             return False
         self.diffs.append(d)
-        return sum(self.diffs) / len(self.diffs) >= 0
+        return self.diff_mean() >= 0
 
     def _val_loglik(self, sampling, grad: bool) -> torch.Tensor:
         """The mean per-token log-likelihood of the validation replies: a scalar, with its graph when
@@ -252,7 +256,7 @@ class GuardedUpdate:
         r_without = self.validation_score(sampling)
         keep = self.keeps_peers(r_with, r_without)
         if self.window > 1:
-            out["guard/diff_mean"] = sum(self.diffs) / len(self.diffs) if self.diffs else math.nan
+            out["guard/diff_mean"] = self.diff_mean()
         if keep:
             self._restore(with_peers)
         out.update({"guard/kept_peers": float(keep), "guard/val_with": r_with, "guard/val_without": r_without})
