@@ -37,8 +37,8 @@ truncation as configured):
    ``source-adapt-window = W`` > 1 the rule reads the mean of the last W rounds' differences
    d = score with − score without (this round's included; a non-finite d keeps neither it nor the
    peers): kept when that mean is >= 0. Per round d is mostly noise (on ``research-w`` with the
-   ``loglik`` score its standard deviation was 3–9 times its mean, so the peers were kept in only
-   52–60 % of rounds though they help), while its mean over rounds is the peers' effect.
+   ``loglik`` score its standard deviation was 3–17 times its mean, so the peers were kept in only
+   50–60 % of rounds though they help), while its mean over rounds is the peers' effect.
 
 Cost per update (measured in ``train/seconds``, and ``guard/seconds``): one validation backward and
 1 + (peers) probe backwards (neither with ``align = false``), two optimizer steps instead of one, two
