@@ -173,7 +173,7 @@ class Participant:
                                  knobs.val_size, knobs.val_families)
         return GuardedUpdate(self.trainer, val, lambda: solved_share(
             val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier), knobs.val_score,
-            knobs.align, knobs.window)
+            knobs.align, knobs.window, knobs.val_group)
 
     def _count_load(self) -> int:
         """Record this model load in state_dir/model_loads.jsonl; return the loads of this run so far

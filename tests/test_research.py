@@ -332,8 +332,8 @@ def test_the_guard_s_window_decides_by_the_mean_difference_of_its_last_rounds():
     g = GuardedUpdate(_guard_trainer(), val, lambda: 0.0, window=3)
     got = [g.keeps_peers(w, wo) for w, wo in [(0.3, 0.1), (0.1, 0.2), (0.0, 0.2), (0.5, 0.4), (math.nan, 0.1)]]
     assert got == [True, True, False, False, False]       # means +0.2, +0.05, -0.03, -0.07 (last 3); NaN: dropped
-    assert list(g.diffs) == pytest.approx([-0.1, -0.2, 0.1])
-    assert g.to_json() == {"diffs": list(g.diffs)}
+    assert list(g.diffs["all"]) == pytest.approx([-0.1, -0.2, 0.1])
+    assert g.to_json() == {"diffs": {"all": list(g.diffs["all"])}}
     one = GuardedUpdate(_guard_trainer(), val, lambda: 0.0)                       # window 1: this round alone
     assert [one.keeps_peers(w, wo) for w, wo in [(0.2, 0.2), (0.1, 0.2), (0.3, 0.2)]] == [True, False, True]
 
@@ -342,8 +342,8 @@ def test_the_guard_s_window_decides_by_the_mean_difference_of_its_last_rounds():
     rewards = iter([0.25, 0.5])
     t = _guard_trainer()
     g = GuardedUpdate(t, val, lambda: next(rewards), align=False, window=2)
-    g.load_json({"diffs": [0.4, 0.5]})
-    assert list(g.diffs) == [0.4, 0.5]
+    g.load_json({"diffs": [0.4, 0.5]})                    # a checkpoint from before groups: one list
+    assert list(g.diffs["all"]) == [0.4, 0.5]
     samples, sampling = _guard_samples(), SamplingParams(max_new_tokens=4)
     m = g.step(samples, sampling)
     assert m["guard/kept_peers"] == 1.0 and m["guard/diff_mean"] == pytest.approx((0.5 - 0.25) / 2)
@@ -352,6 +352,51 @@ def test_the_guard_s_window_decides_by_the_mean_difference_of_its_last_rounds():
     got, want = t.policy.trainable_state(), ref.policy.trainable_state()
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
     assert "guard/diff_mean" not in GuardedUpdate(_guard_trainer(), val, iter([0.5, 0.25]).__next__).step(samples, sampling)
+
+
+def test_the_family_guard_drops_the_peers_when_any_family_s_mean_falls():
+    """``source-adapt-val-group = family``: one window per in-distribution family of the validation
+    batch and one for its OOD families together; the peers are kept only while every group's mean
+    difference is >= 0, so a fall on one family that a rise on another outweighs still drops them.
+    Through a real step (``loglik``), each group's difference is its own tokens' mean log-likelihood
+    with − without, and ``guard/val_with`` stays the whole batch's score, as with one group."""
+    from ftis_fed.learn.guard import GuardedUpdate, val_group
+    from ftis_fed.learn.source_weights import SourceAdaptConfig
+    from ftis_fed.tasks.suite import task_at
+    from ftis_fed.wire.batch import SamplingParams
+
+    val = [task_at("add99", "train", 3, 0), task_at("sub99", "train", 3, 0), task_at("word_add", "train", 3, 0),
+           task_at("add99", "train", 3, 1)]
+    assert [val_group(p) for p in val] == ["add99", "sub99", "ood", "add99"]
+    g = GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "loglik", window=2, group="family")
+    rounds = [({"add99": -1.0, "sub99": -2.0}, {"add99": -1.5, "sub99": -1.9}),    # add +0.5, sub -0.1
+              ({"add99": -1.0, "sub99": -2.0}, {"add99": -1.0, "sub99": -2.2}),    # add 0, sub +0.2
+              ({"add99": -1.0, "sub99": -2.0}, {"add99": -0.9, "sub99": -2.0})]    # add -0.1, sub 0
+    assert [g.keeps_peers(w, wo) for w, wo in rounds] == [False, True, False]      # sub -0.1; +0.05 / +0.25; add -0.05
+    assert g.diff_mean() == pytest.approx(-0.05) and g.diff_mean("sub99") == pytest.approx(0.1)
+    assert GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "loglik").keeps_peers(-1.0 + 0.5 - 0.1, -1.0)  # one mean: +0.4
+    with pytest.raises(ValueError, match="needs source-adapt-val-score=loglik"):
+        GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "reward", group="family")
+    with pytest.raises(ValueError, match="source-adapt-val-group=family: needs source-adapt-val-score=loglik"):
+        SourceAdaptConfig("guard", val_group="family")
+    with pytest.raises(ValueError, match="source-adapt-val-group='add99': must be one of all, family"):
+        SourceAdaptConfig("guard", val_score="loglik", val_group="add99")
+
+    samples, sampling = _guard_samples(), SamplingParams(max_new_tokens=4)
+    fam = GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "loglik", align=False, window=3, group="family")
+    one = GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "loglik", align=False, window=3)
+    m, m1 = fam.step(samples, sampling), one.step(samples, sampling)
+    assert {k for k in m if k.startswith("guard/val/")} == {f"guard/val/{g}/{x}" for g in ("add99", "sub99", "ood")
+                                                           for x in ("diff", "diff_mean")}
+    assert m["guard/val_with"] == pytest.approx(m1["guard/val_with"], abs=1e-5)
+    assert m["guard/val_without"] == pytest.approx(m1["guard/val_without"], abs=1e-5)
+    assert m["guard/val/sub99/diff"] == pytest.approx(fam.diffs["sub99"][0]) and len(fam.diffs["ood"]) == 1
+    assert m["guard/diff_mean"] == min(m[f"guard/val/{g}/diff_mean"] for g in ("add99", "sub99", "ood"))
+    assert m["guard/kept_peers"] == float(m["guard/diff_mean"] >= 0)
+    assert not any(k.startswith("guard/val/") for k in m1)
+    fam2 = GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "loglik", window=3, group="family")
+    fam2.load_json(fam.to_json())                                                  # the state a resume carries
+    assert {k: list(v) for k, v in fam2.diffs.items()} == {k: list(v) for k, v in fam.diffs.items()}
 
 
 def test_the_loglik_guard_keeps_the_candidate_whose_worked_replies_are_likelier():

@@ -145,6 +145,6 @@ def test_a_resumed_participant_keeps_its_guard_s_window(tmp_path):
         alice.guarded.keeps_peers(w, wo)
     alice.save()
     again = Participant(spec, fed(True))
-    assert list(again.guarded.diffs) == [0.25, -0.5] and again.guarded.diffs.maxlen == 4
+    assert list(again.guarded.diffs["all"]) == [0.25, -0.5] and again.guarded.diffs["all"].maxlen == 4
     fresh = Participant(spec, fed(False))                        # not resumed: a window of its own
     assert not fresh.guarded.diffs

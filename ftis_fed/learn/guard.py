@@ -39,6 +39,11 @@ truncation as configured):
    peers): kept when that mean is >= 0. Per round d is mostly noise (on ``research-w`` with the
    ``loglik`` score its standard deviation was 3–17 times its mean, so the peers were kept in only
    50–60 % of rounds though they help), while its mean over rounds is the peers' effect.
+   With ``source-adapt-val-group = family`` (``loglik`` only) each group of V (each in-distribution
+   family, and the OOD families together) has its own score, difference and window, and the peers
+   are kept only while every group's mean is >= 0. Why: on ``research-w-spec`` the base's mean
+   difference over the whole batch was ~0 while its accuracy fell, as a loss on one family that a
+   gain on another hides would make it.
 
 Cost per update (measured in ``train/seconds``, and ``guard/seconds``): one validation backward and
 1 + (peers) probe backwards (neither with ``align = false``), two optimizer steps instead of one, two
@@ -88,6 +93,13 @@ def validation_prompts(task: TaskSpec, partition_id: int, num_partitions: int, n
     return out
 
 
+def val_group(prompt: Prompt) -> str:
+    """The group of a validation prompt under ``source-adapt-val-group = family``: its family (the
+    first part of its task id), or "ood" for any OOD family (so few prompts each that they share one)."""
+    family = prompt.task_id.split("/")[0]
+    return "ood" if family in OOD_FAMILIES else family
+
+
 def validation_reply(prompt: Prompt, score: str = "reward") -> str:
     """The reply whose log-likelihood the guard's validation gradient raises (and, with ``loglik``,
     scores): ``prompt.reference`` for ``reward``; for ``loglik`` the family's worked solution, the
@@ -135,53 +147,72 @@ class GuardedUpdate:
     trainer: the participant's ``Trainer``; val: its validation prompts; val_reward(): greedy pass@1
     of the current weights on ``val`` (read only with ``score = "reward"``); score: ``source-adapt-val-
     score``; align: ``source-adapt-align`` (false: every peer at weight 1, no gradient probes);
-    window: ``source-adapt-window`` (the differences it holds are its state: ``to_json`` /
-    ``load_json`` carry them across a resume).
+    window: ``source-adapt-window`` (the differences it holds, per group, are its state: ``to_json``
+    / ``load_json`` carry them across a resume); group: ``source-adapt-val-group``.
     """
 
     def __init__(self, trainer, val: Sequence[Prompt], val_reward: Callable[[], float], score: str = "reward",
-                 align: bool = True, window: int = 1):
+                 align: bool = True, window: int = 1, group: str = "all"):
         self.trainer, self.val, self.val_reward, self.score, self.align = trainer, list(val), val_reward, score, align
-        self.window = window
-        self.diffs: collections.deque[float] = collections.deque(maxlen=window)
+        self.window, self.group = window, group
+        if group == "family" and score != "loglik":
+            raise ValueError("source-adapt-val-group=family needs source-adapt-val-score=loglik")
+        #: the group of each validation prompt: "all", or (``family``) its family, "ood" for an OOD one
+        self.val_groups = [val_group(p) if group == "family" else "all" for p in self.val]
+        self.diffs: dict[str, collections.deque[float]] = {}
         pol = trainer.policy
         # (prompt_ids, reply_ids + EOS) per validation prompt
         self.val_rows = [pol.retokenize(p.text, validation_reply(p, score), True) for p in self.val]
 
     def to_json(self) -> dict:
-        return {"diffs": list(self.diffs)}
+        return {"diffs": {g: list(d) for g, d in self.diffs.items()}}
 
     def load_json(self, state: Mapping | None) -> None:
-        """Restore ``to_json``'s differences (the last ``window`` of them; none when ``state`` is None)."""
-        self.diffs = collections.deque((float(d) for d in (state or {}).get("diffs", [])), maxlen=self.window)
+        """Restore ``to_json``'s differences per group (the last ``window`` of each; none when ``state``
+        is None; a list, as checkpoints before groups have it, is the group "all")."""
+        saved = (state or {}).get("diffs", {})
+        saved = {"all": saved} if isinstance(saved, list) else saved
+        self.diffs = {str(g): collections.deque((float(d) for d in ds), maxlen=self.window) for g, ds in saved.items()}
 
-    def diff_mean(self) -> float:
-        """The mean of the window's differences (NaN while it holds none)."""
-        return sum(self.diffs) / len(self.diffs) if self.diffs else math.nan
+    def diff_mean(self, group: str | None = None) -> float:
+        """The mean of ``group``'s window of differences (NaN while it holds none); without a group,
+        the smallest of the groups' means: the one that decides."""
+        if group is None:
+            means = [self.diff_mean(g) for g in self.diffs]
+            return min(means) if means else math.nan
+        d = self.diffs.get(group)
+        return sum(d) / len(d) if d else math.nan
 
-    def keeps_peers(self, r_with: float, r_without: float) -> bool:
-        """Fold in this round's difference and decide: the mean over the window is >= 0 (window 1:
-        ``r_with >= r_without``); a non-finite difference is not kept and drops the peers."""
-        d = r_with - r_without
-        if not math.isfinite(d):
+    def keeps_peers(self, r_with: float | Mapping[str, float], r_without: float | Mapping[str, float]) -> bool:
+        """Fold in this round's difference per group (a number: the group "all") and decide: every
+        group's mean over its window is >= 0 (window 1, one group: ``r_with >= r_without``); a
+        non-finite difference in any group is kept in none and drops the peers."""
+        r_with, r_without = ({"all": r} if not isinstance(r, Mapping) else r for r in (r_with, r_without))
+        d = {g: r_with[g] - r_without[g] for g in r_with}
+        if not all(math.isfinite(x) for x in d.values()):
             return False
-        self.diffs.append(d)
-        return self.diff_mean() >= 0
+        for g, x in d.items():
+            self.diffs.setdefault(g, collections.deque(maxlen=self.window)).append(x)
+        return all(self.diff_mean(g) >= 0 for g in d)
 
-    def _val_loglik(self, sampling, grad: bool) -> torch.Tensor:
+    def _val_loglik(self, sampling, grad: bool, rows: bool = False) -> torch.Tensor:
         """The mean per-token log-likelihood of the validation replies: a scalar, with its graph when
-        ``grad``, in whatever mode the policy is in."""
+        ``grad``, in whatever mode the policy is in; ``rows``: instead (sum, tokens) per reply, (V, 2)."""
         pol = self.trainer.policy
         with torch.set_grad_enabled(grad):
             logp = pol.score_padded([r[0] for r in self.val_rows], [r[1] for r in self.val_rows], sampling, grad)
             T = logp.shape[1]                                                                    # logp: (V,T)
             mask = torch.arange(T)[None, :] < torch.tensor([len(r[1]) for r in self.val_rows])[:, None]
+            if rows:
+                return torch.stack([(logp * mask).sum(1), mask.sum(1).to(logp.dtype)], 1)
             return (logp * mask).sum() / mask.sum()
 
     def validation_score(self, sampling) -> float:
-        """The current weights' score on the validation batch (``score``: greedy pass@1, or the mean
-        per-token log-likelihood of the validation replies in evaluation mode, as between updates)."""
-        return float(self._val_loglik(sampling, False)) if self.score == "loglik" else float(self.val_reward())
+        """The current weights' score on the whole validation batch (``score``: greedy pass@1, or the
+        mean per-token log-likelihood of the validation replies in evaluation mode, as between updates)."""
+        if self.score != "loglik":
+            return float(self.val_reward())
+        return float(self._val_loglik(sampling, False))
 
     def _val_gradient(self, sampling) -> torch.Tensor:
         pol, params = self.trainer.policy, self.trainer.params
@@ -221,6 +252,20 @@ class GuardedUpdate:
         t.steps = steps
         t.policy.weights_changed()
 
+    def _scores(self, sampling) -> dict[str, float]:
+        """This round's score per deciding group ("all", or with ``family`` each group's tokens' mean
+        log-likelihood), and under "" the whole batch's (``guard/val_with`` / ``guard/val_without``:
+        comparable whatever the groups); one teacher-forced pass either way."""
+        if self.group == "all":
+            score = self.validation_score(sampling)
+            return {"all": score, "": score}
+        sums: dict[str, list[float]] = {"": [0.0, 0.0]}
+        for g, (s, n) in zip(self.val_groups, self._val_loglik(sampling, False, rows=True).tolist()):
+            for key in (g, ""):
+                acc = sums.setdefault(key, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + s, acc[1] + n
+        return {g: s / n for g, (s, n) in sums.items()}
+
     def step(self, samples: Sequence[TrainSample], sampling) -> dict[str, float]:
         """One guarded update on ``samples`` (own + peers); returns the kept update's metrics plus
         ``guard/...``: per-source ``guard/<s>/weight`` (and with ``align``, ``guard/<s>/cos`` and
@@ -246,18 +291,23 @@ class GuardedUpdate:
                           for s in samples if not s.local]
         start = self._state()
         m_with = self.trainer.step(weighted, sampling)
-        r_with = self.validation_score(sampling)
+        r_with = self._scores(sampling)
         if not own:                                     # nothing to compare with: keep the update with peers
-            out.update({"guard/kept_peers": 1.0, "guard/val_with": r_with})
+            out.update({"guard/kept_peers": 1.0, "guard/val_with": r_with.pop("")})
             return {**m_with, **out, "guard/seconds": time.perf_counter() - t0}
         with_peers = self._state()
         self._restore(start)
         m_without = self.trainer.step(own, sampling)
-        r_without = self.validation_score(sampling)
+        r_without = self._scores(sampling)
+        out.update({"guard/val_with": r_with.pop(""), "guard/val_without": r_without.pop("")})
         keep = self.keeps_peers(r_with, r_without)
+        if self.group == "family":
+            out.update({f"guard/val/{g}/diff": r_with[g] - r_without[g] for g in r_with})
+            if self.window > 1:
+                out.update({f"guard/val/{g}/diff_mean": self.diff_mean(g) for g in r_with})
         if self.window > 1:
             out["guard/diff_mean"] = self.diff_mean()
         if keep:
             self._restore(with_peers)
-        out.update({"guard/kept_peers": float(keep), "guard/val_with": r_with, "guard/val_without": r_without})
+        out["guard/kept_peers"] = float(keep)
         return {**(m_with if keep else m_without), **out, "guard/seconds": time.perf_counter() - t0}

@@ -42,6 +42,8 @@ SOURCE_ADAPT_MODES = ("off", "kl", "guard")
 VAL_FAMILIES = ("trained", "task")
 #: ``source-adapt-val-score``: how the guard scores a candidate update on its validation batch
 VAL_SCORES = ("reward", "loglik")
+#: ``source-adapt-val-group``: one score over the whole validation batch, or one per family
+VAL_GROUPS = ("all", "family")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,12 @@ class SourceAdaptConfig:
         that of the update without them) over the last ``window`` rounds, this one included, is >= 0
         (1: this round's comparison alone). A longer window keeps a peer whose samples help a little on
         average though single rounds disagree; it drops one only where the harm shows in that mean.""")
+    val_group: str = knob("source-adapt-val-group", "all", """
+        ``guard``: what the window's mean is taken over: ``all`` (one score over the whole validation
+        batch) or ``family`` (one score per in-distribution family of the batch and one for its OOD
+        families together; the peers are kept only while *no* group's mean difference is below 0, so a
+        loss on one family is not hidden by a gain on another). ``family`` needs ``source-adapt-val-score
+        = loglik``: a pass@1 over a family's few validation prompts ties in most rounds.""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -99,6 +107,11 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-val-families={self.val_families!r}: must be one of {', '.join(VAL_FAMILIES)}")
         if self.val_score not in VAL_SCORES:
             raise ValueError(f"source-adapt-val-score={self.val_score!r}: must be one of {', '.join(VAL_SCORES)}")
+        if self.val_group not in VAL_GROUPS:
+            raise ValueError(f"source-adapt-val-group={self.val_group!r}: must be one of {', '.join(VAL_GROUPS)}")
+        if self.val_group == "family" and self.val_score != "loglik":
+            raise ValueError(f"source-adapt-val-group=family: needs source-adapt-val-score=loglik, not "
+                             f"{self.val_score!r} (a pass@1 over one family's few validation prompts mostly ties)")
         if isinstance(self.window, bool) or int(self.window) != self.window or self.window < 1:
             raise ValueError(f"source-adapt-window={self.window!r}: must be an integer >= 1")
         if not isinstance(self.align, bool):
