@@ -305,6 +305,7 @@ def test_the_guard_keeps_the_update_with_peers_only_if_no_worse(tmp_path, with_b
     g = GuardedUpdate(t, [Prompt("add1/train/0/0", "What is 1 + 2?", "3")], lambda: next(rewards), align=align)
     if not align:
         g._probe = g._val_gradient = no_probe
+        assert g.val_rows == []                          # nothing reads the validation replies: none tokenized
     m = g.step(samples, sampling)
     assert m["guard/kept_peers"] == float(with_better) and "guard/peer/weight" in m
     w = m["guard/peer/weight"]

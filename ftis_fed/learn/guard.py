@@ -161,8 +161,10 @@ class GuardedUpdate:
         self.val_groups = [val_group(p) if group == "family" else "all" for p in self.val]
         self.diffs: dict[str, collections.deque[float]] = {}
         pol = trainer.policy
-        # (prompt_ids, reply_ids + EOS) per validation prompt
-        self.val_rows = [pol.retokenize(p.text, validation_reply(p, score), True) for p in self.val]
+        # (prompt_ids, reply_ids + EOS) per validation prompt; none where nothing reads them (the
+        # ``reward`` score without the alignment gradient)
+        self.val_rows = ([pol.retokenize(p.text, validation_reply(p, score), True) for p in self.val]
+                         if score == "loglik" or align else [])
 
     def to_json(self) -> dict:
         return {"diffs": {g: list(d) for g, d in self.diffs.items()}}
