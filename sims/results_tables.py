@@ -22,7 +22,8 @@ from typing import Callable
 
 from ftis_fed.grid.plan import method_order
 from ftis_fed.grid.report import (EFFICIENCY_FIGURES, FILTER_FIGURES, FILTER_HEADERS, GUARD_FIGURES,
-                                  efficiency_figures, filter_figures, guard_figures)
+                                  GUARD_SCORE_FIGURES, GUARD_SCORE_HEADERS, efficiency_figures, filter_figures,
+                                  guard_figures, guard_score_figures)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -196,6 +197,16 @@ def guards(grids=(*DECIDED, *MICRO)) -> str:
                        ["kept peers [per seed]", "weight [per seed]", "weight 0", "cos peer", "cos own"])
 
 
+def guard_scores(grids=(*DECIDED, *MICRO)) -> str:
+    """What decided between the guard's two candidate updates (the grids' "guard_score" rows): the
+    per-round score difference's mean [per seed] and spread, per validation group, and the share of
+    rounds each group dropped the peers."""
+    body = [f"| `{g}` | {r['method']} | {r['participant']} | {r['group']} | {r['seeds']} | "
+            f"{guard_score_figures({k: float(r[k]) for k in GUARD_SCORE_FIGURES})} |"
+            for g in grids for r in rows(g) if r["kind"] == "guard_score"]
+    return _table(["grid", "method", "receiver", "group", "seeds", *GUARD_SCORE_HEADERS], body)
+
+
 def seeds(grids=(*DECIDED, "smollm2-check")) -> str:
     """The finished seeds of each method per grid (what "more seeds" in the readings is measured against)."""
     body = []
@@ -217,6 +228,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "efficiency": efficiency,
     "filter": filters,
     "guard": guards,
+    "guard-scores": guard_scores,
     "seeds": seeds,
     "verdicts-micro": lambda: verdicts(MICRO),
 }

@@ -68,3 +68,42 @@ def test_a_guard_without_alignment_gives_weight_1_and_no_cosines(tmp_path):
     assert row["cos"] != row["cos"] and row["own_cos"] != row["own_cos"]          # NaN: not measured
     md = summary_markdown([], [], [], "t", guards=[row])
     assert "| F-TIS+guardchoice | spec | base | 1 | 50 % [50, 50] | 1.00 [1.00, 1.00] | 0 % | – | – |" in md
+
+
+def test_the_guard_score_table_reads_each_group_s_differences_and_votes(tmp_path):
+    """``guard_score_table``: per receiver the whole batch's difference (with − without) and, with
+    ``source-adapt-val-group = family``, each group's; mean and sd over rounds, then the mean over
+    seeds with the per-seed range; ``drop``: the share of rounds the group's window mean was below 0
+    (all: the rounds that dropped the peers). Rounds without both scores and cells without the guard
+    give nothing; the summary prints the figures ×10⁻³."""
+    from ftis_fed.grid.tables import guard_score_table
+
+    def fam(rnd, kept, w, wo, add, add_mean, sub, sub_mean):
+        return {"round": rnd, "participant": "base", "phase": "train", "guard/kept_peers": kept,
+                "guard/val_with": w, "guard/val_without": wo, "guard/val/add99/diff": add,
+                "guard/val/add99/diff_mean": add_mean, "guard/val/sub99/diff": sub, "guard/val/sub99/diff_mean": sub_mean}
+
+    c0 = _cell(tmp_path, "F-TIS+guardfam", 0, [fam(1, 0.0, -1.0, -1.002, 0.004, 0.004, -0.002, -0.002),
+                                               fam(2, 1.0, -1.0, -1.004, 0.002, 0.003, 0.001, -0.0005 + 0.001),
+                                               {"round": 3, "participant": "base", "phase": "train",
+                                                "guard/kept_peers": 1.0, "guard/val_with": -1.0}])   # no own samples
+    c1 = _cell(tmp_path, "F-TIS+guardfam", 1, [fam(1, 1.0, -1.0, -0.998, 0.0, 0.0, 0.003, 0.003)])
+    one = _cell(tmp_path, "F-TIS+guardchoice", 0, [
+        {"round": r, "participant": "spec", "phase": "train", "guard/kept_peers": float(w >= wo),
+         "guard/val_with": w, "guard/val_without": wo} for r, (w, wo) in enumerate([(0.5, 0.25), (0.25, 0.5)], 1)])
+    plain = _cell(tmp_path, "F-TIS", 0, [{"round": 1, "participant": "spec", "phase": "train"}])
+    got = {(r["method"], r["participant"], r["group"]): r for r in guard_score_table([c0, c1, one, plain], tmp_path)}
+    assert list(got) == [("F-TIS+guardchoice", "spec", "all"), ("F-TIS+guardfam", "base", "all"),
+                         ("F-TIS+guardfam", "base", "add99"), ("F-TIS+guardfam", "base", "sub99")]
+    a = got[("F-TIS+guardfam", "base", "all")]
+    assert a["seeds"] == 2 and a["d"] == pytest.approx((0.003 - 0.002) / 2)           # seed 0: +0.002, +0.004
+    assert (a["d_min"], a["d_max"]) == pytest.approx((-0.002, 0.003))
+    assert a["d_sd"] == pytest.approx((0.001 + 0.0) / 2) and a["drop"] == pytest.approx((0.5 + 0.0) / 2)
+    sub = got[("F-TIS+guardfam", "base", "sub99")]
+    assert sub["d"] == pytest.approx((-0.0005 + 0.003) / 2) and sub["drop"] == pytest.approx((0.5 + 0.0) / 2)
+    assert got[("F-TIS+guardfam", "base", "add99")]["drop"] == 0.0
+    c = got[("F-TIS+guardchoice", "spec", "all")]
+    assert c["d"] == 0.0 and c["d_sd"] == 0.25 and c["drop"] == 0.5
+    md = summary_markdown([], [], [], "t", guard_scores=[sub])
+    assert "| F-TIS+guardfam | base | sub99 | 2 | +1.25 [-0.50, +3.00] | 0.75 | 25 % |" in md
+    assert "## The guard's scores" not in summary_markdown([], [], [], "t")

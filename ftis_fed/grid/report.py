@@ -22,7 +22,7 @@ from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import cell_rows, check_starts, check_weights, forget_cell_rows, initial_eval, num
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
-                                  guard_table, paired_prompt_table, start_table, stronger_participant, summarize,
+                                  guard_score_table, guard_table, paired_prompt_table, start_table, stronger_participant, summarize,
                                   train_diagnostics)
 
 
@@ -80,6 +80,21 @@ def guard_figures(r: dict) -> str:
             f"{100 * r['weight_zero']:.0f} % | {cos(r['cos'])} | {cos(r['own_cos'])}")
 
 
+#: the numeric columns of a ``guard_score_table`` row (summary.csv's "guard_score" rows)
+GUARD_SCORE_FIGURES = ("d", "d_min", "d_max", "d_sd", "drop")
+#: their column names, in both tables
+GUARD_SCORE_HEADERS = ("mean d ×10⁻³ [per seed]", "sd d ×10⁻³", "drops")
+
+
+def guard_score_figures(r: dict) -> str:
+    """A guard score row's figures as table cells: mean d [per-seed range] | sd of d (both ×10⁻³: a
+    log-likelihood difference per token, or a pass@1 difference) | the share of rounds it dropped the
+    peers (– where it cast no vote)."""
+    drop = f"{100 * r['drop']:.0f} %" if math.isfinite(r["drop"]) else "–"
+    return (f"{1e3 * r['d']:+.2f} [{1e3 * r['d_min']:+.2f}, {1e3 * r['d_max']:+.2f}] | {1e3 * r['d_sd']:.2f} | "
+            f"{drop}")
+
+
 #: the numeric columns of a ``filter_table`` row (summary.csv's "filter" rows, read back as floats)
 FILTER_FIGURES = ("kl_p50", "kl_p90", "kl_p99", "kl_max", "kl_ge_g_frac", "filtered_frac")
 #: their column names, in both tables
@@ -109,7 +124,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = (),
                      gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None,
                      starts: Sequence[dict] = (), any_sign: Sequence[str] = (),
-                     guards: Sequence[dict] = ()) -> str:
+                     guards: Sequence[dict] = (), guard_scores: Sequence[dict] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -265,6 +280,20 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
         for r in guards:
             lines.append(f"| {r['method']} | {r['participant']} | {r['peer']} | {r['seeds']} | {guard_figures(r)} |")
         lines.append("")
+    if guard_scores:
+        lines += ["## The guard's scores: what decided between its two candidate updates", "",
+                  "Per cell over its training rounds, then the mean over the seeds: the mean [per-seed range] and "
+                  "the standard deviation of the per-round difference d = score of the update with the peers − "
+                  "score of the update without them (`loglik`: the mean per-token log-likelihood of the validation "
+                  "replies; `reward`: greedy pass@1), for the whole validation batch (all) and, with "
+                  "`source-adapt-val-group = family`, for each of its groups; and the share of rounds in which that "
+                  "group's mean over its window was below 0 (all: the rounds whose update dropped the peers).", "",
+                  "| method | receiver | group | seeds | " + " | ".join(GUARD_SCORE_HEADERS) + " |",
+                  "|---|---|---|---|" + "---|" * len(GUARD_SCORE_HEADERS)]
+        for r in guard_scores:
+            lines.append(f"| {r['method']} | {r['participant']} | {r['group']} | {r['seeds']} | "
+                         f"{guard_score_figures(r)} |")
+        lines.append("")
     if diagnostics:
         lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
                   "this receiver)", "",
@@ -398,6 +427,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
     gains = gain_table(cells, out, metric)
     filters = filter_table(cells, out)
     guards = guard_table(cells, out)
+    guard_scores = guard_score_table(cells, out)
     starts = start_table(cells, out)
     methods = {c.method for c in cells}
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
@@ -419,17 +449,19 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                [{**r, "kind": "gain", **tag} for r in gains] +
                [{**r, "kind": "filter", **tag} for r in filters] +
                [{**r, "kind": "start", **tag} for r in starts] +
-               [{**r, "kind": "guard", **tag} for r in guards])
+               [{**r, "kind": "guard", **tag} for r in guards] +
+               [{**r, "kind": "guard_score", **tag} for r in guard_scores])
     objectives = _objectives(cells, out)
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
-                                                     starts, _any_sign_methods(objectives), guards))
+                                                     starts, _any_sign_methods(objectives), guards,
+                                                     guard_scores))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
             "verdicts": verdict_rows, "efficiency": efficiency, "gains": gains, "filters": filters, "starts": starts,
-            "guards": guards, "metric": metric.name, "ks": ks}
+            "guards": guards, "guard_scores": guard_scores, "metric": metric.name, "ks": ks}
 
 
 def _objectives(cells: Sequence[Cell], out: Path) -> dict[Cell, dict]:

@@ -217,6 +217,47 @@ def guard_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     return table
 
 
+def guard_score_table(cells: Sequence[Cell], out: Path) -> list[dict]:
+    """Per method × receiver × validation group, from the cells whose rows carry the guard's two
+    candidate scores (``guard/val_with`` / ``guard/val_without``; other cells give no row): per cell
+    over its training rounds, the mean (``d``) and standard deviation (``d_sd``) of the per-round
+    score difference d = with − without, for the whole validation batch (group "all") and, with
+    ``source-adapt-val-group = family``, for each group (``guard/val/<group>/diff``); and ``drop``, the
+    share of rounds in which the group voted to drop the peers (its window's mean, ``.../diff_mean``,
+    or with a window of 1 this round's d, below 0; "all": the share of rounds whose update dropped
+    them); then the mean over the seeds, ``d`` with its per-seed range."""
+    per: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if not (out / "cells" / c.name / "done.json").exists():
+            continue
+        rows = [r for r in participant_rows(cell_rows(out / "cells" / c.name), "train") if "guard/val_without" in r]
+        for receiver in sorted({r["participant"] for r in rows}):
+            mine = [r for r in rows if r["participant"] == receiver]
+            groups = sorted({k.split("/")[2] for r in mine for k in r
+                             if k.startswith("guard/val/") and k.endswith("/diff") and k.count("/") == 3})
+            series = {"all": ([num(r["guard/val_with"]) - num(r["guard/val_without"]) for r in mine],
+                              [1.0 - num(r.get("guard/kept_peers")) for r in mine])}
+            for g in groups:
+                d = [num(r.get(f"guard/val/{g}/diff")) for r in mine]
+                mean = [num(r.get(f"guard/val/{g}/diff_mean", r.get(f"guard/val/{g}/diff"))) for r in mine]
+                series[g] = (d, [float(m < 0) if math.isfinite(m) else math.nan for m in mean])
+            for g, (d, drop) in series.items():
+                d, drop = [x for x in d if math.isfinite(x)], [x for x in drop if math.isfinite(x)]
+                if d:
+                    cols = per[(c.method, receiver, g)]
+                    cols["d"].append(statistics.fmean(d))
+                    cols["d_sd"].append(statistics.pstdev(d))
+                    cols["drop"].append(statistics.fmean(drop) if drop else math.nan)
+    table = []
+    for (method, receiver, group), cols in sorted(per.items(), key=lambda kv: (method_order(kv[0][0]), kv[0][1],
+                                                                              kv[0][2] != "all", kv[0][2])):
+        row = {"method": method, "participant": receiver, "group": group, "seeds": len(cols["d"])}
+        row.update({k: statistics.fmean(cols[k]) for k in ("d", "d_sd", "drop")})
+        row["d_min"], row["d_max"] = min(cols["d"]), max(cols["d"])
+        table.append(row)
+    return table
+
+
 def _final_vectors(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> dict[tuple[str, str, int], dict]:
     """(method, participant, seed) -> set key -> (ids, per-prompt values of ``metric``) of every
     finished cell."""
