@@ -38,12 +38,15 @@ truncation as configured):
    d = score with − score without (this round's included; a non-finite d keeps neither it nor the
    peers): kept when that mean is >= 0. Per round d is mostly noise (on ``research-w`` with the
    ``loglik`` score its standard deviation was 3–17 times its mean, so the peers were kept in only
-   50–60 % of rounds though they help), while its mean over rounds is the peers' effect.
+   50–66 % of rounds though they help), while its mean over rounds is the peers' effect.
    With ``source-adapt-val-group = family`` (``loglik`` only) each group of V (each in-distribution
    family, and the OOD families together) has its own score, difference and window, and the peers
    are kept only while every group's mean is >= 0. Why: on ``research-w-spec`` the base's mean
    difference over the whole batch was ~0 while its accuracy fell, as a loss on one family that a
-   gain on another hides would make it.
+   gain on another hides would make it. Measured (docs/RESULTS.md §4): it ended where alone did on
+   both learning-tier pairs, protecting that base but giving up ``research-w``'s gain; on
+   ``research-w-spec`` addition vetoed the peer while subtraction, the family the base loses, scored
+   the peer's update better.
 
 Cost per update (measured in ``train/seconds``, and ``guard/seconds``): one validation backward and
 1 + (peers) probe backwards (neither with ``align = false``), two optimizer steps instead of one, two
