@@ -81,10 +81,11 @@ def test_the_guard_score_table_reads_each_group_s_differences_and_votes(tmp_path
     def fam(rnd, kept, w, wo, add, add_mean, sub, sub_mean):
         return {"round": rnd, "participant": "base", "phase": "train", "guard/kept_peers": kept,
                 "guard/val_with": w, "guard/val_without": wo, "guard/val/add99/diff": add,
-                "guard/val/add99/diff_mean": add_mean, "guard/val/sub99/diff": sub, "guard/val/sub99/diff_mean": sub_mean}
+                "guard/val/add99/diff_mean": add_mean, "guard/val/sub99/diff": sub,
+                "guard/val/sub99/diff_mean": sub_mean}
 
     c0 = _cell(tmp_path, "F-TIS+guardfam", 0, [fam(1, 0.0, -1.0, -1.002, 0.004, 0.004, -0.002, -0.002),
-                                               fam(2, 1.0, -1.0, -1.004, 0.002, 0.003, 0.001, -0.0005 + 0.001),
+                                               fam(2, 1.0, -1.0, -1.004, 0.002, 0.003, 0.001, 0.0005),
                                                {"round": 3, "participant": "base", "phase": "train",
                                                 "guard/kept_peers": 1.0, "guard/val_with": -1.0}])   # no own samples
     c1 = _cell(tmp_path, "F-TIS+guardfam", 1, [fam(1, 1.0, -1.0, -0.998, 0.0, 0.0, 0.003, 0.003)])

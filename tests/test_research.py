@@ -375,7 +375,8 @@ def test_the_family_guard_drops_the_peers_when_any_family_s_mean_falls():
               ({"add99": -1.0, "sub99": -2.0}, {"add99": -0.9, "sub99": -2.0})]    # add -0.1, sub 0
     assert [g.keeps_peers(w, wo) for w, wo in rounds] == [False, True, False]      # sub -0.1; +0.05 / +0.25; add -0.05
     assert g.diff_mean() == pytest.approx(-0.05) and g.diff_mean("sub99") == pytest.approx(0.1)
-    assert GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "loglik").keeps_peers(-1.0 + 0.5 - 0.1, -1.0)  # one mean: +0.4
+    whole = GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "loglik")
+    assert whole.keeps_peers(-1.0 + 0.5 - 0.1, -1.0)                   # one group, as before: +0.4
     with pytest.raises(ValueError, match="needs source-adapt-val-score=loglik"):
         GuardedUpdate(_guard_trainer(), val, lambda: 0.0, "reward", group="family")
     with pytest.raises(ValueError, match="source-adapt-val-group=family: needs source-adapt-val-score=loglik"):

@@ -22,8 +22,8 @@ from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import cell_rows, check_starts, check_weights, forget_cell_rows, initial_eval, num
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
-                                  guard_score_table, guard_table, paired_prompt_table, start_table, stronger_participant, summarize,
-                                  train_diagnostics)
+                                  guard_score_table, guard_table, paired_prompt_table, start_table, stronger_participant,
+                                  summarize, train_diagnostics)
 
 
 def _write_csv(path: Path, rows: Sequence[dict]) -> None:
