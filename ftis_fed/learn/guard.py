@@ -215,9 +215,7 @@ class GuardedUpdate:
     def validation_score(self, sampling) -> float:
         """The current weights' score on the whole validation batch (``score``: greedy pass@1, or the
         mean per-token log-likelihood of the validation replies in evaluation mode, as between updates)."""
-        if self.score != "loglik":
-            return float(self.val_reward())
-        return float(self._val_loglik(sampling, False))
+        return float(self._val_loglik(sampling, False)) if self.score == "loglik" else float(self.val_reward())
 
     def _val_gradient(self, sampling) -> torch.Tensor:
         pol, params = self.trainer.policy, self.trainer.params
@@ -257,19 +255,20 @@ class GuardedUpdate:
         t.steps = steps
         t.policy.weights_changed()
 
-    def _scores(self, sampling) -> dict[str, float]:
-        """This round's score per deciding group ("all", or with ``family`` each group's tokens' mean
-        log-likelihood), and under "" the whole batch's (``guard/val_with`` / ``guard/val_without``:
-        comparable whatever the groups); one teacher-forced pass either way."""
+    def _scores(self, sampling) -> tuple[float, dict[str, float]]:
+        """This round's score on the whole batch (``guard/val_with`` / ``guard/val_without``: comparable
+        whatever the groups) and per deciding group ("all", or with ``family`` each group's tokens' mean
+        log-likelihood); one teacher-forced pass either way."""
         if self.group == "all":
             score = self.validation_score(sampling)
-            return {"all": score, "": score}
-        sums: dict[str, list[float]] = {"": [0.0, 0.0]}
-        for g, (s, n) in zip(self.val_groups, self._val_loglik(sampling, False, rows=True).tolist()):
-            for key in (g, ""):
-                acc = sums.setdefault(key, [0.0, 0.0])
-                acc[0], acc[1] = acc[0] + s, acc[1] + n
-        return {g: s / n for g, (s, n) in sums.items()}
+            return score, {"all": score}
+        sums: dict[str, list[float]] = {}
+        per_row = self._val_loglik(sampling, False, rows=True).tolist()
+        for g, (s, n) in zip(self.val_groups, per_row):
+            acc = sums.setdefault(g, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + s, acc[1] + n
+        whole = sum(s for s, _ in per_row) / sum(n for _, n in per_row)
+        return whole, {g: s / n for g, (s, n) in sums.items()}
 
     def step(self, samples: Sequence[TrainSample], sampling) -> dict[str, float]:
         """One guarded update on ``samples`` (own + peers); returns the kept update's metrics plus
@@ -296,15 +295,15 @@ class GuardedUpdate:
                           for s in samples if not s.local]
         start = self._state()
         m_with = self.trainer.step(weighted, sampling)
-        r_with = self._scores(sampling)
+        whole_with, r_with = self._scores(sampling)
         if not own:                                     # nothing to compare with: keep the update with peers
-            out.update({"guard/kept_peers": 1.0, "guard/val_with": r_with.pop("")})
+            out.update({"guard/kept_peers": 1.0, "guard/val_with": whole_with})
             return {**m_with, **out, "guard/seconds": time.perf_counter() - t0}
         with_peers = self._state()
         self._restore(start)
         m_without = self.trainer.step(own, sampling)
-        r_without = self._scores(sampling)
-        out.update({"guard/val_with": r_with.pop(""), "guard/val_without": r_without.pop("")})
+        whole_without, r_without = self._scores(sampling)
+        out.update({"guard/val_with": whole_with, "guard/val_without": whole_without})
         keep = self.keeps_peers(r_with, r_without)
         if self.group == "family":
             out.update({f"guard/val/{g}/diff": r_with[g] - r_without[g] for g in r_with})
