@@ -23,6 +23,7 @@ the same name with them, in that order; its return value becomes the reply's fie
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -37,6 +38,7 @@ from ftis_fed.wire.batch import CompletionBatch
 from ftis_fed.config.federation import FederationConfig, ParticipantSpec
 from ftis_fed.learn.evaluation import evaluate as evaluate_policy, greedy_replies, sampled_eval, solved_share
 from ftis_fed.learn.guard import GuardedUpdate, validation_prompts
+from ftis_fed.learn.shadow import ShadowGuard
 from ftis_fed.trust.inbox import Inbox, InboxConfig
 from ftis_fed.policies import build_policy
 from ftis_fed.policies.share import CardInfo, make_shareable, push_export, update_card
@@ -85,6 +87,8 @@ def write_train_prompts(path: Path, participant: str, round: int, task_ids: list
 
 #: Seed of the sampled evaluation (``eval-samples``), plus the round: the same draws in every cell.
 EVAL_SAMPLE_SEED = 7_000_003
+#: seed offset of ``source-adapt = shadow``'s sampled validation (+ the round; the model and its shadow alike)
+SHADOW_VAL_SEED = 8_000_009
 
 
 def write_eval_prompts(path: Path, participant: str, round: int, per_prompt: dict[str, list[tuple[str, bool]]],
@@ -141,7 +145,9 @@ class Participant:
         self.completed_round = 0
         self.peer_models: dict[str, str] = {}               # peer -> model id of its accepted batches (card)
         self.heldout: dict[int, dict[str, float]] = {}      # round -> held-out accuracies (card)
-        self.guarded = self._guarded() if fed.checks["source-adapt"].mode == "guard" else None
+        adapt = fed.checks["source-adapt"].mode
+        self.guarded = self._guarded() if adapt == "guard" else None
+        self.shadowed = self._shadowed() if adapt == "shadow" else None
         self.receiver = Receiver(self.name, fed, self.policy, self.verifier)   # what the receiver checks use
         self.checks = build_checks(self.receiver)            # receive/: the checks on in this run, in order
         self.attacker = (Attacker(spec.byzantine, self.key, lambda: payload_poisoner(fed, self.policy, self.verifier,
@@ -174,6 +180,23 @@ class Participant:
         return GuardedUpdate(self.trainer, val, lambda: solved_share(
             val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier), knobs.val_score,
             knobs.align, knobs.window, knobs.val_group)
+
+    def _shadowed(self) -> ShadowGuard:
+        """``source-adapt = shadow``: a shadow copy trained alone, which the model is reset to when its
+        sampled accuracy on this participant's validation batch is confidently below it
+        (``learn/shadow.py``)."""
+        knobs = self.fed.checks["source-adapt"]
+        val = validation_prompts(self.fed.task, self.spec.partition_id, self.spec.num_partitions,
+                                 knobs.val_size, knobs.val_families)
+
+        def val_counts(round: int) -> list[int]:
+            counts: dict[str, list[int]] = {}
+            sampled_eval(self.policy, {"val": val}, knobs.val_samples, self.fed.sampling, seed=SHADOW_VAL_SEED + round,
+                         verifier=self.eval_verifier, per_prompt=counts)
+            return counts["val"]
+
+        return ShadowGuard(self.trainer, self._own_samples, val_counts, knobs.val_samples, knobs.period, knobs.z,
+                           self.fed.num_rounds)
 
     def _count_load(self) -> int:
         """Record this model load in state_dir/model_loads.jsonl; return the loads of this run so far
@@ -232,9 +255,7 @@ class Participant:
         fed = self.fed
         prompts = fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions, round)
         write_train_prompts(self.state_dir / TRAIN_PROMPTS, self.name, round, [p.task_id for p in prompts])
-        seed = fed.seed * 1_000_003 + round * 1009 + self.spec.partition_id
-        rolls = self.policy.generate(prompts, self.share, fed.sampling, seed=seed)
-        groups, scores = scored_groups_with_scores(rolls, self.verifier)
+        rolls, groups, scores = self._rollouts(prompts, round)
         if fed.log_completions:                                 # TRL's log_completions: local files only
             k = fed.log_completions
             append_log(self.state_dir, completion_records(round, self.name, [(r.prompt.task_id, r.prompt.text)
@@ -246,10 +267,7 @@ class Participant:
         # moves on): receivers' replay guards reject any seq they have seen.
         self.seq = max(self.seq + 1, round << 16)
         participant_state.save(self.state_dir, self.run_key, self.seq, self.completed_round, self.guard)
-        batch = CompletionBatch(sender=self.name, run_id=self.run_id, round=round, seq=self.seq,
-                                model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
-                                vocab_size=self.policy.vocab_size, sampling=fed.sampling, groups=tuple(groups),
-                                eos_id=getattr(self.policy.tokenizer, "eos_token_id", None))
+        batch = self._batch(round, groups)
         signed = [sign_batch(batch, self.key, send_options(t), max_tokens=fed.max_batch_tokens) for t in variants]
         self.own[round] = batch
         attack: dict[str, float] = {}
@@ -276,6 +294,29 @@ class Participant:
             **attack,
         }
 
+    def _rollouts(self, prompts, round: int) -> tuple[list, list, list]:
+        """(rollouts, groups, scores) of ``prompts``: G completions each (this participant's share)
+        from the weights loaded now, under the round's seed, rewarded by the task's verifier."""
+        seed = self.fed.seed * 1_000_003 + round * 1009 + self.spec.partition_id
+        rolls = self.policy.generate(prompts, self.share, self.fed.sampling, seed=seed)
+        return (rolls, *scored_groups_with_scores(rolls, self.verifier))
+
+    def _batch(self, round: int, groups) -> CompletionBatch:
+        """My batch of ``round`` holding ``groups`` (unsigned; ``generate`` signs it)."""
+        return CompletionBatch(sender=self.name, run_id=self.run_id, round=round, seq=self.seq,
+                               model_id=self.policy.model_id, tokenizer_fp=self.policy.tokenizer_fp,
+                               vocab_size=self.policy.vocab_size, sampling=self.fed.sampling, groups=tuple(groups),
+                               eos_id=getattr(self.policy.tokenizer, "eos_token_id", None))
+
+    def _own_samples(self, round: int) -> list:
+        """This round's own samples drawn again by the weights loaded now (``source-adapt = shadow``: the
+        shadow's), as ``generate`` and ``learn`` make them: the same prompts, seed, rewards and local
+        budget, without the receiver checks (they concern peers' samples)."""
+        prompts = self.fed.task.prompts_for_round(self.spec.partition_id, self.spec.num_partitions, round)
+        _, groups, _ = self._rollouts(prompts, round)
+        return samples_from_batches([self._local_budget(self._batch(round, groups))], self.name,
+                                    self.policy.tokenizer_fp, self.fed.objective, retokenize=self.policy.retokenize)
+
     # ------------------------------------------------------------------ phase 2
     def learn(self, round: int, peer_frames: list[bytes], peer_round: int | None = None) -> dict[str, float]:
         """Receive peers' frames of ``peer_round`` (default ``round``), run the receiver's checks on the
@@ -297,9 +338,11 @@ class Participant:
         metrics.update(run_checks(self.checks, samples, Update(self.receiver, recv, batches)))
         metrics["train/own_samples"] = float(sum(s.local for s in samples))
         metrics["train/peer_samples"] = float(sum(not s.local for s in samples))
-        # 3. train: one F-TIS step (source-adapt = guard: the guarded step, learn/guard.py)
+        # 3. train: one F-TIS step (source-adapt = guard: the guarded step, learn/guard.py; shadow: the
+        #    step beside an alone copy, learn/shadow.py)
         if samples:
-            step = self.guarded.step if self.guarded is not None else self.trainer.step
+            step = (functools.partial(self.shadowed.step, round=round) if self.shadowed is not None
+                    else self.guarded.step if self.guarded is not None else self.trainer.step)
             metrics.update(step(samples, self.fed.sampling))
             metrics.update(after_step(self.checks, self.trainer))
         metrics["train/seconds"] = time.perf_counter() - t0
@@ -438,6 +481,8 @@ class Participant:
                  "run_key": self.run_key}
         if self.guarded is not None:
             state["guarded"] = self.guarded.to_json()
+        if self.shadowed is not None:
+            self.shadowed.save(self.state_dir / "shadow.pt")
         atomic_write(self.state_dir / "participant.json", json.dumps(state))
 
     def _rejoin(self) -> None:
@@ -470,4 +515,6 @@ class Participant:
         self.heldout = {int(k): v for k, v in state.get("heldout", {}).items()}
         if self.guarded is not None:
             self.guarded.load_json(state.get("guarded"))
+        if self.shadowed is not None:
+            self.shadowed.load(self.state_dir / "shadow.pt")
 

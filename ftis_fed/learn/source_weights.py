@@ -37,7 +37,7 @@ from typing import Mapping
 
 from ftis_fed.knobs import knob
 
-SOURCE_ADAPT_MODES = ("off", "kl", "guard")
+SOURCE_ADAPT_MODES = ("off", "kl", "guard", "shadow")
 #: ``source-adapt-val-families``: which in-distribution families the guard's validation batch draws from
 VAL_FAMILIES = ("trained", "task")
 #: ``source-adapt-val-score``: how the guard scores a candidate update on its validation batch
@@ -58,20 +58,23 @@ class SourceAdaptConfig:
         s weighted by exp(-m_s / tau), m_s the running mean of s's measured sample KL) or ``guard``
         (``learn/guard.py``: each peer's samples weighted by how well their gradient aligns with the
         gradient of the receiver's own validation batch, and the update with peers kept only if the
-        receiver's validation reward is no worse than that of the update without them).""")
+        receiver's validation reward is no worse than that of the update without them) or ``shadow``
+        (``learn/shadow.py``: beside the model a shadow copy trains on its own samples alone; every
+        ``source-adapt-period`` rounds and at the last, the model is reset to the shadow when its sampled
+        accuracy on the validation batch is confidently below the shadow's).""")
     tau: float = knob("source-adapt-tau", 10.0,
                       "nats, > 0; the KL at which a source keeps 1/e of its negative signal.")
     decay: float = knob("source-adapt-decay", 0.5, """
         in (0, 1]; weight of the newest update's measurement in m_s (1 = only the last update counts).""")
     val_size: int = knob("source-adapt-val-size", 16, """
-        ``guard``: prompts of the receiver's validation batch, >= 2: half from its own training families,
-        half from the OOD families, all from their *train* split under a seed of their own (disjoint
-        by content from every held-out evaluation set).""")
+        ``guard`` and ``shadow``: prompts of the receiver's validation batch, >= 2: half from its own
+        training families, half from the OOD families, all from their *train* split under a seed of
+        their own (disjoint by content from every held-out evaluation set).""")
     val_families: str = knob("source-adapt-val-families", "trained", """
-        ``guard``: the in-distribution half of the validation batch: ``trained`` (the families the
-        receiver trains on, weight > 0 in its mixture) or ``task`` (every family of ``task-families``:
-        all that its held-out ID evaluation covers, including a family it is not trained on, such as a
-        peer's expertise under ``task-scheme = expertise``).""")
+        ``guard`` and ``shadow``: the in-distribution half of the validation batch: ``trained`` (the
+        families the receiver trains on, weight > 0 in its mixture) or ``task`` (every family of
+        ``task-families``: all that its held-out ID evaluation covers, including a family it is not
+        trained on, such as a peer's expertise under ``task-scheme = expertise``).""")
     val_score: str = knob("source-adapt-val-score", "reward", """
         ``guard``: what decides between the two candidate updates, and the target of the validation
         gradient: ``reward`` (greedy pass@1 on the validation batch; the gradient of the reference
@@ -93,6 +96,16 @@ class SourceAdaptConfig:
         families together; the peers are kept only while *no* group's mean difference is below 0, so a
         loss on one family is not hidden by a gain on another). ``family`` needs ``source-adapt-val-score
         = loglik``: a pass@1 over a family's few validation prompts ties in most rounds.""")
+    period: int = knob("source-adapt-period", 25, """
+        ``shadow``: rounds, >= 1; the model and its shadow are compared every ``period`` rounds and at
+        the run's last round.""")
+    val_samples: int = knob("source-adapt-val-samples", 4, """
+        ``shadow``: sampled completions per validation prompt, in [1, 64], at the run's temperature
+        (the same seeds for the model and its shadow); each prompt's solved share is one paired
+        difference.""")
+    z: float = knob("source-adapt-z", 2.0, """
+        ``shadow``: >= 0, finite; the model is reset to its shadow when the mean paired difference
+        (model − shadow) plus ``z`` standard errors is below 0 (0: whenever the mean is below 0).""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -114,6 +127,13 @@ class SourceAdaptConfig:
                              f"{self.val_score!r} (a pass@1 over one family's few validation prompts mostly ties)")
         if isinstance(self.window, bool) or int(self.window) != self.window or self.window < 1:
             raise ValueError(f"source-adapt-window={self.window!r}: must be an integer >= 1")
+        if isinstance(self.period, bool) or int(self.period) != self.period or self.period < 1:
+            raise ValueError(f"source-adapt-period={self.period!r}: must be an integer >= 1")
+        if isinstance(self.val_samples, bool) or int(self.val_samples) != self.val_samples \
+                or not 1 <= self.val_samples <= 64:
+            raise ValueError(f"source-adapt-val-samples={self.val_samples!r}: must be an integer in [1, 64]")
+        if isinstance(self.z, bool) or not (math.isfinite(self.z) and self.z >= 0):
+            raise ValueError(f"source-adapt-z={self.z!r}: must be a finite number >= 0")
         if not isinstance(self.align, bool):
             raise ValueError(f"source-adapt-align={self.align!r}: must be true or false")
 

@@ -1,0 +1,161 @@
+"""Beyond the paper (``source-adapt = "shadow"``): beside the model that learns from its peers, keep a
+shadow copy that trains alone, and fall back to it when my own validation says, with confidence, that
+the peers have made me worse than I would be without them.
+
+Why (docs/RESULTS.md §4). The per-update guard (``learn/guard.py``) decides each round from one
+update's score on a small validation batch. On the learning tier one update's effect is far below
+that score's noise: whether scored by greedy pass@1, by the worked replies' log-likelihood, per
+family or over a window of 20 rounds, it either kept peers that cost a partner 9 points
+(``research-w-spec``'s base) or dropped peers worth 5–8 points (``research-w``). The harm and the help
+build up over many updates, so they can only be seen along the trajectory: by comparing what the
+model *is*, in sampled accuracy, with what it would be had it trained alone.
+
+The rule. Each receiver holds two trainable states of its one model: the **main** (the model: it
+generates the round's samples, is evaluated and exported) and the **shadow** (the same model trained
+on its own samples only: the alone trajectory, started from the same weights).
+
+1. Every round the main takes the run's update on own + peers' samples, as without this option.
+2. The shadow's weights are loaded, it draws this round's own samples itself (the same prompts, seed
+   and reward as the main's ``generate``, ``own_samples``) and takes the same update on those alone;
+   then the main's weights are loaded back. The receiver checks (``receive/``) concern peers' samples
+   and are not run on the shadow's.
+3. Every ``source-adapt-period`` rounds, and at the run's last round, both are scored on the
+   receiver's validation batch V (``learn/guard.validation_prompts``; disjoint by content from every
+   held-out evaluation set): k = ``source-adapt-val-samples`` sampled completions per prompt at the
+   run's temperature, the same seeds for both (paired draws), solved by the evaluation's rule. With
+   d_i = (solved_main,i − solved_shadow,i) / k per prompt, its mean d̄ and standard error se:
+   the main is **reset to the shadow** (weights, optimizer state, step count) when
+   d̄ + z · se < 0 (``source-adapt-z``): when even the upper end of the interval says the peers
+   made it worse. Otherwise the main stays. After a reset the main learns from its peers again,
+   from the shadow's point; the shadow is never changed by the main.
+
+So the main never ends, by its own validation, confidently below training alone (the last round is
+always checked), yet keeps what its peers are worth where they help: a spurious reset needs the
+interval's upper end below 0, at z = 2 about 2 % of the checks where the two are equal.
+
+Cost per round: a second update (the shadow's, on G · prompts own samples) and a second generation
+of the round's own samples, two copies of the trainable state + optimizer state (memory: one more
+of each), and at each check 2 · |V| · k sampled completions. ``guard/seconds`` measures all of it.
+Metrics: ``guard/<peer>/weight`` (1: every peer's samples as sent), at the checks ``guard/val_with`` /
+``guard/val_without`` (the main's and the shadow's sampled pass@1 on V), ``guard/diff_mean`` (d̄),
+``guard/diff_se`` (se), ``guard/kept_peers`` (0 where the main was reset) and ``guard/resets`` (so far).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from ftis_fed.atomic import atomic_path
+from ftis_fed.learn.training import TrainSample
+
+
+def paired_difference(main: Sequence[int], alone: Sequence[int], k: int) -> tuple[float, float]:
+    """(d̄, se) of the per-prompt differences d_i = (main_i − alone_i) / k: solved completions of k
+    per prompt, the same prompts in the same order; se = the sample standard deviation / sqrt(n)
+    (0 for one prompt). A length mismatch or an empty batch is a ValueError."""
+    if len(main) != len(alone) or not main:
+        raise ValueError(f"paired_difference: {len(main)} and {len(alone)} prompts (must be equal, > 0)")
+    d = [(m - a) / k for m, a in zip(main, alone)]
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+    return statistics.fmean(d), se
+
+
+def resets(d_mean: float, se: float, z: float) -> bool:
+    """The main is reset to the shadow when d̄ + z · se < 0; a non-finite d̄ or se resets too (no
+    evidence that the peers are harmless)."""
+    return not (math.isfinite(d_mean) and math.isfinite(se)) or d_mean + z * se < 0
+
+
+class ShadowGuard:
+    """The ``shadow`` update of one receiver (see the module docstring).
+
+    trainer: the participant's ``Trainer`` (its policy holds the main's weights between calls);
+    own_samples(round): this round's own samples drawn by the weights loaded at the call;
+    val_counts(round): per validation prompt, how many of k sampled completions the loaded weights
+    solve (the same seeds whichever weights are loaded); k, period, z: ``source-adapt-val-samples``,
+    ``source-adapt-period``, ``source-adapt-z``; last_round: the run's ``num-rounds`` (always checked).
+    """
+
+    def __init__(self, trainer, own_samples: Callable[[int], list[TrainSample]],
+                 val_counts: Callable[[int], Sequence[int]], k: int, period: int, z: float, last_round: int):
+        self.trainer, self.own_samples, self.val_counts = trainer, own_samples, val_counts
+        self.k, self.period, self.z, self.last_round = k, period, z, last_round
+        #: (trainable state, optimizer state, optimizer steps) of the alone trajectory; None until the
+        #: first update, when it starts as the main's weights before that update
+        self.shadow: tuple | None = None
+        self.resets = 0
+
+    def due(self, round: int) -> bool:
+        return round % self.period == 0 or round >= self.last_round
+
+    def _state(self) -> tuple:
+        t = self.trainer
+        return t.policy.trainable_state(), copy.deepcopy(t.optimizer.state_dict()), t.steps
+
+    def _restore(self, state: tuple) -> None:
+        t = self.trainer
+        weights, opt, steps = state
+        t.policy.load_trainable_state(weights, source="shadow")
+        t.optimizer.load_state_dict(copy.deepcopy(opt))
+        t.steps = steps
+        t.policy.weights_changed()
+
+    def step(self, samples: Sequence[TrainSample], sampling, round: int) -> dict[str, float]:
+        """The main's update on ``samples`` (own + peers), the shadow's on its own draws, and at a
+        check the comparison; returns the main's update metrics plus ``guard/...``."""
+        if self.shadow is None:
+            self.shadow = self._state()
+        metrics = self.trainer.step(samples, sampling)
+        t0 = time.perf_counter()
+        source_kl = dict(self.trainer.source_kl)             # the main's, for the checks' ``after_step``
+        main = self._state()
+        self._restore(self.shadow)
+        own = self.own_samples(round)
+        if own:
+            self.trainer.step(own, sampling)
+        self.shadow = self._state()
+        out = {f"guard/{s}/weight": 1.0 for s in dict.fromkeys(s.source for s in samples if not s.local)}
+        if self.due(round):
+            alone = list(self.val_counts(round))                 # the shadow's weights are loaded
+            self._restore(main)
+            with_peers = list(self.val_counts(round))
+            d, se = paired_difference(with_peers, alone, self.k)
+            reset = resets(d, se, self.z)
+            if reset:
+                self._restore(self.shadow)
+                self.resets += 1
+            n = self.k * len(alone)
+            out.update({"guard/val_with": sum(with_peers) / n, "guard/val_without": sum(alone) / n,
+                        "guard/diff_mean": d, "guard/diff_se": se, "guard/kept_peers": float(not reset),
+                        "guard/resets": float(self.resets)})
+        else:
+            self._restore(main)
+        self.trainer.source_kl = source_kl
+        out["guard/seconds"] = time.perf_counter() - t0
+        return {**metrics, **out}
+
+    # ------------------------------------------------------------------ resume
+    def save(self, path: str | Path) -> None:
+        """The shadow's state (``Trainer.save``'s layout) and the reset count, written atomically;
+        nothing before the first update."""
+        if self.shadow is None:
+            return
+        weights, opt, steps = self.shadow
+        with atomic_path(path) as tmp:
+            torch.save({"trainable": weights, "optimizer": opt, "steps": steps, "resets": self.resets}, tmp)
+
+    def load(self, path: str | Path) -> None:
+        """Restore what ``save`` wrote (nothing when there is no file: a checkpoint made before the
+        first update, whose shadow then starts from the restored main)."""
+        if not Path(path).exists():
+            return
+        state: Mapping = torch.load(path, map_location="cpu", weights_only=True)
+        self.shadow = (dict(state["trainable"]), state["optimizer"], int(state["steps"]))
+        self.resets = int(state["resets"])

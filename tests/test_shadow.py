@@ -1,0 +1,160 @@
+"""``source-adapt = shadow`` (``learn/shadow.py``): the model beside a shadow copy that trains alone,
+reset to it when its sampled validation accuracy is confidently below the shadow's."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ftis_fed.config.keys import federation_from_run_config
+from ftis_fed.learn.shadow import ShadowGuard, paired_difference, resets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_paired_difference_and_the_reset_rule():
+    d, se = paired_difference([4, 2, 0, 3], [2, 2, 1, 1], 4)            # d_i = .5, 0, -.25, .5
+    assert d == pytest.approx(0.1875) and se == pytest.approx(0.375 / 2, abs=1e-3)  # sd 0.375 over 4 prompts
+    assert paired_difference([1], [0], 2) == (0.5, 0.0)
+    with pytest.raises(ValueError, match="3 and 2 prompts"):
+        paired_difference([1, 2, 3], [1, 2], 4)
+    assert resets(-0.1, 0.04, 2.0) and not resets(-0.1, 0.06, 2.0)       # upper end -0.02 / +0.02
+    assert resets(-0.01, 0.0, 0.0) and not resets(0.0, 0.0, 0.0)          # ties keep the peers
+    assert resets(math.nan, 0.1, 2.0)
+
+
+def test_the_shadow_knobs_and_their_errors():
+    cfg = federation_from_run_config({"source-adapt": "shadow", "source-adapt-period": 10, "source-adapt-z": 1.5,
+                                      "source-adapt-val-samples": 8}).checks["source-adapt"]
+    assert (cfg.mode, cfg.period, cfg.z, cfg.val_samples) == ("shadow", 10, 1.5, 8)
+    base = federation_from_run_config({}).checks["source-adapt"]
+    assert (base.period, base.z, base.val_samples) == (25, 2.0, 4)
+    for key, bad, why in (("source-adapt-period", 0, "an integer >= 1"), ("source-adapt-period", 2.5, "an integer"),
+                          ("source-adapt-val-samples", 65, r"an integer in \[1, 64\]"),
+                          ("source-adapt-z", -1.0, "a finite number >= 0"),
+                          ("source-adapt-z", math.inf, "a finite number")):
+        with pytest.raises(ValueError, match=f"{key}={bad!r}: must be {why}"):
+            federation_from_run_config({key: bad})
+
+
+def _trainer():
+    import torch
+
+    from ftis_fed.learn.objective import ObjectiveConfig
+    from ftis_fed.learn.training import Trainer
+    from ftis_fed.policies import build_policy
+    from ftis_fed.policies.config import PolicyConfig
+
+    torch.manual_seed(0)
+    return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig())
+
+
+def _samples(round):
+    """The main's samples of a round (two own, two of one peer) and the shadow's own draws."""
+    import numpy as np
+
+    from ftis_fed.learn.training import TrainSample
+
+    def sample(src, local, adv, ids):
+        return TrainSample([1, 2, 3], ids, np.full(len(ids), -2.0, np.float32), -2.0 * len(ids), adv, src, local)
+
+    main = [sample("me", True, 1.0, [5, 6 + round]), sample("me", True, -1.0, [7, 8]),
+            sample("peer", False, 1.0, [9, 10]), sample("peer", False, -1.0, [11, 12])]
+    return main, [sample("me", True, 1.0, [13, 14 + round]), sample("me", True, -1.0, [15, 16])]
+
+
+def _same(a, b):
+    import torch
+
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confidently_worse(tmp_path):
+    """Three rounds, checks at rounds 2 (period) and 3 (the last). The model's weights follow a plain
+    trainer on own + peers' samples, the shadow's a plain trainer on its own draws only (drawn with
+    the shadow's weights loaded); at round 2 the validation says the model is worse by far: it becomes
+    the shadow, weights and optimizer alike; at round 3 a tie keeps it. The shadow is a checkpoint's
+    part: saved and loaded back it is the same."""
+    from ftis_fed.wire.batch import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=4)
+    t, main_ref, alone_ref = _trainer(), _trainer(), _trainer()
+    loaded_at_draw, loaded_at_score = [], []
+
+    def own_samples(round):
+        loaded_at_draw.append(t.policy.trainable_state())
+        return _samples(round)[1]
+
+    scores = iter([[4, 4, 3], [0, 1, 0],            # round 2: the shadow, then the model (d = -10/12, se 1/12)
+                   [2, 2, 2], [2, 2, 2]])           # round 3: a tie
+    def val_counts(round):
+        loaded_at_score.append(t.policy.trainable_state())
+        return next(scores)
+
+    g = ShadowGuard(t, own_samples, val_counts, k=4, period=2, z=2.0, last_round=3)
+    m1 = g.step(_samples(1)[0], sampling, 1)
+    main_ref.step(_samples(1)[0], sampling)
+    alone_ref.step(_samples(1)[1], sampling)
+    assert m1["guard/peer/weight"] == 1.0 and "guard/kept_peers" not in m1      # no check at round 1
+    assert _same(t.policy.trainable_state(), main_ref.policy.trainable_state())
+    assert _same(g.shadow[0], alone_ref.policy.trainable_state())
+    assert _same(loaded_at_draw[0], _trainer().policy.trainable_state())      # the shadow drew from the start
+
+    m2 = g.step(_samples(2)[0], sampling, 2)
+    main_ref.step(_samples(2)[0], sampling)
+    assert _same(loaded_at_draw[1], alone_ref.policy.trainable_state())     # the shadow's weights drew
+    alone_ref.step(_samples(2)[1], sampling)
+    assert _same(loaded_at_score[0], alone_ref.policy.trainable_state())
+    assert _same(loaded_at_score[1], main_ref.policy.trainable_state())
+    assert m2["guard/kept_peers"] == 0.0 and m2["guard/resets"] == 1.0
+    assert m2["guard/val_without"] == pytest.approx(11 / 12) and m2["guard/val_with"] == pytest.approx(1 / 12)
+    assert m2["guard/diff_mean"] == pytest.approx(-10 / 12)
+    assert _same(t.policy.trainable_state(), alone_ref.policy.trainable_state())   # reset to the shadow
+    assert t.steps == alone_ref.steps == 2
+    moments = [tr.optimizer.state_dict()["state"][0]["exp_avg"] for tr in (t, alone_ref)]
+    assert moments[0].equal(moments[1])                          # the optimizer state too
+
+    main_ref = _trainer()
+    main_ref.policy.load_trainable_state(alone_ref.policy.trainable_state())
+    main_ref.optimizer.load_state_dict(copy.deepcopy(alone_ref.optimizer.state_dict()))   # not aliased
+    main_ref.steps = alone_ref.steps
+    m3 = g.step(_samples(3)[0], sampling, 3)                     # from the shadow's point, with peers again
+    main_ref.step(_samples(3)[0], sampling)
+    alone_ref.step(_samples(3)[1], sampling)
+    assert m3["guard/kept_peers"] == 1.0 and m3["guard/resets"] == 1.0 and m3["guard/diff_mean"] == 0.0
+    assert _same(t.policy.trainable_state(), main_ref.policy.trainable_state())
+    assert _same(g.shadow[0], alone_ref.policy.trainable_state())
+
+    g.save(tmp_path / "shadow.pt")
+    back = ShadowGuard(_trainer(), own_samples, val_counts, k=4, period=2, z=2.0, last_round=3)
+    back.load(tmp_path / "shadow.pt")
+    assert _same(back.shadow[0], g.shadow[0]) and back.shadow[2] == 3 and back.resets == 1
+    back.load(tmp_path / "none.pt")                               # no file: nothing changes
+    assert back.resets == 1
+
+
+def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(tmp_path):
+    """``source-adapt = shadow`` through the in-process engine (research-tiny, 3 rounds, period 2):
+    every participant's train rows carry the check's figures at rounds 2 and 3 and not at round 1,
+    and a checkpoint holds the shadow beside the model."""
+    from ftis_fed.commands.sim import simulate_inprocess
+
+    assert simulate_inprocess(ROOT, [f'output-dir="{tmp_path}"', "num-rounds=3", 'loss-mode="F-TIS"',
+                                     'source-adapt="shadow"', "source-adapt-period=2", "source-adapt-val-size=4",
+                                     "source-adapt-val-samples=2", "checkpoint-every=3", "eval-every=0"],
+                              "research-tiny") == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train" and r["participant"] in ("full", "lora")]
+    assert len(train) == 6
+    for r in train:
+        assert r["offpolicy/accepted"] == 1 and r["guard/seconds"] > 0
+        checked = "guard/kept_peers" in r
+        assert checked == (r["round"] in (2, 3)), r["round"]
+        if checked:
+            assert 0 <= r["guard/val_with"] <= 1 and 0 <= r["guard/val_without"] <= 1
+    for p in ("full", "lora"):
+        assert (tmp_path / "participants" / p / "shadow.pt").exists()
