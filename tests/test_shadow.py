@@ -41,6 +41,16 @@ def test_the_shadow_knobs_and_their_errors():
             federation_from_run_config({key: bad})
 
 
+def test_the_last_round_s_check_chooses_by_the_mean_alone():
+    """Before the last round a deficit within z standard errors keeps the model; at the last round
+    any deficit resets it (the final model is the one that validates better); ties keep it."""
+    g = ShadowGuard(None, None, None, k=4, period=2, z=2.0, last_round=4)
+    main, alone = [2, 2, 1], [2, 2, 2]                           # d = -1/12, se = 1/12
+    assert g.decide(2, main, alone)[2] is False and g.decide(4, main, alone)[2] is True
+    assert g.decide(4, alone, alone)[2] is False
+    assert g.decide(2, [0, 0, 0], [2, 2, 2])[2] is True
+
+
 def _trainer():
     import torch
 

@@ -28,10 +28,14 @@ on its own samples only: the alone trajectory, started from the same weights).
    d̄ + z · se < 0 (``source-adapt-z``): when even the upper end of the interval says the peers
    made it worse. Otherwise the main stays. After a reset the main learns from its peers again,
    from the shadow's point; the shadow is never changed by the main.
+4. At the run's last round the check is a plain choice of the final model: z = 0, the main stays
+   when d̄ >= 0. Before it, keeping the main has a value beyond its score (the peers may help in the
+   rounds to come), hence the margin; at the end only which model is better counts, and d̄ is the
+   best estimate of that.
 
-So the main never ends, by its own validation, confidently below training alone (the last round is
-always checked), yet keeps what its peers are worth where they help: a spurious reset needs the
-interval's upper end below 0, at z = 2 about 2 % of the checks where the two are equal.
+So the main never ends below training alone by its own validation, yet keeps what its peers are
+worth where they help: a spurious reset before the end needs the interval's upper end below 0, at
+z = 2 about 2 % of the checks where the two are equal.
 
 Cost per round: a second update (the shadow's, on G · prompts own samples) and a second generation
 of the round's own samples, two copies of the trainable state + optimizer state (memory: one more
@@ -95,6 +99,11 @@ class ShadowGuard:
     def due(self, round: int) -> bool:
         return round % self.period == 0 or round >= self.last_round
 
+    def decide(self, round: int, with_peers: Sequence[int], alone: Sequence[int]) -> tuple[float, float, bool]:
+        """(d̄, se, reset) of a check at ``round``: z = ``source-adapt-z`` before the last round, 0 at it."""
+        d, se = paired_difference(with_peers, alone, self.k)
+        return d, se, resets(d, se, 0.0 if round >= self.last_round else self.z)
+
     def _state(self) -> tuple:
         t = self.trainer
         return t.policy.trainable_state(), copy.deepcopy(t.optimizer.state_dict()), t.steps
@@ -126,8 +135,7 @@ class ShadowGuard:
             alone = list(self.val_counts(round))                 # the shadow's weights are loaded
             self._restore(main)
             with_peers = list(self.val_counts(round))
-            d, se = paired_difference(with_peers, alone, self.k)
-            reset = resets(d, se, self.z)
+            d, se, reset = self.decide(round, with_peers, alone)
             if reset:
                 self._restore(self.shadow)
                 self.resets += 1

@@ -104,8 +104,10 @@ class SourceAdaptConfig:
         (the same seeds for the model and its shadow); each prompt's solved share is one paired
         difference.""")
     z: float = knob("source-adapt-z", 2.0, """
-        ``shadow``: >= 0, finite; the model is reset to its shadow when the mean paired difference
-        (model − shadow) plus ``z`` standard errors is below 0 (0: whenever the mean is below 0).""")
+        ``shadow``: >= 0, finite; at a check before the run's last round the model is reset to its
+        shadow when the mean paired difference (model − shadow) plus ``z`` standard errors is below 0
+        (0: whenever the mean is below 0). At the last round the mean alone decides (z = 0): the final
+        model is the one that validates better.""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
