@@ -108,3 +108,24 @@ def test_the_guard_score_table_reads_each_group_s_differences_and_votes(tmp_path
     md = summary_markdown([], [], [], "t", guard_scores=[sub])
     assert "| F-TIS+guardfam | base | sub99 | 2 | +1.25 [-0.50, +3.00] | 0.75 | 25 % |" in md
     assert "## The guard's scores" not in summary_markdown([], [], [], "t")
+
+
+def test_shadow_cells_are_named_in_the_guard_sections_as_rows_over_their_checks(tmp_path):
+    """``source-adapt = shadow`` (``learn/shadow.py``) reports its figures at its checks only; the
+    summary's guard sections say so for the methods whose cells' config ran it, and nothing changes
+    for a grid without them."""
+    from ftis_fed.grid.report import _shadow_methods
+
+    shadow = Cell("F-TIS", "vertical", 0, "shadow")
+    write_cell(tmp_path, shadow, [{"round": 25, "participant": "base", "phase": "train"}],
+               config={"checks": {"source-adapt": {"mode": "shadow"}}})
+    guard = Cell("F-TIS", "vertical", 0, "guard")
+    write_cell(tmp_path, guard, config={"checks": {"source-adapt": {"mode": "guard"}}})
+    plain = _cell(tmp_path, "F-TIS", 0, [])
+    assert _shadow_methods([shadow, guard, plain], tmp_path) == ["F-TIS+shadow"]
+    assert _shadow_methods([guard, plain], tmp_path) == []
+    row = {"method": "F-TIS+shadow", "participant": "base", "group": "all", "seeds": 1, "d": -0.012,
+           "d_min": -0.012, "d_max": -0.012, "d_sd": 0.01, "drop": 0.25}
+    md = summary_markdown([], [], [], "t", guard_scores=[row], shadow=["F-TIS+shadow"])
+    assert "For F-TIS+shadow (`source-adapt = shadow`, `learn/shadow.py`) the rows are over its checks: d is" in md
+    assert "source-adapt = shadow" not in summary_markdown([], [], [], "t", guard_scores=[row])

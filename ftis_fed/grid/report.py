@@ -117,6 +117,26 @@ def efficiency_figures(r: dict) -> str:
     return f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if math.isfinite(r["lo"]) else f"{r['diff']:.2f}"
 
 
+def _shadow_methods(cells: Sequence[Cell], out: Path) -> list[str]:
+    """The methods of the finished cells that ran ``source-adapt = shadow`` (``learn/shadow.py``; the
+    ``checks`` of their config.json)."""
+    found = set()
+    for c in cells:
+        cfg = out / "cells" / c.name / "run" / "config.json"
+        if (out / "cells" / c.name / "done.json").exists() and cfg.exists():
+            adapt = json.loads(cfg.read_text()).get("checks", {}).get("source-adapt", {})
+            if adapt.get("mode") == "shadow":
+                found.add(c.method)
+    return sorted(found)
+
+
+def _shadow_note(shadow: Sequence[str], what: str) -> str:
+    """A guard section's sentence on the ``shadow`` methods, whose rows are per check, not per round
+    (nothing without them: the summaries of grids without such cells are as before)."""
+    return f" For {', '.join(shadow)} (`source-adapt = shadow`, `learn/shadow.py`) the rows are over {what}." \
+        if shadow else ""
+
+
 def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: Sequence[dict],
                      title: str, initial: dict[str, dict] | None = None,
                      diagnostics: Sequence[dict] = (), prompt_paired: Sequence[dict] = (),
@@ -124,7 +144,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      efficiency: Sequence[dict] = (), metric: Metric = GREEDY, ks: Sequence[int] = (),
                      gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None,
                      starts: Sequence[dict] = (), any_sign: Sequence[str] = (),
-                     guards: Sequence[dict] = (), guard_scores: Sequence[dict] = ()) -> str:
+                     guards: Sequence[dict] = (), guard_scores: Sequence[dict] = (),
+                     shadow: Sequence[str] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -274,7 +295,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "alignment weight (their advantages' factor: clip(cos_peer / cos_own, 0, 1), or 1[cos_peer > 0] "
                   "where cos_own ≤ 0) and the share of "
                   "rounds it was 0; the mean cosines of the peer's and the own samples' gradients with the "
-                  "validation gradient.", "",
+                  "validation gradient." + _shadow_note(shadow, "its checks: kept peers is the share of them that "
+                                                                "kept the model, not reset to its shadow"), "",
                   "| method | receiver | peer | seeds | kept peers | weight | weight 0 | cos peer | cos own |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in guards:
@@ -287,7 +309,9 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                   "score of the update without them (`loglik`: the mean per-token log-likelihood of the validation "
                   "replies; `reward`: greedy pass@1), for the whole validation batch (all) and, with "
                   "`source-adapt-val-group = family`, for each of its groups; and the share of rounds in which that "
-                  "group's mean over its window was below 0 (all: the rounds whose update dropped the peers).", "",
+                  "group's mean over its window was below 0 (all: the rounds whose update dropped the peers)."
+                  + _shadow_note(shadow, "its checks: d is the model's sampled pass@1 on the validation batch − "
+                                         "its shadow's, and drops the share of checks that reset the model"), "",
                   "| method | receiver | group | seeds | " + " | ".join(GUARD_SCORE_HEADERS) + " |",
                   "|---|---|---|---|" + "---|" * len(GUARD_SCORE_HEADERS)]
         for r in guard_scores:
@@ -456,7 +480,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
                                                      starts, _any_sign_methods(objectives), guards,
-                                                     guard_scores))
+                                                     guard_scores, _shadow_methods(cells, out)))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
