@@ -61,7 +61,6 @@ selection has seen problems of the OOD families' kind (never the evaluation prob
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import math
 import time
@@ -243,18 +242,6 @@ class GuardedUpdate:
             pol.train_mode(False)
         return probe.flat
 
-    def _state(self) -> tuple:
-        t = self.trainer
-        return t.policy.trainable_state(), copy.deepcopy(t.optimizer.state_dict()), t.steps
-
-    def _restore(self, state: tuple) -> None:
-        t = self.trainer
-        weights, opt, steps = state
-        t.policy.load_trainable_state(weights, source="guard")
-        t.optimizer.load_state_dict(copy.deepcopy(opt))
-        t.steps = steps
-        t.policy.weights_changed()
-
     def _scores(self, sampling) -> tuple[float, dict[str, float]]:
         """This round's score on the whole batch (``guard/val_with`` / ``guard/val_without``: comparable
         whatever the groups) and per deciding group ("all", or with ``family`` each group's tokens' mean
@@ -293,14 +280,14 @@ class GuardedUpdate:
         out.update({f"guard/{src}/weight": w for src, w in weights.items()})
         weighted = own + [dataclasses.replace(s, advantage=s.advantage * weights[s.source])
                           for s in samples if not s.local]
-        start = self._state()
+        start = self.trainer.snapshot()
         m_with = self.trainer.step(weighted, sampling)
         whole_with, r_with = self._scores(sampling)
         if not own:                                     # nothing to compare with: keep the update with peers
             out.update({"guard/kept_peers": 1.0, "guard/val_with": whole_with})
             return {**m_with, **out, "guard/seconds": time.perf_counter() - t0}
-        with_peers = self._state()
-        self._restore(start)
+        with_peers = self.trainer.snapshot()
+        self.trainer.restore(start, "guard")
         m_without = self.trainer.step(own, sampling)
         whole_without, r_without = self._scores(sampling)
         out.update({"guard/val_with": whole_with, "guard/val_without": whole_without})
@@ -312,6 +299,6 @@ class GuardedUpdate:
         if self.window > 1:
             out["guard/diff_mean"] = self.diff_mean()
         if keep:
-            self._restore(with_peers)
+            self.trainer.restore(with_peers, "guard")
         out["guard/kept_peers"] = float(keep)
         return {**(m_with if keep else m_without), **out, "guard/seconds": time.perf_counter() - t0}

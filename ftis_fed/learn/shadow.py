@@ -47,7 +47,6 @@ Metrics: ``guard/<peer>/weight`` (1: every peer's samples as sent), at the check
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 import time
@@ -104,47 +103,35 @@ class ShadowGuard:
         d, se = paired_difference(with_peers, alone, self.k)
         return d, se, resets(d, se, 0.0 if round >= self.last_round else self.z)
 
-    def _state(self) -> tuple:
-        t = self.trainer
-        return t.policy.trainable_state(), copy.deepcopy(t.optimizer.state_dict()), t.steps
-
-    def _restore(self, state: tuple) -> None:
-        t = self.trainer
-        weights, opt, steps = state
-        t.policy.load_trainable_state(weights, source="shadow")
-        t.optimizer.load_state_dict(copy.deepcopy(opt))
-        t.steps = steps
-        t.policy.weights_changed()
-
     def step(self, samples: Sequence[TrainSample], sampling, round: int) -> dict[str, float]:
         """The main's update on ``samples`` (own + peers), the shadow's on its own draws, and at a
         check the comparison; returns the main's update metrics plus ``guard/...``."""
         if self.shadow is None:
-            self.shadow = self._state()
+            self.shadow = self.trainer.snapshot()
         metrics = self.trainer.step(samples, sampling)
         t0 = time.perf_counter()
         source_kl = dict(self.trainer.source_kl)             # the main's, for the checks' ``after_step``
-        main = self._state()
-        self._restore(self.shadow)
+        main = self.trainer.snapshot()
+        self.trainer.restore(self.shadow, "shadow")
         own = self.own_samples(round)
         if own:
             self.trainer.step(own, sampling)
-        self.shadow = self._state()
+        self.shadow = self.trainer.snapshot()
         out = {f"guard/{s}/weight": 1.0 for s in dict.fromkeys(s.source for s in samples if not s.local)}
         if self.due(round):
             alone = list(self.val_counts(round))                 # the shadow's weights are loaded
-            self._restore(main)
+            self.trainer.restore(main, "shadow")
             with_peers = list(self.val_counts(round))
             d, se, reset = self.decide(round, with_peers, alone)
             if reset:
-                self._restore(self.shadow)
+                self.trainer.restore(self.shadow, "shadow")
                 self.resets += 1
             n = self.k * len(alone)
             out.update({"guard/val_with": sum(with_peers) / n, "guard/val_without": sum(alone) / n,
                         "guard/diff_mean": d, "guard/diff_se": se, "guard/kept_peers": float(not reset),
                         "guard/resets": float(self.resets)})
         else:
-            self._restore(main)
+            self.trainer.restore(main, "shadow")
         self.trainer.source_kl = source_kl
         out["guard/seconds"] = time.perf_counter() - t0
         return {**metrics, **out}

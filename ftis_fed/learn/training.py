@@ -18,6 +18,7 @@ micro-batch losses add up to the full-batch loss), accumulates gradients, clips,
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass, field
@@ -478,6 +479,20 @@ class Trainer:
         pol.weights_changed()
         metrics["train/lr"] = lr
         return metrics
+
+    def snapshot(self) -> tuple:
+        """(trainable state, optimizer state, optimizer steps), copied: a point ``restore`` returns to
+        (the guards' candidate updates and shadow copy, ``learn/guard.py``, ``learn/shadow.py``)."""
+        return self.policy.trainable_state(), copy.deepcopy(self.optimizer.state_dict()), self.steps
+
+    def restore(self, snap: tuple, source: str = "snapshot") -> None:
+        """Back to ``snapshot``'s point (``snap`` is not aliased: it can be restored again);
+        ``source`` names it in a load error."""
+        weights, opt, steps = snap
+        self.policy.load_trainable_state(weights, source=source)
+        self.optimizer.load_state_dict(copy.deepcopy(opt))
+        self.steps = steps
+        self.policy.weights_changed()
 
     def save(self, path: str | os.PathLike) -> None:
         """Trainable parameters + optimizer state + step count (resume), written atomically."""
