@@ -150,8 +150,10 @@ def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confiden
 def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(tmp_path):
     """``source-adapt = shadow`` through the in-process engine (research-tiny, 3 rounds, period 2):
     every participant's train rows carry the check's figures at rounds 2 and 3 and not at round 1,
-    and a checkpoint holds the shadow beside the model."""
+    a checkpoint holds the shadow beside the model, and the shadow changes nothing of the model's own
+    updates: until a check could reset it, they are those of plain F-TIS, value for value."""
     from ftis_fed.commands.sim import simulate_inprocess
+    from tests.test_research import VOLATILE
 
     assert simulate_inprocess(ROOT, [f'output-dir="{tmp_path}"', "num-rounds=3", 'loss-mode="F-TIS"',
                                      'source-adapt="shadow"', "source-adapt-period=2", "source-adapt-val-size=4",
@@ -168,3 +170,15 @@ def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(t
             assert 0 <= r["guard/val_with"] <= 1 and 0 <= r["guard/val_without"] <= 1
     for p in ("full", "lora"):
         assert (tmp_path / "participants" / p / "shadow.pt").exists()
+    plain = tmp_path / "plain"
+    assert simulate_inprocess(ROOT, [f'output-dir="{plain}"', "num-rounds=2", 'loss-mode="F-TIS"', "eval-every=0"],
+                              "research-tiny") == 0
+    same = [json.loads(x) for x in (plain / "metrics.jsonl").read_text().splitlines()]
+    same = {(r["round"], r["participant"]): r for r in same if r["phase"] == "train" and r["participant"] != "_federation"}
+    assert len(same) == 4
+    for r in train:
+        if r["round"] <= 2:                                     # the check of round 2 comes after its update
+            want = same[(r["round"], r["participant"])]
+            for k, v in want.items():
+                if not any(x in k for x in VOLATILE):
+                    assert r[k] == v, (r["round"], r["participant"], k)
