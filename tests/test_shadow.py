@@ -50,6 +50,13 @@ def test_the_last_round_s_check_chooses_by_the_mean_alone():
     assert g.decide(4, alone, alone)[2] is False
     assert g.decide(2, [0, 0, 0], [2, 2, 2])[2] is True
 
+    def checks(rounds):                                          # the rounds ``step`` would check at
+        p = ShadowGuard(None, None, None, k=4, period=2, z=2.0, last_round=100)
+        return [setattr(p, "checked", r) or r for r in rounds if p.due(r)]
+
+    assert checks(range(1, 7)) == [2, 4, 6]                      # trained every round: every period-th
+    assert checks([1, 3, 5, 6, 9, 100]) == [3, 5, 9, 100]       # a population's receiver, some rounds only
+
 
 def _trainer():
     import torch
@@ -142,7 +149,7 @@ def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confiden
     g.save(tmp_path / "shadow.pt")
     back = ShadowGuard(_trainer(), own_samples, val_counts, k=4, period=2, z=2.0, last_round=3)
     back.load(tmp_path / "shadow.pt")
-    assert _same(back.shadow[0], g.shadow[0]) and back.shadow[2] == 3 and back.resets == 1
+    assert _same(back.shadow[0], g.shadow[0]) and back.shadow[2] == 3 and back.resets == 1 and back.checked == 3
     back.load(tmp_path / "none.pt")                               # no file: nothing changes
     assert back.resets == 1
 

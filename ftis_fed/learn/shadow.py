@@ -19,9 +19,10 @@ on its own samples only: the alone trajectory, started from the same weights).
    and reward as the main's ``generate``, ``own_samples``) and takes the same update on those alone;
    then the main's weights are loaded back. The receiver checks (``receive/``) concern peers' samples
    and are not run on the shadow's.
-3. Every ``source-adapt-period`` rounds, and at the run's last round, both are scored on the
-   receiver's validation batch V (``learn/guard.validation_prompts``; disjoint by content from every
-   held-out evaluation set): k = ``source-adapt-val-samples`` sampled completions per prompt at the
+3. Every ``source-adapt-period`` rounds (in a population that trains the receiver in some rounds
+   only: at its first update that many rounds after the last check), and at the run's last round,
+   both are scored on the receiver's validation batch V (``learn/guard.validation_prompts``;
+   disjoint by content from every held-out evaluation set): k = ``source-adapt-val-samples`` sampled completions per prompt at the
    run's temperature, the same seeds for both (paired draws), solved by the evaluation's rule. With
    d_i = (solved_main,i − solved_shadow,i) / k per prompt, its mean d̄ and standard error se:
    the main is **reset to the shadow** (weights, optimizer state, step count) when
@@ -94,9 +95,13 @@ class ShadowGuard:
         #: first update, when it starts as the main's weights before that update
         self.shadow: tuple | None = None
         self.resets = 0
+        self.checked = 0                                         # the round of the last check
 
     def due(self, round: int) -> bool:
-        return round % self.period == 0 or round >= self.last_round
+        """A check at ``round``: ``period`` rounds after the last check (every ``period``-th round when
+        the participant trains every round; in a population that trains it in some rounds only, its
+        first round at least ``period`` after), and at the run's last round."""
+        return round - self.checked >= self.period or round >= self.last_round
 
     def decide(self, round: int, with_peers: Sequence[int], alone: Sequence[int]) -> tuple[float, float, bool]:
         """(d̄, se, reset) of a check at ``round``: z = ``source-adapt-z`` before the last round, 0 at it."""
@@ -119,6 +124,7 @@ class ShadowGuard:
         self.shadow = self.trainer.snapshot()
         out = {f"guard/{s}/weight": 1.0 for s in dict.fromkeys(s.source for s in samples if not s.local)}
         if self.due(round):
+            self.checked = round
             alone = list(self.val_counts(round))                 # the shadow's weights are loaded
             self.trainer.restore(main, "shadow")
             with_peers = list(self.val_counts(round))
@@ -138,13 +144,14 @@ class ShadowGuard:
 
     # ------------------------------------------------------------------ resume
     def save(self, path: str | Path) -> None:
-        """The shadow's state (``Trainer.save``'s layout) and the reset count, written atomically;
-        nothing before the first update."""
+        """The shadow's state (``Trainer.save``'s layout), the reset count and the last check's round,
+        written atomically; nothing before the first update."""
         if self.shadow is None:
             return
         weights, opt, steps = self.shadow
         with atomic_path(path) as tmp:
-            torch.save({"trainable": weights, "optimizer": opt, "steps": steps, "resets": self.resets}, tmp)
+            torch.save({"trainable": weights, "optimizer": opt, "steps": steps, "resets": self.resets,
+                        "checked": self.checked}, tmp)
 
     def load(self, path: str | Path) -> None:
         """Restore what ``save`` wrote (nothing when there is no file: a checkpoint made before the
@@ -153,4 +160,4 @@ class ShadowGuard:
             return
         state: Mapping = torch.load(path, map_location="cpu", weights_only=True)
         self.shadow = (dict(state["trainable"]), state["optimizer"], int(state["steps"]))
-        self.resets = int(state["resets"])
+        self.resets, self.checked = int(state["resets"]), int(state["checked"])
