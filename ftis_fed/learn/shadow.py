@@ -22,11 +22,11 @@ on its own samples only: the alone trajectory, started from the same weights).
 3. Every ``source-adapt-period`` rounds (in a population that trains the receiver in some rounds
    only: at its first update that many rounds after the last check), and at the run's last round,
    both are scored on the receiver's validation batch V (``learn/guard.validation_prompts``;
-   disjoint by content from every held-out evaluation set): k = ``source-adapt-val-samples`` sampled completions per prompt at the
-   run's temperature, the same seeds for both (paired draws), solved by the evaluation's rule. With
-   d_i = (solved_main,i − solved_shadow,i) / k per prompt, its mean d̄ and standard error se:
-   the main is **reset to the shadow** (weights, optimizer state, step count) when
-   d̄ + z · se < 0 (``source-adapt-z``): when even the upper end of the interval says the peers
+   disjoint by content from every held-out evaluation set): k = ``source-adapt-val-samples`` sampled
+   completions per prompt at the run's temperature, the same seeds for both (paired draws), solved
+   by the evaluation's rule. With d_i = (solved_main,i − solved_shadow,i) / k per prompt, its mean d̄
+   and standard error se: the main is **reset to the shadow** (weights, optimizer state, step count)
+   when d̄ + z · se < 0 (``source-adapt-z``): when even the upper end of the interval says the peers
    made it worse. Otherwise the main stays. After a reset the main learns from its peers again,
    from the shadow's point; the shadow is never changed by the main.
 4. At the run's last round the check is a plain choice of the final model: z = 0, the main stays
