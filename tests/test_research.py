@@ -201,7 +201,8 @@ def comparable_rows(rows):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["alone", "noIS", "VIS", "TIS", "F-noIS", "F-VIS", "F-TIS", "F-TIS+guard"])
+@pytest.mark.parametrize("mode", ["alone", "noIS", "VIS", "TIS", "F-noIS", "F-VIS", "F-TIS", "F-TIS+guard",
+                                  "F-TIS+shadow"])
 def test_flwr_run_gives_the_in_process_metrics(tmp_path, mode):
     """One small cell per method through ``flwr run`` (Flower simulation, a worker process per
     participant) and through the in-process transport: the same metrics, value for value, apart from

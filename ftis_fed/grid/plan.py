@@ -17,7 +17,8 @@ from typing import Sequence
 from ftis_fed.learn.modes import MODES                 # the loss modes, in the paper's order
 
 #: variant name -> extra run-config items of its cells (``MODE+NAME`` in ``--modes``).
-VARIANTS: dict[str, dict] = {"adapt": {"source-adapt": "kl"}, "guard": {"source-adapt": "guard"}}
+VARIANTS: dict[str, dict] = {"adapt": {"source-adapt": "kl"}, "guard": {"source-adapt": "guard"},
+                             "shadow": {"source-adapt": "shadow"}}
 
 
 @dataclass(frozen=True)
