@@ -97,8 +97,9 @@ class SourceAdaptConfig:
         loss on one family is not hidden by a gain on another). ``family`` needs ``source-adapt-val-score
         = loglik``: a pass@1 over a family's few validation prompts ties in most rounds.""")
     period: int = knob("source-adapt-period", 25, """
-        ``shadow``: rounds, >= 1; the model and its shadow are compared every ``period`` rounds and at
-        the run's last round.""")
+        ``shadow``: rounds, >= 1; the model and its shadow are compared ``period`` rounds after their
+        last check (every ``period``-th round where the receiver trains every round) and at the run's
+        last round.""")
     val_samples: int = knob("source-adapt-val-samples", 4, """
         ``shadow``: sampled completions per validation prompt, in [1, 64], at the run's temperature
         (the same seeds for the model and its shadow); each prompt's solved share is one paired

@@ -43,7 +43,8 @@ scores uses the receiver's policy (``Receiver.policy``).
 The decisions that need the live log-probs of the optimizer step itself stay in the objective
 (``learn/objective.py``, per row inside ``ftis_loss``): the F filter (negative advantage and
 KL_i >= g) and the drop of a sample with a token above its ``surprisal_limit`` (set by
-``surprisal.py``). ``source-adapt = guard`` replaces the step itself (``learn/guard.py``).
+``surprisal.py``). ``source-adapt = guard`` replaces the step itself (``learn/guard.py``), and
+``shadow`` adds a copy trained alone beside it (``learn/shadow.py``).
 """
 
 from __future__ import annotations

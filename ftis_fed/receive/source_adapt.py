@@ -4,7 +4,9 @@ its knobs ``SourceAdaptConfig`` and the state). On in every run: it observes the
 and reports ``adapt/<peer>/{weight, kl_ema}`` (weight 1 unless ``kl``), and weights only under ``kl``.
 Its knobs also say ``guard`` (``source-adapt = guard``, ``source-adapt-val-size``,
 ``source-adapt-val-families``, ``source-adapt-val-score``, ``source-adapt-align``,
-``source-adapt-window``), which replaces the optimizer step (``Participant``: ``learn/guard.py``)."""
+``source-adapt-window``), which replaces the optimizer step (``Participant``: ``learn/guard.py``), and
+``shadow`` (``source-adapt-period``, ``-val-samples``, ``-z``), which trains a copy alone beside it
+(``learn/shadow.py``)."""
 
 from __future__ import annotations
 
