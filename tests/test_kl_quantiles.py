@@ -97,14 +97,14 @@ def test_the_filter_section_names_the_methods_that_ran_the_any_sign_variant(tmp_
     """The summary's filter section says which methods dropped rewarded samples too (``filter-sign =
     any``, read from each cell's config.json); a grid without such cells reads as before."""
     from ftis_fed.grid.plan import Cell
-    from ftis_fed.grid.report import _any_sign_methods, _objectives, summary_markdown
+    from ftis_fed.grid.report import _any_sign_methods, _configs, _objectives, summary_markdown
 
     cells = [Cell("F-TIS", "vertical", 0), Cell("F-TIS", "vertical", 0, "any", (("filter-sign", "any"),)),
              Cell("TIS", "vertical", 0)]
     for c, objective in zip(cells, ({"filter_sign": "negative"}, {"filter_sign": "any"}, {})):
         write_cell(tmp_path, c, config={"objective": objective})
-    assert _any_sign_methods(_objectives(cells, tmp_path)) == ["F-TIS+any"]
-    assert _any_sign_methods(_objectives(cells[:1] + cells[2:], tmp_path)) == []
+    assert _any_sign_methods(_objectives(_configs(cells, tmp_path))) == ["F-TIS+any"]
+    assert _any_sign_methods(_objectives(_configs(cells[:1] + cells[2:], tmp_path))) == []
     row = {"method": "F-TIS+any", "participant": "spec", "peer": "base", "seeds": 1, "kl_p50": 1.0, "kl_p90": 2.0,
            "kl_p99": 3.0, "kl_max": 4.0, "kl_ge_g_frac": 0.5, "filtered_frac": 0.5}
     with_any = summary_markdown([], [], [], "t", filters=[row], filter_g=50.0, any_sign=["F-TIS+any"])

@@ -117,17 +117,11 @@ def efficiency_figures(r: dict) -> str:
     return f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if math.isfinite(r["lo"]) else f"{r['diff']:.2f}"
 
 
-def _shadow_methods(cells: Sequence[Cell], out: Path) -> list[str]:
-    """The methods of the finished cells that ran ``source-adapt = shadow`` (``learn/shadow.py``; the
-    ``checks`` of their config.json)."""
-    found = set()
-    for c in cells:
-        cfg = out / "cells" / c.name / "run" / "config.json"
-        if (out / "cells" / c.name / "done.json").exists() and cfg.exists():
-            adapt = json.loads(cfg.read_text()).get("checks", {}).get("source-adapt", {})
-            if adapt.get("mode") == "shadow":
-                found.add(c.method)
-    return sorted(found)
+def _shadow_methods(configs: dict[Cell, dict]) -> list[str]:
+    """The methods (sorted) whose cells ran ``source-adapt = shadow`` (``learn/shadow.py``; the
+    ``checks`` of their config.json, ``_configs``)."""
+    return sorted({c.method for c, cfg in configs.items()
+                   if cfg.get("checks", {}).get("source-adapt", {}).get("mode") == "shadow"})
 
 
 def _shadow_note(shadow: Sequence[str], what: str) -> str:
@@ -475,12 +469,13 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                [{**r, "kind": "start", **tag} for r in starts] +
                [{**r, "kind": "guard", **tag} for r in guards] +
                [{**r, "kind": "guard_score", **tag} for r in guard_scores])
-    objectives = _objectives(cells, out)
+    configs = _configs(cells, out)
+    objectives = _objectives(configs)
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
                                                      starts, _any_sign_methods(objectives), guards,
-                                                     guard_scores, _shadow_methods(cells, out)))
+                                                     guard_scores, _shadow_methods(configs)))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
@@ -488,14 +483,19 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
             "guards": guards, "guard_scores": guard_scores, "metric": metric.name, "ks": ks}
 
 
-def _objectives(cells: Sequence[Cell], out: Path) -> dict[Cell, dict]:
-    """Each finished cell's objective config (``objective`` of its config.json; {} where absent)."""
+def _configs(cells: Sequence[Cell], out: Path) -> dict[Cell, dict]:
+    """Each finished cell's run configuration (its config.json, read once for every reader below)."""
     found = {}
     for c in cells:
         cfg = out / "cells" / c.name / "run" / "config.json"
         if (out / "cells" / c.name / "done.json").exists() and cfg.exists():
-            found[c] = json.loads(cfg.read_text()).get("objective", {})
+            found[c] = json.loads(cfg.read_text())
     return found
+
+
+def _objectives(configs: dict[Cell, dict]) -> dict[Cell, dict]:
+    """Each cell's objective config (``objective`` of its config.json; {} where absent)."""
+    return {c: cfg.get("objective", {}) for c, cfg in configs.items()}
 
 
 def _filter_g(objectives: dict[Cell, dict]) -> float | None:
