@@ -52,12 +52,9 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
-import torch
-
-from ftis_fed.atomic import atomic_path
-from ftis_fed.learn.training import TrainSample
+from ftis_fed.learn.training import TrainSample, read_snapshot, save_snapshot
 
 
 def paired_difference(main: Sequence[int], alone: Sequence[int], k: int) -> tuple[float, float]:
@@ -146,18 +143,13 @@ class ShadowGuard:
     def save(self, path: str | Path) -> None:
         """The shadow's state (``Trainer.save``'s layout), the reset count and the last check's round,
         written atomically; nothing before the first update."""
-        if self.shadow is None:
-            return
-        weights, opt, steps = self.shadow
-        with atomic_path(path) as tmp:
-            torch.save({"trainable": weights, "optimizer": opt, "steps": steps, "resets": self.resets,
-                        "checked": self.checked}, tmp)
+        if self.shadow is not None:
+            save_snapshot(path, self.shadow, resets=self.resets, checked=self.checked)
 
     def load(self, path: str | Path) -> None:
         """Restore what ``save`` wrote (nothing when there is no file: a checkpoint made before the
         first update, whose shadow then starts from the restored main)."""
         if not Path(path).exists():
             return
-        state: Mapping = torch.load(path, map_location="cpu", weights_only=True)
-        self.shadow = (dict(state["trainable"]), state["optimizer"], int(state["steps"]))
+        self.shadow, state = read_snapshot(path)
         self.resets, self.checked = int(state["resets"]), int(state["checked"])

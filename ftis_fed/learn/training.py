@@ -496,14 +496,23 @@ class Trainer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Trainable parameters + optimizer state + step count (resume), written atomically."""
-        with atomic_path(path) as tmp:
-            torch.save({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
-                        "steps": self.steps, "model_id": self.policy.model_id}, tmp)
+        save_snapshot(path, (self.policy.trainable_state(), self.optimizer.state_dict(), self.steps),
+                      model_id=self.policy.model_id)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore what ``save`` wrote (the backend's weights first, then the optimizer)."""
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.policy.load_trainable_state(state["trainable"], source=str(path))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = int(state["steps"])
-        self.policy.weights_changed()
+        self.restore(read_snapshot(path)[0], source=str(path))
+
+
+def save_snapshot(path: str | os.PathLike, snap: tuple, **extra) -> None:
+    """A ``Trainer.snapshot`` (trainable state, optimizer state, steps) and ``extra`` items, written
+    atomically: the checkpoint layout of ``Trainer.save`` and of the shadow (``learn/shadow.py``)."""
+    weights, opt, steps = snap
+    with atomic_path(path) as tmp:
+        torch.save({"trainable": weights, "optimizer": opt, "steps": steps, **extra}, tmp)
+
+
+def read_snapshot(path: str | os.PathLike) -> tuple[tuple, dict]:
+    """(snapshot, every item) of what ``save_snapshot`` wrote."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return (dict(state["trainable"]), state["optimizer"], int(state["steps"])), state
