@@ -33,6 +33,26 @@ def test_the_verdict_reads_the_union_of_the_pigeonhole_and_t_intervals():
     assert got["interval"] == f"p: {100 * r['diff']:+.1f} [{100 * r['t_lo']:+.1f}, {100 * max(r['hi'], r['t_hi']):+.1f}] (3 seeds)"
 
 
+def test_the_shadow_claim_is_a_row_only_where_the_shadow_ran_and_reads_claim_1s_rule():
+    def row(a, p, diff, lo, hi):
+        return {"a": a, "b": "alone", "participant": p, "set": "id", "a_acc": 0.4, "b_acc": 0.4, "diff": diff,
+                "lo": lo, "hi": hi, "t_lo": lo, "t_hi": hi, "seeds": 5}
+    f_tis = [row("F-TIS", p, 0.01, -0.005, 0.02) for p in ("base", "spec")]
+    assert [r["claim"] for r in verdicts(f_tis, ["base", "spec"], "base", None)
+            if r["claim"] in ("1", "1s")] == ["1"]                          # no F-TIS+shadow cell: no row
+    held = {r["claim"]: r for r in verdicts(
+        f_tis + [row("F-TIS+shadow", "base", 0.02, -0.005, 0.04), row("F-TIS+shadow", "spec", 0.0, -0.009, 0.01)],
+        ["base", "spec"], "base", None)}
+    assert held["1s"]["verdict"] == gs.HELD and held["1s"]["comparison"] == "F-TIS+shadow − alone, ID"
+    assert held["1s"]["rule"] == held["1"]["rule"]
+    short = verdicts([row("F-TIS+shadow", "base", 0.02, -0.005, 0.04), row("F-TIS+shadow", "spec", 0.0, -0.019, 0.01)],
+                     ["base", "spec"], "base", None)
+    assert next(r for r in short if r["claim"] == "1s")["verdict"] == gs.INCONCLUSIVE    # spec's bound −1.9 < −1
+    lost = verdicts([row("F-TIS+shadow", "base", 0.02, -0.005, 0.04), row("F-TIS+shadow", "spec", -0.03, -0.05, -0.015)],
+                    ["base", "spec"], "base", None)
+    assert next(r for r in lost if r["claim"] == "1s")["verdict"] == gs.NOT_HELD
+
+
 def test_reward_curves_are_trailing_means_from_the_window_on():
     rows = [{"round": k, "participant": "a", "phase": "train", "reward/mean": float(k)} for k in range(1, 13)]
     rows += [{"round": 1, "participant": "_federation", "phase": "train", "reward/mean": 9.0},

@@ -1,5 +1,5 @@
 """The claims a grid decides, as data: one ``Claim`` per row of ``CLAIMS`` (the paper's claims 1–5,
-the beyond-the-paper goals), and ``verdicts`` that decides each from the paired per-prompt intervals.
+the beyond-the-paper goals: 1s, 6, 7, 7r), and ``verdicts`` that decides each from the paired per-prompt intervals.
 
 To add a claim, add a row. A claim compares method ``a`` with method ``b`` (``a − b``) on one held-out
 set (``id`` / ``ood``; or ``updates`` / ``updates:reward``: ``a``'s update ratio to reach ``b``'s final
@@ -34,6 +34,9 @@ BASELINE = "alone"
 #: The method of the beyond-the-paper claim (6), as ``--modes`` names it; the first variant of F-TIS
 #: present in a grid when this one is not.
 BEYOND = "F-TIS+guard"
+#: The receiver guard on the trajectory (``source-adapt = shadow``), as the built-in variant names it: its
+#: claim (1s) is claim 1 for it, a row only in grids that ran it.
+SHADOW = "F-TIS+shadow"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ COMBINE = {"all": all_of, "any": any_of}
 CLAIMS: tuple[Claim, ...] = (
     Claim("1", "F-TIS final ID ≥ Alone − 1 point, for every participant", REFERENCE, BASELINE, "id",
           "at_least", "all", margin=-0.01),
+    Claim("1s", "beyond the paper: F-TIS+shadow (reset to its alone-trained shadow when it validates "
+          "confidently below it) final ID ≥ Alone − 1 point, for every participant", SHADOW, BASELINE, "id",
+          "at_least", "all", margin=-0.01, only_if_run=True),
     Claim("2a", "noIS degrades or collapses relative to F-TIS (ID, some participant)", REFERENCE, "noIS", "id",
           "greater", "any"),
     Claim("2b", "VIS degrades or collapses relative to F-TIS (ID, some participant)", REFERENCE, "VIS", "id",
