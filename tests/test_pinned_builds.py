@@ -1,14 +1,21 @@
 """Builds that train (warm-ups, SFT, distillation) run with AVX2-pinned kernels on any x86-64 CPU with
 AVX2, are stamped with how they were built, and a cached copy built otherwise is rebuilt on its next use
-(``ftis_fed.policies.store``, TRAINED_BUILDS)."""
+(``ftis_fed.policies.store``, TRAINED_BUILDS); ``ftis-fed sim`` / ``grid`` started from the command line
+run with the same kernels (``store.run_pin_env``), so a committed cell's run reproduces on either CPU."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from ftis_fed.commands import cli
 from ftis_fed.policies import store
 from ftis_fed.policies.models import resolve_model
 
@@ -108,3 +115,85 @@ def test_the_learning_tier_model_is_the_committed_one_on_any_avx2_cpu():
     assert stamp["kernels"] == "avx2" and stamp["aten_capability"] == "AVX2"
     digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     assert digest == "d1504431e22c0e5da3c8a6c5d2f32fa941dc679baeec1004e1ac145d50420451"
+
+
+def test_a_run_from_the_command_line_restarts_itself_pinned_once(monkeypatch, tmp_path):
+    """``ftis-fed grid`` / ``sim`` started from the command line (``main()`` without argv) exec the same
+    interpreter and arguments with ``PINNED_KERNELS`` on a CPU with AVX2; not when either variable is set
+    (pinned already, or the user's own choice), not on a CPU without AVX2, not for other commands, not
+    when called with argv (a library call: the caller's process is not replaced)."""
+    for k in store.PINNED_KERNELS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(store, "build_kernels", lambda: "avx2")
+    execs = []
+
+    class Exec(Exception):
+        pass
+
+    def fake_exec(path, args, env):
+        execs.append((path, args, env))
+        raise Exec
+    monkeypatch.setattr(os, "execve", fake_exec)
+    argv = ["grid", "--summary-only", "--out", str(tmp_path / "none")]
+    monkeypatch.setattr(sys, "argv", ["ftis-fed", *argv])
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "/venv/bin/ftis-fed", *argv])
+    with pytest.raises(Exec):
+        cli.main()
+    (path, args, env), = execs
+    assert path == sys.executable and args == [sys.executable, "/venv/bin/ftis-fed", *argv]
+    assert {k: env[k] for k in store.PINNED_KERNELS} == store.PINNED_KERNELS
+    assert store.run_pin_env() is not None
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")              # the user's choice: kept
+    assert store.run_pin_env() is None
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.setattr(store, "build_kernels", lambda: "native")     # no AVX2: runs as it is
+    assert store.run_pin_env() is None
+    monkeypatch.setattr(store, "build_kernels", lambda: "avx2")
+    assert cli.main(argv) != 0                    # a library call: no exec; the command ran (and found no cell)
+    assert len(execs) == 1
+    for k, v in store.PINNED_KERNELS.items():
+        monkeypatch.setenv(k, v)
+    assert store.run_kernels() == "avx2-pinned"
+
+
+#: train-row figures that depend on the machine or the process, not on the run's arithmetic
+_PROCESS = ("fed/", "worker/", "mem/", "wire/", "model_weights")
+
+
+@pytest.mark.slow
+def test_a_committed_learning_tier_cell_reproduces_from_the_command_line_on_any_avx2_cpu(tmp_path):
+    """The committed ``research-w`` F-TIS seed-0 cell (run on an AVX2 machine) rerun by ``ftis-fed grid``
+    for two rounds gives its train rows value for value: rewards, lengths, losses and every off-policy
+    figure of the own and the peer's samples. Unpinned on an AVX-512 CPU (``ATEN_CPU_CAPABILITY=avx512``)
+    the own samples' log-ratio statistics differed from round 1 (``log_ratio_mean`` −4.7e-8 against
+    −1.8e-7) and the runs sampled other tokens by round ~10. ~20 s of CPU with the model cached."""
+    if store.build_kernels() != "avx2":
+        pytest.skip("this CPU has no AVX2: its runs are its own")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in store.PINNED_KERNELS}
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    out = tmp_path / "grid"
+    done = subprocess.run([sys.executable, "-m", "ftis_fed.commands.cli", "grid", "--preset", "research-w",
+                           "--transport", "inprocess", "--modes", "F-TIS", "--seeds", "1", "--metric", "sampled",
+                           "--run-config", "num-rounds=2", "--run-config", "eval-size=8",
+                           "--run-config", "eval-ood-size=2", "--out", str(out)],
+                          cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    cell = "F-TIS__vertical__s0"
+    assert json.loads((out / "cells" / cell / "done.json").read_text())["kernels"] == "avx2-pinned"
+
+    def train_rows(run: Path) -> dict:
+        rows = [json.loads(x) for x in gzip.decompress((run / "metrics.jsonl.gz").read_bytes()).decode().splitlines()]
+        return {(r["participant"], r["round"]): r for r in rows
+                if r.get("phase") == "train" and r["participant"] != "_federation" and r["round"] <= 2}
+
+    new = train_rows(out / "cells" / cell / "run")
+    ref = train_rows(root / "docs" / "results" / "research-w" / "cells" / cell / "run")
+    assert sorted(new) == sorted(ref) == [("full", 1), ("full", 2), ("lora", 1), ("lora", 2)]
+    compared = 0
+    for key, r in ref.items():
+        for k, v in r.items():
+            if isinstance(v, float) and "seconds" not in k and not k.startswith(_PROCESS) and k in new[key]:
+                assert new[key][k] == v, (key, k, new[key][k], v)
+                compared += 1
+    assert compared >= 80

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ftis_fed.bench import cli as bench_cli
@@ -65,8 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that run participants: started from the command line, they restart themselves once with
+#: the pinned float kernels (``policies.store.run_pin_env``; an exec replaces the process).
+PINNED_COMMANDS = ("sim", "grid")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.command in PINNED_COMMANDS:
+        from ftis_fed.policies.store import run_pin_env
+
+        if (env := run_pin_env()) is not None:              # the same interpreter and arguments, pinned
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     result = args.func(args)
     return int(result or 0)
 

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from ftis_fed.grid.plan import Cell
 from ftis_fed.grid.records import cell_defects, cell_rows, final_eval, initial_eval
+from ftis_fed.policies.store import run_kernels
 
 Runner = Callable[[Cell, Path, Path], int]
 """runner(cell, cell_dir, log_path) -> exit status (0 = the run completed)."""
@@ -74,7 +75,8 @@ def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[s
         (cell_dir / "done.json").write_text(json.dumps({"cell": cell.name, "seconds": round(seconds, 1),
                                                         "status": status, "eval_initial": cell.eval_initial,
                                                         "load1_start": round(load0, 2),
-                                                        "load1_end": round(os.getloadavg()[0], 2)}))
+                                                        "load1_end": round(os.getloadavg()[0], 2),
+                                                        "kernels": run_kernels()}))
         echo(f"[grid] {cell.name}: done in {seconds / 60:.1f} min (load {load0:.1f} -> {os.getloadavg()[0]:.1f})")
 
     rest = list(todo)

@@ -183,6 +183,24 @@ def _pinned_here() -> bool:
     return all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items())
 
 
+def run_pin_env() -> dict[str, str] | None:
+    """The environment a run (``ftis-fed sim`` / ``grid``) restarts itself with so that its float
+    kernels are the trained builds' (``PINNED_KERNELS``), or None to run as it is: on a CPU without
+    AVX2, or when either variable is set already (pinned, or the user's own choice, e.g.
+    ``ATEN_CPU_CAPABILITY=avx512`` for the native kernels). The same weights and seed on an AVX-512
+    and an AVX2 machine otherwise give runs with peers that differ in the last bits from round 1 and
+    sample other tokens by round ~10 (docs/models.md); pinned, they agree value for value."""
+    if build_kernels() != "avx2" or any(k in os.environ for k in PINNED_KERNELS):
+        return None
+    return {**os.environ, **PINNED_KERNELS}
+
+
+def run_kernels() -> str:
+    """How this process's float kernels were chosen, as a cell's ``done.json`` records it:
+    ``"avx2-pinned"``, or ``"native"`` (no pin: ATen and MKL dispatch on the CPU's own instructions)."""
+    return "avx2-pinned" if _pinned_here() else "native"
+
+
 def _stamp_ok(folder: Path, name: str) -> bool:
     try:
         stamp = json.loads((folder / BUILD_STAMP).read_text())
