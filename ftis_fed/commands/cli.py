@@ -72,12 +72,12 @@ PINNED_COMMANDS = ("sim", "grid")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if argv is None and args.command in PINNED_COMMANDS:
+    if argv is None and sys.argv[1:2] and sys.argv[1] in PINNED_COMMANDS:  # before the parser's imports
         from ftis_fed.policies.store import run_pin_env
 
         if (env := run_pin_env()) is not None:              # the same interpreter and arguments, pinned
             os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    args = build_parser().parse_args(argv)
     result = args.func(args)
     return int(result or 0)
 
