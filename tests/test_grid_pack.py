@@ -107,6 +107,19 @@ def test_a_cell_the_destination_has_is_kept_as_it_is(grids, tmp_path):
     assert any("alone__vertical__s2: already in a, kept as it is" in s for s in got)
 
 
+def test_the_destination_s_variant_definitions_stay_when_cells_of_other_methods_are_packed(grids, tmp_path):
+    """A grid's ``grid.json`` lists the built-in variants with their defaults; packing cells that run none
+    of them keeps the destination's own definitions (a committed grid's ``shadow`` with its validation
+    items was once replaced by the built-in default that way) and adds none it does not use."""
+    a, b = _copies(grids, tmp_path)
+    mine = {"shadow": {"source-adapt": "shadow", "source-adapt-val-size": 256}}
+    for folder, variants in ((a, mine), (b, {"shadow": {"source-adapt": "shadow"}, "guard": {"source-adapt": "guard"}})):
+        meta = json.loads((folder / "grid.json").read_text())
+        (folder / "grid.json").write_text(json.dumps({**meta, "variants": variants}))
+    assert pack(b, a, echo=lambda s: None)
+    assert json.loads((a / "grid.json").read_text())["variants"] == mine
+
+
 def test_cells_of_another_code_version_compare_on_what_both_record(grids, tmp_path):
     """A setting only one side records (the older code did not have it) must hold today's default;
     one today's code no longer has is named, not compared."""

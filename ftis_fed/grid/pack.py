@@ -136,14 +136,15 @@ def _initial_values(cell_dir: Path) -> dict:
 
 def merged_meta(meta: dict, cells: list[Cell], variants: dict | None = None) -> dict:
     """``meta`` (a grid.json) describing ``cells`` (every finished cell of the folder): the methods,
-    groupings and seeds they cover, in plan order, and their names; the variants of both."""
+    groupings and seeds they cover, in plan order, and their names; ``meta``'s variants and those of
+    ``variants`` it lacks (a definition ``meta`` has is its cells', never replaced)."""
     labels = sorted({c.label for c in cells}, key=method_order)
     seeds = sorted({c.seed for c in cells})
     known = meta.get("modes") or []
     return {**meta, "modes": [m for m in known if m in labels] + [m for m in labels if m not in known],
             "groups": [g for g in ("vertical", "horizontal") if any(c.groups == g for c in cells)],
             "seeds": len(seeds) if seeds == list(range(len(seeds))) else seeds,
-            "variants": {**(meta.get("variants") or {}), **(variants or {})},
+            "variants": {**(variants or {}), **(meta.get("variants") or {})},
             "cells": [c.name for c in cells]}
 
 
@@ -232,6 +233,7 @@ def pack(src: Path, dest: Path, echo: Callable[[str], None] = print, cwd: Path |
         part.rename(final)
         shutil.copy(src / "cells" / c.name / "done.json", final / "done.json")      # last: now it counts
         echo(f"[pack] {c.name}: packed into {dest}")
-    meta = merged_meta(dmeta, discover_cells(dest), smeta.get("variants"))
+    used = {c.variant for c in new if c.variant}    # the source's definitions of what the packed cells ran
+    meta = merged_meta(dmeta, discover_cells(dest), {k: v for k, v in svar.items() if k in used})
     (dest / "grid.json").write_text(json.dumps(meta, indent=1))
     return [c.name for c in new]
