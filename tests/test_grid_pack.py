@@ -113,7 +113,8 @@ def test_the_destination_s_variant_definitions_stay_when_cells_of_other_methods_
     items was once replaced by the built-in default that way) and adds none it does not use."""
     a, b = _copies(grids, tmp_path)
     mine = {"shadow": {"source-adapt": "shadow", "source-adapt-val-size": 256}}
-    for folder, variants in ((a, mine), (b, {"shadow": {"source-adapt": "shadow"}, "guard": {"source-adapt": "guard"}})):
+    built_in = {"shadow": {"source-adapt": "shadow"}, "guard": {"source-adapt": "guard"}}
+    for folder, variants in ((a, mine), (b, built_in)):
         meta = json.loads((folder / "grid.json").read_text())
         (folder / "grid.json").write_text(json.dumps({**meta, "variants": variants}))
     assert pack(b, a, echo=lambda s: None)

@@ -48,8 +48,8 @@ def test_the_shadow_claim_is_a_row_only_where_the_shadow_ran_and_reads_claim_1s_
     short = verdicts([row("F-TIS+shadow", "base", 0.02, -0.005, 0.04), row("F-TIS+shadow", "spec", 0.0, -0.019, 0.01)],
                      ["base", "spec"], "base", None)
     assert next(r for r in short if r["claim"] == "1s")["verdict"] == gs.INCONCLUSIVE    # spec's bound −1.9 < −1
-    lost = verdicts([row("F-TIS+shadow", "base", 0.02, -0.005, 0.04), row("F-TIS+shadow", "spec", -0.03, -0.05, -0.015)],
-                    ["base", "spec"], "base", None)
+    lost = verdicts([row("F-TIS+shadow", "base", 0.02, -0.005, 0.04),
+                     row("F-TIS+shadow", "spec", -0.03, -0.05, -0.015)], ["base", "spec"], "base", None)
     assert next(r for r in lost if r["claim"] == "1s")["verdict"] == gs.NOT_HELD
 
 
