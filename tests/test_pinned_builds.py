@@ -5,11 +5,9 @@ run with the same kernels (``store.run_pin_env``), so a committed cell's run rep
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -156,44 +154,27 @@ def test_a_run_from_the_command_line_restarts_itself_pinned_once(monkeypatch, tm
     assert store.run_kernels() == "avx2-pinned"
 
 
-#: train-row figures that depend on the machine or the process, not on the run's arithmetic
-_PROCESS = ("fed/", "worker/", "mem/", "wire/", "model_weights")
-
-
 @pytest.mark.slow
-def test_a_committed_learning_tier_cell_reproduces_from_the_command_line_on_any_avx2_cpu(tmp_path):
+def test_a_committed_learning_tier_cell_reproduces_from_the_command_line_on_any_avx2_cpu(tmp_path, capsys,
+                                                                                          monkeypatch):
     """The committed ``research-w`` F-TIS seed-0 cell (run on an AVX2 machine) rerun by ``ftis-fed grid``
-    for two rounds gives its train rows value for value: rewards, lengths, losses and every off-policy
-    figure of the own and the peer's samples. Unpinned on an AVX-512 CPU (``ATEN_CPU_CAPABILITY=avx512``)
-    the own samples' log-ratio statistics differed from round 1 (``log_ratio_mean`` −4.7e-8 against
-    −1.8e-7) and the runs sampled other tokens by round ~10. ~20 s of CPU with the model cached."""
+    for two rounds (``sims.rerun_cell``) gives its train rows value for value: rewards, lengths, losses
+    and every off-policy figure of the own and the peer's samples. Unpinned on an AVX-512 CPU
+    (``ATEN_CPU_CAPABILITY=avx512``) the own samples' log-ratio statistics differed from round 1
+    (``log_ratio_mean`` −4.7e-8 against −1.8e-7) and the runs sampled other tokens by round ~10. ~30 s of
+    CPU with the model cached."""
     if store.build_kernels() != "avx2":
         pytest.skip("this CPU has no AVX2: its runs are its own")
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in store.PINNED_KERNELS}
-    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
-    out = tmp_path / "grid"
-    done = subprocess.run([sys.executable, "-m", "ftis_fed.commands.cli", "grid", "--preset", "research-w",
-                           "--transport", "inprocess", "--modes", "F-TIS", "--seeds", "1", "--metric", "sampled",
-                           "--run-config", "num-rounds=2", "--run-config", "eval-size=8",
-                           "--run-config", "eval-ood-size=2", "--out", str(out)],
-                          cwd=root, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    cell = "F-TIS__vertical__s0"
-    assert json.loads((out / "cells" / cell / "done.json").read_text())["kernels"] == "avx2-pinned"
+    from sims import rerun_cell
 
-    def train_rows(run: Path) -> dict:
-        rows = [json.loads(x) for x in gzip.decompress((run / "metrics.jsonl.gz").read_bytes()).decode().splitlines()]
-        return {(r["participant"], r["round"]): r for r in rows
-                if r.get("phase") == "train" and r["participant"] != "_federation" and r["round"] <= 2}
-
-    new = train_rows(out / "cells" / cell / "run")
-    ref = train_rows(root / "docs" / "results" / "research-w" / "cells" / cell / "run")
-    assert sorted(new) == sorted(ref) == [("full", 1), ("full", 2), ("lora", 1), ("lora", 2)]
-    compared = 0
-    for key, r in ref.items():
-        for k, v in r.items():
-            if isinstance(v, float) and "seconds" not in k and not k.startswith(_PROCESS) and k in new[key]:
-                assert new[key][k] == v, (key, k, new[key][k], v)
-                compared += 1
-    assert compared >= 80
+    cell = Path(__file__).resolve().parents[1] / "docs" / "results" / "research-w" / "cells" / "F-TIS__vertical__s0"
+    for k in store.PINNED_KERNELS:
+        monkeypatch.delenv(k, raising=False)         # the command pins itself (this process is not pinned)
+    assert rerun_cell.main([str(cell), "--rounds", "2", "--keep", str(tmp_path / "out")]) == 0
+    assert "240 figures compared" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "cells" / cell.name / "done.json").read_text())["kernels"] == "avx2-pinned"
+    committed = rerun_cell.train_rows(cell / "run", 2)
+    changed = {k: {**r, "reward/mean": r["reward/mean"] + 1e-9} if k == ("lora", 2) else r for k, r in committed.items()}
+    assert rerun_cell.differences(committed, changed)[1] == [
+        f"lora round 2 reward/mean: {committed[('lora', 2)]['reward/mean'] + 1e-9!r} in the rerun, "
+        f"{committed[('lora', 2)]['reward/mean']!r} committed"]

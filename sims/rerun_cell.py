@@ -1,0 +1,112 @@
+"""Re-run the first rounds of a committed grid cell from the command line and compare its train rows
+with the committed ones, figure by figure.
+
+    python -m sims.rerun_cell docs/results/research-w/cells/F-TIS__vertical__s0            # 2 rounds
+    python -m sims.rerun_cell docs/results/research-w-ood/cells/F-TIS+shadow__vertical__s2 --rounds 25
+
+The cell runs as its grid ran it (the grid's preset, evaluation seed, metric and the cell's variant,
+from ``grid.json``), through ``ftis-fed grid`` in a temporary folder, with ``num-rounds`` cut to
+``--rounds``: the same seeds give the same prompts and samples, so every figure of those rounds that
+does not depend on the machine (rewards, lengths, losses, gradient norms, every off-policy statistic)
+must come out equal. ``ftis-fed grid`` pins the CPU kernels (docs/models.md); a cell that ran on an
+AVX-512 machine before the pin reruns with ``ATEN_CPU_CAPABILITY=avx512`` set. Exit status 0 when every
+figure is equal, 1 naming the first that differ, 2 when the rerun itself fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: train-row figures that depend on the machine or the process, not on the run's arithmetic
+PROCESS = ("fed/", "worker/", "mem/", "wire/", "model_weights")
+
+
+def train_rows(run: Path, rounds: int) -> dict[tuple[str, int], dict]:
+    """The participants' train rows of rounds 1..``rounds`` of a cell's ``run`` folder."""
+    path = run / "metrics.jsonl.gz"
+    text = gzip.decompress(path.read_bytes()).decode() if path.exists() else (run / "metrics.jsonl").read_text()
+    rows = (json.loads(x) for x in text.splitlines() if x.strip())
+    return {(r["participant"], r["round"]): r for r in rows
+            if r.get("phase") == "train" and r["participant"] != "_federation" and 1 <= r["round"] <= rounds}
+
+
+def differences(ref: dict, new: dict) -> tuple[int, list[str]]:
+    """(figures compared, the differences as lines): every float figure of ``ref``'s rows that ``new``'s
+    rows have too, except timings and process figures (``PROCESS``); a row missing from ``new`` is one
+    difference."""
+    compared, diffs = 0, []
+    for key in sorted(ref):
+        if key not in new:
+            diffs.append(f"{key[0]} round {key[1]}: no train row in the rerun")
+            continue
+        for k, v in ref[key].items():
+            if not isinstance(v, float) or "seconds" in k or k.startswith(PROCESS) or k not in new[key]:
+                continue
+            compared += 1
+            if new[key][k] != v:
+                diffs.append(f"{key[0]} round {key[1]} {k}: {new[key][k]!r} in the rerun, {v!r} committed")
+    return compared, diffs
+
+
+def grid_command(cell_dir: Path, rounds: int, out: Path) -> list[str]:
+    """The ``ftis-fed grid`` command that runs ``cell_dir``'s cell again for ``rounds`` rounds into ``out``."""
+    meta = json.loads((cell_dir.parent.parent / "grid.json").read_text())
+    mode, groups, seed = cell_dir.name.split("__")
+    cmd = [sys.executable, "-m", "ftis_fed.commands.cli", "grid", "--preset", meta["preset"], "--transport",
+           "inprocess", "--modes", mode, "--groups", groups, "--seeds", "1", "--seed-from", seed.removeprefix("s"),
+           "--metric", meta.get("metric", "greedy"), "--out", str(out), "--run-config", f"num-rounds={rounds}"]
+    for item in meta.get("run_config") or []:
+        cmd += ["--run-config", item]
+    variant = mode.partition("+")[2]
+    if variant and variant in (meta.get("variants") or {}):
+        items = ",".join(f"{k}={json.dumps(v)}" for k, v in meta["variants"][variant].items())
+        cmd += ["--variant", f"{variant}:{items}"]
+    return cmd
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cell", type=Path, help="a committed cell folder, docs/results/<grid>/cells/<cell>")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds to run and compare (default 2)")
+    ap.add_argument("--keep", type=Path, default=None, help="run into this folder and keep it")
+    a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds={a.rounds}: must be >= 1")
+    cell_dir = a.cell.resolve()
+    ref = train_rows(cell_dir / "run", a.rounds)
+    if not ref:
+        ap.error(f"{a.cell}: no train rows of rounds 1-{a.rounds} in its run/metrics.jsonl.gz")
+    out = a.keep or Path(tempfile.mkdtemp(prefix="rerun-"))
+    try:
+        cmd = grid_command(cell_dir, a.rounds, out)
+        print("+ " + " ".join(cmd), flush=True)
+        done = subprocess.run(cmd, cwd=ROOT)
+        new_dir = out / "cells" / cell_dir.name
+        if done.returncode != 0 or not (new_dir / "done.json").exists():
+            print(f"the rerun failed (exit {done.returncode}); its log: {new_dir / 'run.log'}", file=sys.stderr)
+            return 2
+        kernels = json.loads((new_dir / "done.json").read_text()).get("kernels", "?")
+        committed = json.loads((cell_dir / "done.json").read_text()).get("kernels", "not recorded")
+        compared, diffs = differences(ref, train_rows(new_dir / "run", a.rounds))
+        print(f"{cell_dir.name}, rounds 1-{a.rounds}: {compared} figures compared; kernels {kernels} "
+              f"(committed: {committed})")
+        if diffs:
+            print(f"{len(diffs)} differ, the first:\n  " + "\n  ".join(diffs[:10]))
+            return 1
+        print("every figure equal")
+        return 0
+    finally:
+        if a.keep is None:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
