@@ -149,6 +149,9 @@ def test_a_run_from_the_command_line_restarts_itself_pinned_once(monkeypatch, tm
     monkeypatch.setattr(store, "build_kernels", lambda: "avx2")
     assert cli.main(argv) != 0                    # a library call: no exec; the command ran (and found no cell)
     assert len(execs) == 1
+    assert store.run_kernels() == "native"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    assert store.run_kernels() == "ATEN_CPU_CAPABILITY=avx512"                 # the user's choice, recorded
     for k, v in store.PINNED_KERNELS.items():
         monkeypatch.setenv(k, v)
     assert store.run_kernels() == "avx2-pinned"

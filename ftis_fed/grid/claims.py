@@ -1,5 +1,6 @@
 """The claims a grid decides, as data: one ``Claim`` per row of ``CLAIMS`` (the paper's claims 1–5,
-the beyond-the-paper goals: 1s, 6, 7, 7r), and ``verdicts`` that decides each from the paired per-prompt intervals.
+the beyond-the-paper goals 1s, 6, 7, 7r), and ``verdicts`` that decides each from the paired per-prompt
+intervals.
 
 To add a claim, add a row. A claim compares method ``a`` with method ``b`` (``a − b``) on one held-out
 set (``id`` / ``ood``; or ``updates`` / ``updates:reward``: ``a``'s update ratio to reach ``b``'s final

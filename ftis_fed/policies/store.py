@@ -197,8 +197,11 @@ def run_pin_env() -> dict[str, str] | None:
 
 def run_kernels() -> str:
     """How this process's float kernels were chosen, as a cell's ``done.json`` records it:
-    ``"avx2-pinned"``, or ``"native"`` (no pin: ATen and MKL dispatch on the CPU's own instructions)."""
-    return "avx2-pinned" if _pinned_here() else "native"
+    ``"avx2-pinned"``; the variables as set otherwise (``"ATEN_CPU_CAPABILITY=avx512"``); or
+    ``"native"`` (neither set: ATen and MKL dispatch on the CPU's own instructions)."""
+    if _pinned_here():
+        return "avx2-pinned"
+    return " ".join(f"{k}={os.environ[k]}" for k in PINNED_KERNELS if k in os.environ) or "native"
 
 
 def _stamp_ok(folder: Path, name: str) -> bool:
