@@ -177,7 +177,8 @@ def test_a_committed_learning_tier_cell_reproduces_from_the_command_line_on_any_
     assert "240 figures compared" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "cells" / cell.name / "done.json").read_text())["kernels"] == "avx2-pinned"
     committed = rerun_cell.train_rows(cell / "run", 2)
-    changed = {k: {**r, "reward/mean": r["reward/mean"] + 1e-9} if k == ("lora", 2) else r for k, r in committed.items()}
+    changed = {k: {**r, "reward/mean": r["reward/mean"] + 1e-9} if k == ("lora", 2) else r
+               for k, r in committed.items()}
     assert rerun_cell.differences(committed, changed)[1] == [
         f"lora round 2 reward/mean: {committed[('lora', 2)]['reward/mean'] + 1e-9!r} in the rerun, "
         f"{committed[('lora', 2)]['reward/mean']!r} committed"]
