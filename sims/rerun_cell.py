@@ -4,9 +4,9 @@ with the committed ones, figure by figure.
     python -m sims.rerun_cell docs/results/research-w/cells/F-TIS__vertical__s0            # 2 rounds
     python -m sims.rerun_cell docs/results/research-w-ood/cells/F-TIS+shadow__vertical__s2 --rounds 25
 
-The cell runs as its grid ran it (the grid's preset, evaluation seed, metric and the cell's variant,
-from ``grid.json``), through ``ftis-fed grid`` in a temporary folder, with ``num-rounds`` cut to
-``--rounds``: the same seeds give the same prompts and samples, so every figure of those rounds that
+The cell runs as its grid ran it (the suite's command for it, ``sims.suite.cell_command``: the grid's
+preset, items, metric and the cell's variant from ``grid.json``), through ``ftis-fed grid`` in a
+temporary folder, with ``num-rounds`` cut to ``--rounds``: the same seeds give the same prompts and samples, so every figure of those rounds that
 does not depend on the machine (rewards, lengths, losses, gradient norms, every off-policy statistic)
 must come out equal. ``ftis-fed grid`` pins the CPU kernels (docs/models.md); a cell that ran on an
 AVX-512 machine before the pin reruns with ``ATEN_CPU_CAPABILITY=avx512`` set. Exit status 0 when every
@@ -16,7 +16,6 @@ figure is equal, 1 naming the first that differ, 2 when the rerun itself fails.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shutil
 import subprocess
@@ -24,18 +23,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from ftis_fed.grid.plan import discover_cells
+from ftis_fed.grid.records import cell_rows, participant_rows
+from sims import suite
+
 #: train-row figures that depend on the machine or the process, not on the run's arithmetic
 PROCESS = ("fed/", "worker/", "mem/", "wire/", "model_weights")
 
 
-def train_rows(run: Path, rounds: int) -> dict[tuple[str, int], dict]:
-    """The participants' train rows of rounds 1..``rounds`` of a cell's ``run`` folder."""
-    path = run / "metrics.jsonl.gz"
-    text = gzip.decompress(path.read_bytes()).decode() if path.exists() else (run / "metrics.jsonl").read_text()
-    rows = (json.loads(x) for x in text.splitlines() if x.strip())
-    return {(r["participant"], r["round"]): r for r in rows
-            if r.get("phase") == "train" and r["participant"] != "_federation" and 1 <= r["round"] <= rounds}
+def train_rows(cell_dir: Path, rounds: int) -> dict[tuple[str, int], dict]:
+    """The participants' train rows of rounds 1..``rounds`` of the cell in ``cell_dir``."""
+    return {(r["participant"], r["round"]): r for r in participant_rows(cell_rows(cell_dir), "train")
+            if 1 <= r["round"] <= rounds}
 
 
 def differences(ref: dict, new: dict) -> tuple[int, list[str]]:
@@ -57,19 +56,18 @@ def differences(ref: dict, new: dict) -> tuple[int, list[str]]:
 
 
 def grid_command(cell_dir: Path, rounds: int, out: Path) -> list[str]:
-    """The ``ftis-fed grid`` command that runs ``cell_dir``'s cell again for ``rounds`` rounds into ``out``."""
-    meta = json.loads((cell_dir.parent.parent / "grid.json").read_text())
-    mode, groups, seed = cell_dir.name.split("__")
-    cmd = [sys.executable, "-m", "ftis_fed.commands.cli", "grid", "--preset", meta["preset"], "--transport",
-           "inprocess", "--modes", mode, "--groups", groups, "--seeds", "1", "--seed-from", seed.removeprefix("s"),
-           "--metric", meta.get("metric", "greedy"), "--out", str(out), "--run-config", f"num-rounds={rounds}"]
-    for item in meta.get("run_config") or []:
-        cmd += ["--run-config", item]
-    variant = mode.partition("+")[2]
-    if variant and variant in (meta.get("variants") or {}):
-        items = ",".join(f"{k}={json.dumps(v)}" for k, v in meta["variants"][variant].items())
-        cmd += ["--variant", f"{variant}:{items}"]
-    return cmd
+    """The ``ftis-fed grid`` command that runs ``cell_dir``'s cell again for ``rounds`` rounds into ``out``:
+    the suite's command for that cell (``suite.cell_command``) with ``num-rounds`` cut."""
+    grid = cell_dir.parent.parent
+    cell = next((c for c in discover_cells(grid) if c.name == cell_dir.name), None)
+    if cell is None:
+        raise ValueError(f"{cell_dir}: not a finished cell of {grid} (no done.json)")
+    try:
+        pinned = suite.PINNED.get(grid.relative_to(suite.RESULTS).as_posix(), ())
+    except ValueError:                                   # a grid outside docs/results
+        pinned = ()
+    cmd = suite.cell_command(grid, cell, out, pinned)
+    return [sys.executable, "-m", "ftis_fed.commands.cli", *cmd[1:], "--run-config", f"num-rounds={rounds}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,21 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.rounds < 1:
         ap.error(f"--rounds={a.rounds}: must be >= 1")
     cell_dir = a.cell.resolve()
-    ref = train_rows(cell_dir / "run", a.rounds)
+    ref = train_rows(cell_dir, a.rounds)
     if not ref:
         ap.error(f"{a.cell}: no train rows of rounds 1-{a.rounds} in its run/metrics.jsonl.gz")
     out = a.keep or Path(tempfile.mkdtemp(prefix="rerun-"))
     try:
-        cmd = grid_command(cell_dir, a.rounds, out)
+        try:
+            cmd = grid_command(cell_dir, a.rounds, out)
+        except ValueError as e:
+            ap.error(str(e))
         print("+ " + " ".join(cmd), flush=True)
-        done = subprocess.run(cmd, cwd=ROOT)
+        done = subprocess.run(cmd, cwd=suite.ROOT)
         new_dir = out / "cells" / cell_dir.name
         if done.returncode != 0 or not (new_dir / "done.json").exists():
             print(f"the rerun failed (exit {done.returncode}); its log: {new_dir / 'run.log'}", file=sys.stderr)
             return 2
         kernels = json.loads((new_dir / "done.json").read_text()).get("kernels", "?")
         committed = json.loads((cell_dir / "done.json").read_text()).get("kernels", "not recorded")
-        compared, diffs = differences(ref, train_rows(new_dir / "run", a.rounds))
+        compared, diffs = differences(ref, train_rows(new_dir, a.rounds))
         print(f"{cell_dir.name}, rounds 1-{a.rounds}: {compared} figures compared; kernels {kernels} "
               f"(committed: {committed})")
         if diffs:

@@ -55,6 +55,30 @@ def _seed_args(seeds: list[int]) -> list[list[str]]:
     return runs
 
 
+def _common_args(grid: Path, meta: dict, out: Path | None, pinned: tuple[str, ...]) -> list[str]:
+    """The arguments every command of ``grid`` shares: preset, transport, the grid's items (its
+    ``eval-seed`` as ``--eval-seed``), the ``pinned`` items, the metric and ``--out``."""
+    common = ["--preset", meta["preset"], "--transport", meta.get("transport", "inprocess")]
+    for item in meta.get("run_config", []):
+        key, _, value = item.partition("=")
+        common += ["--eval-seed", value] if key == "eval-seed" else ["--run-config", item]
+    for item in pinned:
+        common += ["--run-config", item]
+    return common + ["--metric", recorded_metric(grid), "--out", str(out or grid)]
+
+
+def _variant_args(meta: dict, labels: list[str]) -> list[str]:
+    """``--variant`` arguments for the variants of ``labels`` that the grid defines (``grid.json``) and
+    that are not built in with that definition (a built-in redefined with more items, as ``shadow`` with
+    its validation batch, needs its own)."""
+    defined, args = meta.get("variants") or {}, []
+    for v in sorted({lab.partition("+")[2] for lab in labels} - {""}):
+        if v not in VARIANTS or defined.get(v, VARIANTS[v]) != VARIANTS[v]:
+            items = ",".join(f"{k}={val}" for k, val in defined[v].items())
+            args += ["--variant", f"{v}:{items}"]
+    return args
+
+
 def commands(grid: Path, out: Path | None = None, pinned: tuple[str, ...] = ()) -> list[list[str]]:
     """The ``ftis-fed grid`` commands that make ``grid``'s finished cells, in ``out`` (default: ``grid``),
     with ``pinned`` run-config items added (``PINNED``)."""
@@ -65,24 +89,20 @@ def commands(grid: Path, out: Path | None = None, pinned: tuple[str, ...] = ()) 
     by_seeds: dict[tuple[tuple[int, ...], str], list[str]] = defaultdict(list)
     for (label, groups), s in seeds.items():
         by_seeds[(tuple(sorted(s)), groups)].append(label)
-    common = ["--preset", meta["preset"], "--transport", meta.get("transport", "inprocess")]
-    for item in meta.get("run_config", []):
-        key, _, value = item.partition("=")
-        common += ["--eval-seed", value] if key == "eval-seed" else ["--run-config", item]
-    for item in pinned:
-        common += ["--run-config", item]
-    common += ["--metric", recorded_metric(grid), "--out", str(out or grid)]
+    common = _common_args(grid, meta, out, pinned)
     cmds = []
     for (s, groups), labels in sorted(by_seeds.items(), key=lambda kv: -len(kv[0][0])):   # plan order within
-        variants = sorted({lab.partition("+")[2] for lab in labels} - {""} - set(VARIANTS))
-        var_args = []
-        for v in variants:
-            items = ",".join(f"{k}={val}" for k, val in meta["variants"][v].items())
-            var_args += ["--variant", f"{v}:{items}"]
         for seed_args in _seed_args(list(s)):
             cmds.append(["ftis-fed", "grid", *common, "--modes", ",".join(labels), "--groups", groups,
-                         *var_args, *seed_args])
+                         *_variant_args(meta, labels), *seed_args])
     return cmds
+
+
+def cell_command(grid: Path, cell: Cell, out: Path, pinned: tuple[str, ...] = ()) -> list[str]:
+    """The ``ftis-fed grid`` command that makes ``cell`` of ``grid`` alone, in ``out`` (as ``commands``)."""
+    meta = json.loads((grid / "grid.json").read_text())
+    return ["ftis-fed", "grid", *_common_args(grid, meta, out, pinned), "--modes", cell.label, "--groups",
+            cell.groups, *_variant_args(meta, [cell.label]), *_seed_args([cell.seed])[0]]
 
 
 def today_config(grid: Path, cell: Cell, pinned: tuple[str, ...] = ()) -> dict:

@@ -176,7 +176,7 @@ def test_a_committed_learning_tier_cell_reproduces_from_the_command_line_on_any_
     assert rerun_cell.main([str(cell), "--rounds", "2", "--keep", str(tmp_path / "out")]) == 0
     assert "240 figures compared" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "cells" / cell.name / "done.json").read_text())["kernels"] == "avx2-pinned"
-    committed = rerun_cell.train_rows(cell / "run", 2)
+    committed = rerun_cell.train_rows(cell, 2)
     changed = {k: {**r, "reward/mean": r["reward/mean"] + 1e-9} if k == ("lora", 2) else r
                for k, r in committed.items()}
     assert rerun_cell.differences(committed, changed)[1] == [

@@ -33,6 +33,24 @@ def test_one_command_per_set_of_methods_sharing_their_seeds(tmp_path):
         [*common, "--modes", "F-TIS+guard", "--groups", "vertical", "--seeds", "2"],      # built-in: no --variant
         [*common, "--modes", "F-TIS+guard", "--groups", "vertical", "--seeds", "1", "--seed-from", "3"]]
     assert suite.cost(grid) == {"cells": 9, "seconds": 2160.0, "load": 2.0}
+    from ftis_fed.grid.plan import Cell
+
+    assert suite.cell_command(grid, Cell("F-TIS", "vertical", 3, "guard"), tmp_path / "o") == [
+        *common[:-1], str(tmp_path / "o"), "--modes", "F-TIS+guard", "--groups", "vertical", "--seeds", "1",
+        "--seed-from", "3"]
+
+
+def test_a_built_in_variant_the_grid_redefines_gets_its_own_variant_argument(tmp_path):
+    """``shadow`` is built in with ``source-adapt = shadow`` alone; a grid whose shadow cells validated on
+    256 prompts must say so, or its command makes other cells (the suite once dropped it)."""
+    shadow = {"source-adapt": "shadow", "source-adapt-val-size": 256}
+    meta = {"preset": "research-w", "run_config": ["eval-seed=0"], "metric": "sampled",
+            "variants": {"shadow": shadow, "guard": {"source-adapt": "guard"}}}
+    grid = _grid(tmp_path, {"F-TIS+shadow__vertical__s0": 60.0, "F-TIS+guard__vertical__s0": 60.0}, meta)
+    (cmd,) = suite.commands(grid)
+    assert cmd[cmd.index("--modes") + 1] == "F-TIS+guard,F-TIS+shadow"
+    assert [cmd[i + 1] for i, x in enumerate(cmd) if x == "--variant"] == [
+        "shadow:source-adapt=shadow,source-adapt-val-size=256"]
 
 
 def test_the_committed_suite_has_a_command_for_every_finished_cell(capsys):
