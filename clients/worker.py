@@ -50,6 +50,7 @@ from ftis_fed.metrics.writer import phase_summary
 
 from ftis_fed.policies.devices import (CUDA_ENV, FROM_ENV, VISIBLE_ENV, DeviceError, count_visible, lock_folder,
                                        start_environment, worker_device, worker_env)
+from ftis_fed.policies.store import with_pinned_kernels
 
 #: Prefix of the line a worker prints before exiting because it cannot start (ensure_worker reads it).
 START_ERROR = "FTIS_FED_WORKER_START_ERROR: "
@@ -235,6 +236,7 @@ def ensure_worker(run_key: str, participant: str, payload: dict[str, Any], log_p
         spec_path.write_text(json.dumps({**payload, "socket": str(sock), "keyfile": str(keyfile)}))
         # the launcher's GPUs, not Ray's mask (under a plain `flwr run`: this Ray actor's start environment)
         env = worker_env(os.environ, start_environment() if "ray" in sys.modules else None)
+        env = with_pinned_kernels(env)           # the kernels a run pins (docs/models.md), unless set already
         root = str(Path(__file__).resolve().parent.parent)          # the folder holding clients/, ftis_fed/
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         offset = log_path.stat().st_size if log_path.exists() else 0

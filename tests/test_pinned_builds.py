@@ -147,6 +147,9 @@ def test_a_run_from_the_command_line_restarts_itself_pinned_once(monkeypatch, tm
     monkeypatch.setattr(store, "build_kernels", lambda: "native")     # no AVX2: runs as it is
     assert store.run_pin_env() is None
     monkeypatch.setattr(store, "build_kernels", lambda: "avx2")
+    # a participant's worker (clients/worker.py) starts with the same rule, on the environment it is given
+    assert store.with_pinned_kernels({"PATH": "/bin"}) == {"PATH": "/bin", **store.PINNED_KERNELS}
+    assert store.with_pinned_kernels({"MKL_ENABLE_INSTRUCTIONS": "AVX512"}) == {"MKL_ENABLE_INSTRUCTIONS": "AVX512"}
     assert cli.main(argv) != 0                    # a library call: no exec; the command ran (and found no cell)
     assert len(execs) == 1
     assert store.run_kernels() == "native"

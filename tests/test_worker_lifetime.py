@@ -82,7 +82,8 @@ def _clientapp(tmp: Path, run_config: dict, extra_env: dict | None = None, start
 @pytest.mark.slow                       # a worker loading a tiny model: ~20-40 s on 2 busy cores
 def test_a_worker_whose_run_is_gone_exits(tmp_path):
     """The worker's idle timeout is an hour; killing the process that started it (what ending a
-    simulation does to its Ray actors) ends the worker within its liveness check, not the hour."""
+    simulation does to its Ray actors) ends the worker within its liveness check, not the hour. It
+    runs with the pinned kernels (``store.with_pinned_kernels``) its parent was not started with."""
     from ftis_fed.config.participants import participant_names
     from ftis_fed.trust.signing import generate_keypair
 
@@ -94,6 +95,11 @@ def test_a_worker_whose_run_is_gone_exits(tmp_path):
     pid = line["worker_pid"]
     start = process_start(pid)
     assert alive(pid, start)
+    # the worker computes with a run's pinned kernels although its parent was started without them
+    from ftis_fed.policies.store import PINNED_KERNELS, with_pinned_kernels
+    environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    want = with_pinned_kernels(os.environ)
+    assert {k: environ.get(k) for k in PINNED_KERNELS} == {k: want.get(k) for k in PINNED_KERNELS}
     app.kill()
     app.wait()
     for _ in range(600):                # an event, not a speed: fails only if the worker stays

@@ -30,7 +30,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from ftis_fed.atomic import atomic_dir
 
@@ -183,6 +183,16 @@ def _pinned_here() -> bool:
     return all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items())
 
 
+def with_pinned_kernels(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the trained builds' kernels (``PINNED_KERNELS``) on a CPU with AVX2 when it sets
+    neither variable; otherwise ``env`` as it is (pinned already, or the user's own choice). What a
+    participant's worker process starts with (``clients/worker.py``), so a participant computes with
+    the same kernels however its SuperNode or SuperLink was started."""
+    if build_kernels() != "avx2" or any(k in env for k in PINNED_KERNELS):
+        return dict(env)
+    return {**env, **PINNED_KERNELS}
+
+
 def run_pin_env() -> dict[str, str] | None:
     """The environment a run (``ftis-fed sim`` / ``grid``) restarts itself with so that its float
     kernels are the trained builds' (``PINNED_KERNELS``), or None to run as it is: on a CPU without
@@ -190,9 +200,8 @@ def run_pin_env() -> dict[str, str] | None:
     ``ATEN_CPU_CAPABILITY=avx512`` for the native kernels). The same weights and seed on an AVX-512
     and an AVX2 machine otherwise give runs with peers that differ in the last bits from round 1 and
     sample other tokens by round ~10 (docs/models.md); pinned, they agree value for value."""
-    if build_kernels() != "avx2" or any(k in os.environ for k in PINNED_KERNELS):
-        return None
-    return {**os.environ, **PINNED_KERNELS}
+    env = with_pinned_kernels(os.environ)
+    return None if env.keys() == os.environ.keys() else env
 
 
 def run_kernels() -> str:
