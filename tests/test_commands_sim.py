@@ -296,7 +296,10 @@ def test_a_signal_to_the_launcher_leaves_no_process_of_the_run_behind(tmp_path, 
     proc = subprocess.Popen([sys.executable, "-m", "ftis_fed.commands.cli", "sim", "--app", str(ROOT), "--preset",
                              "quick", "--address", f"127.0.0.1:{free_port()}",
                              "--run-config", f'output-dir="{tmp_path / "out"}" num-rounds=50'],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                            # as from a terminal: a pytest started in the background (`cmd &` in a script)
+                            # passes SIGINT on ignored, and Python then installs no KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 400
         while not any("clients.worker" in c for c in _marked(mark).values()):
