@@ -119,6 +119,11 @@ def test_the_destination_s_variant_definitions_stay_when_cells_of_other_methods_
         (folder / "grid.json").write_text(json.dumps({**meta, "variants": variants}))
     assert pack(b, a, echo=lambda s: None)
     assert json.loads((a / "grid.json").read_text())["variants"] == mine
+    # a variant the packed cells ran and the destination lacks comes after the destination's, which keep
+    # their order (packing `research-w`'s guard seed 6 had moved its `guard` definition to the top)
+    from ftis_fed.grid.pack import merged_meta
+    merged = merged_meta({"variants": {"2G": {"x": 1}, "guard": {"y": 2}}}, [], {"guard": {"y": 3}, "new": {"z": 4}})
+    assert list(merged["variants"].items()) == [("2G", {"x": 1}), ("guard", {"y": 2}), ("new", {"z": 4})]
 
 
 def test_cells_of_another_code_version_compare_on_what_both_record(grids, tmp_path):

@@ -137,14 +137,16 @@ def _initial_values(cell_dir: Path) -> dict:
 def merged_meta(meta: dict, cells: list[Cell], variants: dict | None = None) -> dict:
     """``meta`` (a grid.json) describing ``cells`` (every finished cell of the folder): the methods,
     groupings and seeds they cover, in plan order, and their names; ``meta``'s variants and those of
-    ``variants`` it lacks (a definition ``meta`` has is its cells', never replaced)."""
+    ``variants`` it lacks, after them (a definition ``meta`` has is its cells', never replaced or
+    moved)."""
     labels = sorted({c.label for c in cells}, key=method_order)
     seeds = sorted({c.seed for c in cells})
     known = meta.get("modes") or []
+    own = meta.get("variants") or {}
     return {**meta, "modes": [m for m in known if m in labels] + [m for m in labels if m not in known],
             "groups": [g for g in ("vertical", "horizontal") if any(c.groups == g for c in cells)],
             "seeds": len(seeds) if seeds == list(range(len(seeds))) else seeds,
-            "variants": {**(variants or {}), **(meta.get("variants") or {})},
+            "variants": {**own, **{k: v for k, v in (variants or {}).items() if k not in own}},
             "cells": [c.name for c in cells]}
 
 
