@@ -183,14 +183,17 @@ def _pinned_here() -> bool:
     return all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items())
 
 
+def _to_pin(env: Mapping[str, str]) -> bool:
+    """Whether a process started with ``env`` gets ``PINNED_KERNELS``: on a CPU with AVX2, when ``env``
+    sets neither variable (set, it is pinned already or the user's own choice)."""
+    return build_kernels() == "avx2" and not any(k in env for k in PINNED_KERNELS)
+
+
 def with_pinned_kernels(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with the trained builds' kernels (``PINNED_KERNELS``) on a CPU with AVX2 when it sets
-    neither variable; otherwise ``env`` as it is (pinned already, or the user's own choice). What a
-    participant's worker process starts with (``clients/worker.py``), so a participant computes with
-    the same kernels however its SuperNode or SuperLink was started."""
-    if build_kernels() != "avx2" or any(k in env for k in PINNED_KERNELS):
-        return dict(env)
-    return {**env, **PINNED_KERNELS}
+    """``env`` with the trained builds' kernels (``PINNED_KERNELS``) when ``_to_pin``, else ``env`` as
+    it is. What a participant's worker process starts with (``clients/worker.py``), so a participant
+    computes with the same kernels however its SuperNode or SuperLink was started."""
+    return {**env, **PINNED_KERNELS} if _to_pin(env) else dict(env)
 
 
 def run_pin_env() -> dict[str, str] | None:
@@ -200,8 +203,7 @@ def run_pin_env() -> dict[str, str] | None:
     ``ATEN_CPU_CAPABILITY=avx512`` for the native kernels). The same weights and seed on an AVX-512
     and an AVX2 machine otherwise give runs with peers that differ in the last bits from round 1 and
     sample other tokens by round ~10 (docs/models.md); pinned, they agree value for value."""
-    env = with_pinned_kernels(os.environ)
-    return None if env.keys() == os.environ.keys() else env
+    return with_pinned_kernels(os.environ) if _to_pin(os.environ) else None
 
 
 def run_kernels() -> str:
