@@ -176,7 +176,7 @@ class Participant:
         only if no worse on this participant's own validation batch (``learn/guard.py``)."""
         knobs = self.fed.checks["source-adapt"]
         val = validation_prompts(self.fed.task, self.spec.partition_id, self.spec.num_partitions,
-                                 knobs.val_size, knobs.val_families)
+                                 knobs.val_size, knobs.val_families, knobs.val_ood)
         return GuardedUpdate(self.trainer, val, lambda: solved_share(
             val, greedy_replies(self.policy, val, self.fed.eval_max_new_tokens), self.verifier), knobs.val_score,
             knobs.align, knobs.window, knobs.val_group)
@@ -187,7 +187,7 @@ class Participant:
         (``learn/shadow.py``)."""
         knobs = self.fed.checks["source-adapt"]
         val = validation_prompts(self.fed.task, self.spec.partition_id, self.spec.num_partitions,
-                                 knobs.val_size, knobs.val_families)
+                                 knobs.val_size, knobs.val_families, knobs.val_ood)
 
         def val_counts(round: int) -> list[int]:
             counts: dict[str, list[int]] = {}

@@ -261,6 +261,17 @@ def test_validation_batch_is_own_families_and_ood_from_the_train_split():
     # `task`: every family of the task, the one the receiver is not trained on included
     wide = [p.task_id.split("/")[0] for p in validation_prompts(task, 1, 2, 8, "task")]
     assert wide == ["add30", "sub30", "add30", "sub30"] + list(OOD_FAMILIES[:4])
+    # `source-adapt-val-ood`: the OOD share, rounded down; 0.5 is the batch above, 0 has no OOD prompt, and
+    # the in-distribution prompts extend one sequence (a smaller OOD share only adds to its end)
+    assert validation_prompts(task, 1, 2, 8, "trained", 0.5) == val
+    id_only = validation_prompts(task, 1, 2, 8, "trained", 0.0)
+    assert [p.task_id.split("/")[0] for p in id_only] == ["sub30"] * 8 and id_only[:4] == val[:4]
+    assert len(set(p.text for p in id_only)) == 8                                 # eight distinct problems
+    quarter = [p.task_id.split("/")[0] for p in validation_prompts(task, 1, 2, 7, "trained", 0.29)]
+    assert quarter == ["sub30"] * 5 + list(OOD_FAMILIES[:2])                      # floor(7 * 0.29) = 2 OOD
+    assert len(validation_prompts(task, 1, 2, 100, "trained", 0.29)) == 100
+    assert sum(p.task_id.split("/")[0] in OOD_FAMILIES
+               for p in validation_prompts(task, 1, 2, 100, "trained", 0.29)) == 29   # not 28 (0.29 * 100 < 29)
 
 
 def _guard_trainer():

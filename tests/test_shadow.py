@@ -154,18 +154,27 @@ def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confiden
     assert back.resets == 1
 
 
-def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(tmp_path):
+def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(tmp_path, monkeypatch):
     """``source-adapt = shadow`` through the in-process engine (research-tiny, 3 rounds, period 2):
     every participant's train rows carry the check's figures at rounds 2 and 3 and not at round 1,
     a checkpoint holds the shadow beside the model, and the shadow changes nothing of the model's own
-    updates: until a check could reset it, they are those of plain F-TIS, value for value."""
+    updates: until a check could reset it, they are those of plain F-TIS, value for value. With
+    ``source-adapt-val-ood = 0`` each participant validates on its training families' prompts only."""
+    import ftis_fed.participant as participant
     from ftis_fed.commands.sim import simulate_inprocess
+    from ftis_fed.tasks.families import OOD_FAMILIES
     from tests.test_research import VOLATILE
 
+    batches = []
+    made = participant.validation_prompts
+    monkeypatch.setattr(participant, "validation_prompts", lambda *a: batches.append(made(*a)) or batches[-1])
     assert simulate_inprocess(ROOT, [f'output-dir="{tmp_path}"', "num-rounds=3", 'loss-mode="F-TIS"',
                                      'source-adapt="shadow"', "source-adapt-period=2", "source-adapt-val-size=4",
-                                     "source-adapt-val-samples=2", "checkpoint-every=3", "eval-every=0"],
+                                     "source-adapt-val-ood=0", "source-adapt-val-samples=2", "checkpoint-every=3",
+                                     "eval-every=0"],
                               "research-tiny") == 0
+    assert len(batches) == 2 and all(len(b) == 4 for b in batches)           # one batch per participant
+    assert not any(p.task_id.split("/")[0] in OOD_FAMILIES for b in batches for p in b)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train" and r["participant"] in ("full", "lora")]
     assert len(train) == 6

@@ -92,6 +92,14 @@ def test_run_config_keys_and_their_errors():
     assert fed.checks["source-adapt"].val_families == "task"
     with pytest.raises(ValueError, match="source-adapt-val-families='peers': must be one of trained, task"):
         federation_from_run_config({"source-adapt-val-families": "peers"})
+    assert federation_from_run_config({}).checks["source-adapt"].val_ood == 0.5
+    fed = federation_from_run_config({"source-adapt": "shadow", "source-adapt-val-ood": 0})
+    assert fed.checks["source-adapt"].val_ood == 0
+    for bad in (1, 1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"source-adapt-val-ood=.*: must be a number in \[0, 1\)"):
+            federation_from_run_config({"source-adapt-val-ood": bad})
+    with pytest.raises(ValueError, match="source-adapt-val-ood=True: must be a number"):
+        federation_from_run_config({"source-adapt-val-ood": True})
     assert federation_from_run_config({}).checks["source-adapt"].val_score == "reward"
     fed = federation_from_run_config({"source-adapt": "guard", "source-adapt-val-score": "loglik"})
     assert fed.checks["source-adapt"].val_score == "loglik"

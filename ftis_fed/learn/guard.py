@@ -13,12 +13,12 @@ truncation as configured):
 
 1. **Validation gradient.** The receiver's validation batch V (``validation_prompts``:
    ``source-adapt-val-size`` prompts, half from its own training families (``source-adapt-val-families
-   = task``: every family of the task, those it is not trained on included), half from the OOD
-   families, all from the *train* split under a seed of their own, so disjoint by content from every
-   held-out evaluation set) with its validation replies (``validation_reply``: the reference answers,
-   or with ``source-adapt-val-score = loglik`` the worked solutions where the family has them): g_V =
-   gradient of the mean log-likelihood of those replies (teacher-forced; the direction that makes
-   right answers likelier).
+   = task``: every family of the task, those it is not trained on included), half from the OOD families
+   (``source-adapt-val-ood``: another share, 0 for none), all from the *train* split under a seed of
+   their own, so disjoint by content from every held-out evaluation set) with its validation replies
+   (``validation_reply``: the reference answers, or with ``source-adapt-val-score = loglik`` the worked
+   solutions where the family has them): g_V = gradient of the mean log-likelihood of those replies
+   (teacher-forced; the direction that makes right answers likelier).
 2. **Alignment weights.** g_O, g_s = the F-TIS loss gradients of O and of each P_s alone (one
    backward each, no step; ``ftis_step`` with a probe optimizer). c_O = cos(g_O, g_V),
    c_s = cos(g_s, g_V); the weight of source s is w_s = clip(c_s / c_O, 0, 1) when c_O > 0 (a peer
@@ -55,7 +55,8 @@ trainable state and optimizer state.
 Nothing here reads the off-policy diagnostics, so the weights do not depend on ``score-zero-advantage``.
 
 Caveat, stated where the results are: V includes OOD-family *train* problems, so this option's
-selection has seen problems of the OOD families' kind (never the evaluation problems themselves).
+selection has seen problems of the OOD families' kind (never the evaluation problems themselves);
+with ``source-adapt-val-ood = 0`` it has not.
 """
 
 from __future__ import annotations
@@ -78,18 +79,20 @@ VAL_SEED_OFFSET = 7_777_777
 
 
 def validation_prompts(task: TaskSpec, partition_id: int, num_partitions: int, n: int,
-                       families: str = "trained") -> list[Prompt]:
-    """The receiver's validation batch: ceil(n/2) in-distribution prompts, round-robin over
-    ``families`` (``trained``: the families of its mixture with weight > 0; ``task``: every family of
-    the task, as its held-out ID evaluation has them), and the rest from the OOD families, from the
-    train split under seed ``task.seed + VAL_SEED_OFFSET + partition_id``."""
+                       families: str = "trained", ood_share: float = 0.5) -> list[Prompt]:
+    """The receiver's validation batch: floor(n * ``ood_share``) prompts from the OOD families
+    (round-robin) after n minus that many in-distribution prompts, round-robin over ``families``
+    (``trained``: the families of its mixture with weight > 0; ``task``: every family of the task, as
+    its held-out ID evaluation has them), all from the train split under seed ``task.seed +
+    VAL_SEED_OFFSET + partition_id``. The in-distribution prompts do not depend on ``ood_share``
+    beyond their count: a batch with fewer OOD prompts extends the same sequence."""
     if families == "task":
         own = list(task.families)
     else:
         mix = task.mixture(partition_id, num_partitions)
         own = [f for f, w in mix.items() if w > 0] or list(task.families)
     seed = task.seed + VAL_SEED_OFFSET + partition_id
-    k_own = -(-n // 2)
+    k_own = n - math.floor(n * ood_share + 1e-9)           # 1e-9: 0.29 * 100 is 28.999...; whole prompts
     out = [task_at(own[i % len(own)], "train", seed, i) for i in range(k_own)]
     out += [task_at(OOD_FAMILIES[i % len(OOD_FAMILIES)], "train", seed, i) for i in range(n - k_own)]
     return out

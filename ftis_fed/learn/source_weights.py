@@ -67,14 +67,21 @@ class SourceAdaptConfig:
     decay: float = knob("source-adapt-decay", 0.5, """
         in (0, 1]; weight of the newest update's measurement in m_s (1 = only the last update counts).""")
     val_size: int = knob("source-adapt-val-size", 16, """
-        ``guard`` and ``shadow``: prompts of the receiver's validation batch, >= 2: half from its own
-        training families, half from the OOD families, all from their *train* split under a seed of
-        their own (disjoint by content from every held-out evaluation set).""")
+        ``guard`` and ``shadow``: prompts of the receiver's validation batch, >= 2: a share
+        ``source-adapt-val-ood`` of them (rounded down) from the OOD families, the rest from its own
+        training families, all from their *train* split under a seed of their own (disjoint by content
+        from every held-out evaluation set).""")
     val_families: str = knob("source-adapt-val-families", "trained", """
-        ``guard`` and ``shadow``: the in-distribution half of the validation batch: ``trained`` (the
+        ``guard`` and ``shadow``: the in-distribution part of the validation batch: ``trained`` (the
         families the receiver trains on, weight > 0 in its mixture) or ``task`` (every family of
         ``task-families``: all that its held-out ID evaluation covers, including a family it is not
         trained on, such as a peer's expertise under ``task-scheme = expertise``).""")
+    val_ood: float = knob("source-adapt-val-ood", 0.5, """
+        ``guard`` and ``shadow``: the share of the validation batch drawn from the OOD families, in [0,
+        1), rounded down to whole prompts (0.5: half). 0 validates on in-distribution prompts only: on
+        the learning tier most OOD validation prompts are solved by neither candidate, so they add
+        prompts to the batch but not to the comparison; and the selection then has seen no problem of
+        the OOD families' kind.""")
     val_score: str = knob("source-adapt-val-score", "reward", """
         ``guard``: what decides between the two candidate updates, and the target of the validation
         gradient: ``reward`` (greedy pass@1 on the validation batch; the gradient of the reference
@@ -121,6 +128,8 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-val-size={self.val_size!r}: must be an integer >= 2")
         if self.val_families not in VAL_FAMILIES:
             raise ValueError(f"source-adapt-val-families={self.val_families!r}: must be one of {', '.join(VAL_FAMILIES)}")
+        if isinstance(self.val_ood, bool) or not (isinstance(self.val_ood, (int, float)) and 0 <= self.val_ood < 1):
+            raise ValueError(f"source-adapt-val-ood={self.val_ood!r}: must be a number in [0, 1)")
         if self.val_score not in VAL_SCORES:
             raise ValueError(f"source-adapt-val-score={self.val_score!r}: must be one of {', '.join(VAL_SCORES)}")
         if self.val_group not in VAL_GROUPS:
