@@ -267,8 +267,8 @@ def test_validation_batch_is_own_families_and_ood_from_the_train_split():
     id_only = validation_prompts(task, 1, 2, 8, "trained", 0.0)
     assert [p.task_id.split("/")[0] for p in id_only] == ["sub30"] * 8 and id_only[:4] == val[:4]
     assert len(set(p.text for p in id_only)) == 8                                 # eight distinct problems
-    quarter = [p.task_id.split("/")[0] for p in validation_prompts(task, 1, 2, 7, "trained", 0.29)]
-    assert quarter == ["sub30"] * 5 + list(OOD_FAMILIES[:2])                      # floor(7 * 0.29) = 2 OOD
+    share29 = [p.task_id.split("/")[0] for p in validation_prompts(task, 1, 2, 7, "trained", 0.29)]
+    assert share29 == ["sub30"] * 5 + list(OOD_FAMILIES[:2])                      # floor(7 * 0.29) = 2 OOD
     assert len(validation_prompts(task, 1, 2, 100, "trained", 0.29)) == 100
     assert sum(p.task_id.split("/")[0] in OOD_FAMILIES
                for p in validation_prompts(task, 1, 2, 100, "trained", 0.29)) == 29   # not 28 (0.29 * 100 < 29)
