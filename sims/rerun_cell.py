@@ -8,9 +8,10 @@ The cell runs as its grid ran it (the suite's command for it, ``sims.suite.cell_
 preset, items, metric and the cell's variant from ``grid.json``), through ``ftis-fed grid`` in a
 temporary folder, with ``num-rounds`` cut to ``--rounds``: the same seeds give the same prompts and
 samples, so every figure of those rounds that does not depend on the machine (rewards, lengths,
-losses, gradient norms, every off-policy statistic) must come out equal. ``ftis-fed grid`` pins the CPU kernels (docs/models.md); a cell that ran on an
-AVX-512 machine before the pin reruns with ``ATEN_CPU_CAPABILITY=avx512`` set. Exit status 0 when every
-figure is equal, 1 naming the first that differ, 2 when the rerun itself fails.
+losses, gradient norms, every off-policy statistic) must come out equal. ``ftis-fed grid`` pins the
+CPU kernels (docs/models.md); a cell that ran on an AVX-512 machine before the pin reruns with
+``ATEN_CPU_CAPABILITY=avx512`` set. Exit status 0 when every figure is equal, 1 naming the first that
+differ, 2 when the rerun itself fails.
 """
 
 from __future__ import annotations
