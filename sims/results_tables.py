@@ -118,7 +118,13 @@ def verdicts(grids) -> str:
         named = f" ({method})" if r["claim"] == "6" and method != "F-TIS+guard" and "?" not in method else ""
         return f"**{r['verdict']}**{named}: {r['interval']}"
 
-    for c, first in v[grids[0]].items():
+    order: list[str] = []                 # every grid's claims: a claim only some grids have (1s:<variant>)
+    for g in grids:                       # after the claim that precedes it in that grid
+        for prev, c in zip([None, *v[g]], v[g]):
+            if c not in order:
+                order.insert(order.index(prev) + 1 if prev in order else len(order), c)
+    for c in order:
+        first = next(v[g][c] for g in grids if c in v[g])
         cells = ["–" if c not in v[g] else cell(v[g][c]) for g in grids]
         body.append(f"| {c} {SHORT.get(c, first['statement'])} | " + " | ".join(cells) + " |")
     return _table(["claim", *(f"`{g}`" for g in grids)], body)

@@ -10,7 +10,7 @@ import pytest
 
 from ftis_fed.grid import efficiency, report
 from ftis_fed.grid import stats as gs
-from ftis_fed.grid.claims import CLAIMS, verdicts
+from ftis_fed.grid.claims import CLAIMS, verdicts, with_shadow_variants
 from ftis_fed.grid.plan import Cell, discover_cells
 from ftis_fed.participant import write_eval_prompts
 from tests.grid_cells import write_cell
@@ -51,6 +51,20 @@ def test_the_shadow_claim_is_a_row_only_where_the_shadow_ran_and_reads_claim_1s_
     lost = verdicts([row("F-TIS+shadow", "base", 0.02, -0.005, 0.04),
                      row("F-TIS+shadow", "spec", -0.03, -0.05, -0.015)], ["base", "spec"], "base", None)
     assert next(r for r in lost if r["claim"] == "1s")["verdict"] == gs.NOT_HELD
+    # another shadow variant (other knobs) gets claim 1s's rule on its own rows, right after 1s
+    claims = with_shadow_variants(["F-TIS+shadow", "F-TIS+shadowid"])
+    assert [c.id for c in claims][:4] == ["1", "1s", "1s:shadowid", "2a"] and with_shadow_variants([]) == CLAIMS
+    both = {r["claim"]: r for r in verdicts(
+        f_tis + [row("F-TIS+shadow", "base", 0.02, -0.005, 0.04), row("F-TIS+shadow", "spec", 0.0, -0.019, 0.01),
+                 row("F-TIS+shadowid", "base", 0.02, -0.005, 0.04), row("F-TIS+shadowid", "spec", 0.0, -0.009, 0.01)],
+        ["base", "spec"], "base", None, claims)}
+    assert (both["1s"]["verdict"], both["1s:shadowid"]["verdict"]) == (gs.INCONCLUSIVE, gs.HELD)
+    assert both["1s:shadowid"]["comparison"] == "F-TIS+shadowid − alone, ID"
+    assert both["1s:shadowid"]["statement"].startswith("beyond the paper: F-TIS+shadowid (with its variant's knobs; ")
+    assert both["1s:shadowid"]["rule"] == both["1s"]["rule"]
+    alone_variant = verdicts(f_tis + [row("F-TIS+shadowid", p, 0.0, -0.009, 0.01) for p in ("base", "spec")],
+                             ["base", "spec"], "base", None, with_shadow_variants(["F-TIS+shadowid"]))
+    assert [r["claim"] for r in alone_variant if r["claim"].startswith("1")] == ["1", "1s:shadowid"]
 
 
 def test_reward_curves_are_trailing_means_from_the_window_on():

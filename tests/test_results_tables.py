@@ -67,3 +67,16 @@ def test_the_seeds_table_counts_each_methods_finished_cells():
     got = dict(item.rsplit(" ", 1) for item in row.split(" | ")[1].rstrip(" |").split(", "))
     assert {m: int(n) for m, n in got.items()} == dict(cells)
     assert list(got)[0] == "alone"                                                   # baselines first
+
+
+def test_the_verdict_table_holds_every_grids_claims_in_order(monkeypatch):
+    """A claim only some grids decide (``1s:<variant>``, a shadow run with other knobs) gets its row
+    after the claim that precedes it there, with "–" for the grids without it."""
+    def v(claim):
+        return {"kind": "verdict", "claim": claim, "statement": f"s{claim}", "comparison": "F-TIS − alone, ID",
+                "verdict": "held", "interval": "p: +1.0"}
+    have = {"g1": ["1", "1s", "2a"], "g2": ["1", "1s", "1s:shadowid", "2a", "7"]}
+    monkeypatch.setattr(T, "rows", lambda g: [v(c) for c in have[g]])
+    lines = T.verdicts(("g1", "g2")).splitlines()[2:]
+    assert [ln.split(" ")[1] for ln in lines] == ["1", "1s", "1s:shadowid", "2a", "7"]
+    assert lines[2].endswith("| – | **held**: p: +1.0 |")

@@ -19,12 +19,13 @@ the same for whichever metric the grid summarises (``grid.metric``: greedy or sa
 
 ``{stronger}`` and ``{beyond}`` in a row's text are filled in per grid: the participant with the
 highest ID accuracy before training, and the beyond-the-paper method run (``BEYOND``, else the first
-``F-TIS+…`` variant of the grid).
+``F-TIS+…`` variant of the grid). A grid that ran the shadow with other knobs too (a variant such as
+``F-TIS+shadowid``) decides claim 1s for each such method in a row of its own (``with_shadow_variants``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ftis_fed.grid.efficiency import UPDATE_SETS
@@ -86,6 +87,22 @@ CLAIMS: tuple[Claim, ...] = (
           "10-round mean; every round, not only the evaluated ones)", REFERENCE, BASELINE, "updates:reward",
           "at_most", "any", margin=0.6),
 )
+
+
+def with_shadow_variants(shadow_methods: Sequence[str], claims: Sequence[Claim] = CLAIMS) -> tuple[Claim, ...]:
+    """``claims`` with claim 1s repeated, right after it, for every other method of ``shadow_methods``
+    (those whose cells ran ``source-adapt = shadow`` with other knobs, e.g. ``F-TIS+shadowid``): its
+    id ``1s`` plus the variant's name after the ``+`` (``1s:shadowid``), the same rule on that method.
+    Without such methods, ``claims`` as they are."""
+    extra = [m for m in shadow_methods if m != SHADOW]
+    out: list[Claim] = []
+    for c in claims:
+        out.append(c)
+        if c.a == SHADOW:
+            out += [replace(c, id=f"{c.id}:{m.split('+', 1)[-1]}", a=m,
+                            statement=c.statement.replace(f"{SHADOW} (", f"{m} (with its variant's knobs; ", 1))
+                    for m in extra]
+    return tuple(out)
 
 
 def rule_words(c: Claim, claims: Sequence[Claim] = CLAIMS) -> str:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ftis_fed.grid.claims import BEYOND, REFERENCE, verdicts
+from ftis_fed.grid.claims import BEYOND, REFERENCE, verdicts, with_shadow_variants
 from ftis_fed.grid.efficiency import efficiency_table
 from ftis_fed.grid.metric import GREEDY, Metric
 from ftis_fed.grid.plan import Cell, method_order
@@ -448,11 +448,12 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
     guard_scores = guard_score_table(cells, out)
     starts = start_table(cells, out)
     methods = {c.method for c in cells}
+    configs = _configs(cells, out)
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
     efficiency = efficiency_table(cells, out, initial, metric=metric)
     verdict_rows = verdicts([*prompt_paired, *efficiency], participants, stronger_participant(initial, metric),
-                            beyond) if prompt_paired else []
+                            beyond, with_shadow_variants(_shadow_methods(configs))) if prompt_paired else []
     tag = {} if metric == GREEDY else {"metric": metric.name}          # greedy: the columns as before
     _write_csv(out / "cells.csv", [{**r, **tag} for r in results])
     _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd", **tag} for r in summary] +
@@ -469,7 +470,6 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                [{**r, "kind": "start", **tag} for r in starts] +
                [{**r, "kind": "guard", **tag} for r in guards] +
                [{**r, "kind": "guard_score", **tag} for r in guard_scores])
-    configs = _configs(cells, out)
     objectives = _objectives(configs)
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
