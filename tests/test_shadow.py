@@ -32,11 +32,14 @@ def test_the_shadow_knobs_and_their_errors():
                                       "source-adapt-val-samples": 8}).checks["source-adapt"]
     assert (cfg.mode, cfg.period, cfg.z, cfg.val_samples) == ("shadow", 10, 1.5, 8)
     base = federation_from_run_config({}).checks["source-adapt"]
-    assert (base.period, base.z, base.val_samples) == (25, 2.0, 4)
+    assert (base.period, base.z, base.z_last, base.val_samples) == (25, 2.0, 0.0, 4)
+    assert federation_from_run_config({"source-adapt-z-last": 1.0}).checks["source-adapt"].z_last == 1.0
     for key, bad, why in (("source-adapt-period", 0, "an integer >= 1"), ("source-adapt-period", 2.5, "an integer"),
                           ("source-adapt-val-samples", 65, r"an integer in \[1, 64\]"),
                           ("source-adapt-z", -1.0, "a finite number >= 0"),
-                          ("source-adapt-z", math.inf, "a finite number")):
+                          ("source-adapt-z", math.inf, "a finite number"),
+                          ("source-adapt-z-last", -0.5, "a finite number >= 0"),
+                          ("source-adapt-z-last", math.nan, "a finite number")):
         with pytest.raises(ValueError, match=f"{key}={bad!r}: must be {why}"):
             federation_from_run_config({key: bad})
 
@@ -49,6 +52,12 @@ def test_the_last_round_s_check_chooses_by_the_mean_alone():
     assert g.decide(2, main, alone)[2] is False and g.decide(4, main, alone)[2] is True
     assert g.decide(4, alone, alone)[2] is False
     assert g.decide(2, [0, 0, 0], [2, 2, 2])[2] is True
+    # source-adapt-z-last: at the last round the model must lead by z_last standard errors, a tie ends on the shadow
+    tie = ShadowGuard(None, None, None, k=4, period=2, z=2.0, last_round=4, z_last=1.0)
+    assert tie.decide(4, alone, alone)[2] is True and tie.decide(2, alone, alone)[2] is False
+    lead, small = [4, 4, 4, 2], [3, 3, 2, 1]                     # d = (2, 2, 2, 0)/4 and (1, 1, 0, -1)/4 over alone
+    assert tie.decide(4, lead, [2, 2, 2, 2])[2] is False and tie.decide(4, small, [2, 2, 2, 2])[2] is True
+    assert g.decide(4, small, [2, 2, 2, 2])[2] is False          # z_last = 0: the mean alone (+1/16) keeps it
 
     def checks(rounds):                                          # the rounds ``step`` would check at
         p = ShadowGuard(None, None, None, k=4, period=2, z=2.0, last_round=100)

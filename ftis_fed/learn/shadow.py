@@ -29,10 +29,12 @@ on its own samples only: the alone trajectory, started from the same weights).
    when d̄ + z · se < 0 (``source-adapt-z``): when even the upper end of the interval says the peers
    made it worse. Otherwise the main stays. After a reset the main learns from its peers again,
    from the shadow's point; the shadow is never changed by the main.
-4. At the run's last round the check is a plain choice of the final model: z = 0, the main stays
-   when d̄ >= 0. Before it, keeping the main has a value beyond its score (the peers may help in the
-   rounds to come), hence the margin; at the end only which model is better counts, and d̄ is the
-   best estimate of that.
+4. At the run's last round the check is a choice of the final model: the main stays when d̄ >= 0
+   (``source-adapt-z-last`` = 0, the default). Before it, keeping the main has a value beyond its
+   score (the peers may help in the rounds to come), hence the margin; at the end only which model is
+   better counts, and d̄ is the best estimate of that. With z_last > 0 the main stays only when
+   d̄ − z_last · se > 0, so a tie ends on the shadow: on ``research-w-spec`` one base kept at a tie
+   (d̄ = +0.002 ± 0.015) ended 4.1 points below alone (docs/RESULTS.md §4).
 
 So the main never ends below training alone by its own validation, yet keeps what its peers are
 worth where they help: a spurious reset before the end needs the interval's upper end below 0, at
@@ -80,14 +82,16 @@ class ShadowGuard:
     trainer: the participant's ``Trainer`` (its policy holds the main's weights between calls);
     own_samples(round): this round's own samples drawn by the weights loaded at the call;
     val_counts(round): per validation prompt, how many of k sampled completions the loaded weights
-    solve (the same seeds whichever weights are loaded); k, period, z: ``source-adapt-val-samples``,
-    ``source-adapt-period``, ``source-adapt-z``; last_round: the run's ``num-rounds`` (always checked).
+    solve (the same seeds whichever weights are loaded); k, period, z, z_last: ``source-adapt-val-samples``,
+    ``source-adapt-period``, ``source-adapt-z``, ``source-adapt-z-last``; last_round: the run's
+    ``num-rounds`` (always checked).
     """
 
     def __init__(self, trainer, own_samples: Callable[[int], list[TrainSample]],
-                 val_counts: Callable[[int], Sequence[int]], k: int, period: int, z: float, last_round: int):
+                 val_counts: Callable[[int], Sequence[int]], k: int, period: int, z: float, last_round: int,
+                 z_last: float = 0.0):
         self.trainer, self.own_samples, self.val_counts = trainer, own_samples, val_counts
-        self.k, self.period, self.z, self.last_round = k, period, z, last_round
+        self.k, self.period, self.z, self.z_last, self.last_round = k, period, z, z_last, last_round
         #: (trainable state, optimizer state, optimizer steps) of the alone trajectory; None until the
         #: first update, when it starts as the main's weights before that update
         self.shadow: tuple | None = None
@@ -101,9 +105,12 @@ class ShadowGuard:
         return round - self.checked >= self.period or round >= self.last_round
 
     def decide(self, round: int, with_peers: Sequence[int], alone: Sequence[int]) -> tuple[float, float, bool]:
-        """(d̄, se, reset) of a check at ``round``: z = ``source-adapt-z`` before the last round, 0 at it."""
+        """(d̄, se, reset) of a check at ``round``: reset when d̄ + z · se < 0 before the last round; at it
+        when d̄ < 0 (z_last = 0), or unless d̄ − z_last · se > 0 (z_last > 0: a tie ends on the shadow)."""
         d, se = paired_difference(with_peers, alone, self.k)
-        return d, se, resets(d, se, 0.0 if round >= self.last_round else self.z)
+        if round < self.last_round:
+            return d, se, resets(d, se, self.z)
+        return d, se, resets(d, se, 0.0) if self.z_last == 0 else not d - self.z_last * se > 0
 
     def step(self, samples: Sequence[TrainSample], sampling, round: int) -> dict[str, float]:
         """The main's update on ``samples`` (own + peers), the shadow's on its own draws, and at a

@@ -114,8 +114,13 @@ class SourceAdaptConfig:
     z: float = knob("source-adapt-z", 2.0, """
         ``shadow``: >= 0, finite; at a check before the run's last round the model is reset to its
         shadow when the mean paired difference (model − shadow) plus ``z`` standard errors is below 0
-        (0: whenever the mean is below 0). At the last round the mean alone decides (z = 0): the final
-        model is the one that validates better.""")
+        (0: whenever the mean is below 0). At the last round ``source-adapt-z-last`` decides.""")
+    z_last: float = knob("source-adapt-z-last", 0.0, """
+        ``shadow``: >= 0, finite; the last round's choice of the final model. 0: the mean paired
+        difference (model − shadow) alone decides, the model is kept when it is >= 0 (the one that
+        validates better; a tie keeps the model). > 0: the model is kept only when that mean minus
+        ``z_last`` standard errors is > 0, else the run ends on the shadow, the copy trained alone: a
+        tie or a small lead does not keep a model its peers did not clearly improve.""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -146,6 +151,8 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-val-samples={self.val_samples!r}: must be an integer in [1, 64]")
         if isinstance(self.z, bool) or not (math.isfinite(self.z) and self.z >= 0):
             raise ValueError(f"source-adapt-z={self.z!r}: must be a finite number >= 0")
+        if isinstance(self.z_last, bool) or not (math.isfinite(self.z_last) and self.z_last >= 0):
+            raise ValueError(f"source-adapt-z-last={self.z_last!r}: must be a finite number >= 0")
         if not isinstance(self.align, bool):
             raise ValueError(f"source-adapt-align={self.align!r}: must be true or false")
 
