@@ -51,6 +51,11 @@ def test_the_shadow_claim_is_a_row_only_where_the_shadow_ran_and_reads_claim_1s_
     lost = verdicts([row("F-TIS+shadow", "base", 0.02, -0.005, 0.04),
                      row("F-TIS+shadow", "spec", -0.03, -0.05, -0.015)], ["base", "spec"], "base", None)
     assert next(r for r in lost if r["claim"] == "1s")["verdict"] == gs.NOT_HELD
+    # one seed: the interval has no seed component, so no verdict from it, whatever its bounds
+    single = verdicts([{**row("F-TIS+shadow", p, 0.08, 0.05, 0.11), "seeds": 1} for p in ("base", "spec")],
+                      ["base", "spec"], "base", None)
+    one = next(r for r in single if r["claim"] == "1s")
+    assert one["verdict"] == gs.INCONCLUSIVE and "(1 seed: no seed component, inconclusive)" in one["interval"]
     # another shadow variant (other knobs) gets claim 1s's rule on its own rows, right after 1s
     claims = with_shadow_variants(["F-TIS+shadow", "F-TIS+shadowid"])
     assert [c.id for c in claims][:4] == ["1", "1s", "1s:shadowid", "2a"] and with_shadow_variants([]) == CLAIMS

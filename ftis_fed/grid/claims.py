@@ -14,8 +14,10 @@ margin, not held when its other bound lies on the other side, else inconclusive.
 is ``grid.stats.verdict_bounds``: the union of the pigeonhole-bootstrap and the paired-t-over-seeds
 95 % intervals (t tails for the seed component). The summary's rule
 column is ``rule_words`` of the same data. A participant for which both methods score 0 on the set (a
-floor at which the claim cannot show) is inconclusive too. The rule reads only the interval, so it is
-the same for whichever metric the grid summarises (``grid.metric``: greedy or sampled pass@1).
+floor at which the claim cannot show) is inconclusive too, and so is one compared on a single seed (its
+interval covers the prompts' draw only; an update ratio has no interval there). The rule reads only the
+interval, so it is the same for whichever metric the grid summarises (``grid.metric``: greedy or sampled
+pass@1).
 
 ``{stronger}`` and ``{beyond}`` in a row's text are filled in per grid: the participant with the
 highest ID accuracy before training, and the beyond-the-paper method run (``BEYOND``, else the first
@@ -145,14 +147,16 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
                 texts.append(f"{p}: –")
                 continue
             floor = c.set not in UPDATE_SETS and r["a_acc"] == 0 and r["b_acc"] == 0   # both 0: untestable
+            one = c.set not in UPDATE_SETS and r["seeds"] < 2          # no seed component in the interval
             lo, hi = verdict_bounds(r)
-            vs.append(INCONCLUSIVE if floor else rule.decide(lo, hi, c.margin))
+            vs.append(INCONCLUSIVE if floor or one else rule.decide(lo, hi, c.margin))
             if c.set in UPDATE_SETS:
                 value = f"{r['diff']:.2f} [{lo:.2f}, {hi:.2f}], reached in {r['reached']}"
             else:
                 value = "0 % for both (floor)" if floor else \
                     f"{100 * r['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-            texts.append(f"{p}: {value} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
+            texts.append(f"{p}: {value} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''}"
+                         f"{': no seed component, inconclusive' if one else ''})")
         rows.append({"claim": c.id, "statement": c.statement.format(**fill),
                      "comparison": f"{a} − {c.b}, {c.set.upper()}", "verdict": COMBINE[c.combine](vs),
                      "interval": "; ".join(texts), "rule": rule_words(c, claims)})
