@@ -33,8 +33,9 @@ on its own samples only: the alone trajectory, started from the same weights).
    (``source-adapt-z-last`` = 0, the default). Before it, keeping the main has a value beyond its
    score (the peers may help in the rounds to come), hence the margin; at the end only which model is
    better counts, and d̄ is the best estimate of that. With z_last > 0 the main stays only when
-   d̄ − z_last · se > 0, so a tie ends on the shadow: on ``research-w-spec`` one base kept at a tie
-   (d̄ = +0.002 ± 0.015) ended 4.1 points below alone (docs/RESULTS.md §4).
+   d̄ − z_last · se > 0, so a tie ends on the shadow. Measured (docs/RESULTS.md §4): of three such
+   flips it helped one (a base kept at a tie had ended 4.1 points below alone) and hurt two (shadows
+   that held out worse): at a tie, which model is better held out is a draw.
 
 So the main never ends below training alone by its own validation, yet keeps what its peers are
 worth where they help: a spurious reset before the end needs the interval's upper end below 0, at
