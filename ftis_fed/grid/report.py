@@ -449,11 +449,12 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
     starts = start_table(cells, out)
     methods = {c.method for c in cells}
     configs = _configs(cells, out)
+    shadow = _shadow_methods(configs)
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
     efficiency = efficiency_table(cells, out, initial, metric=metric)
     verdict_rows = verdicts([*prompt_paired, *efficiency], participants, stronger_participant(initial, metric),
-                            beyond, with_shadow_variants(_shadow_methods(configs))) if prompt_paired else []
+                            beyond, with_shadow_variants(shadow)) if prompt_paired else []
     tag = {} if metric == GREEDY else {"metric": metric.name}          # greedy: the columns as before
     _write_csv(out / "cells.csv", [{**r, **tag} for r in results])
     _write_csv(out / "summary.csv", [{**r, "kind": "mean_sd", **tag} for r in summary] +
@@ -475,7 +476,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
                                                      starts, _any_sign_methods(objectives), guards,
-                                                     guard_scores, _shadow_methods(configs)))
+                                                     guard_scores, shadow))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
