@@ -68,6 +68,9 @@ def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
 #: Per-prompt results of every evaluation, in the participant's state folder (gzip members, one
 #: JSON line per evaluation and set): what ``ftis-fed grid`` pairs prompt by prompt.
 EVAL_PROMPTS = "eval_prompts.jsonl.gz"
+#: The same for the final evaluation of ``source-adapt = shadow``'s shadow (the alone-trained copy), so
+#: that each cell holds both models the last check chose between, scored on the held-out sets.
+SHADOW_EVAL_PROMPTS = "shadow_eval_prompts.jsonl.gz"
 
 
 #: The training prompts of every round, in the participant's state folder (gzip members, one JSON line
@@ -404,6 +407,19 @@ class Participant:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, round: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        out = self._heldout(round, self.state_dir / EVAL_PROMPTS)
+        out["eval/seconds"] = time.perf_counter() - t0
+        self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
+        if round >= self.fed.num_rounds and self.shadowed is not None and self.shadowed.shadow is not None:
+            out.update(self._shadow_heldout(round))
+        if round >= self.fed.num_rounds and self.fed.export_final:
+            update_card(self.state_dir / "export", self.heldout)        # the card gets the final figures
+            out.update(self._push())                                    # then, opt-in, to the hub
+        return out
+
+    def _heldout(self, round: int, records: Path) -> dict[str, float]:
+        """The held-out evaluation of the weights loaded now (greedy, and sampled with ``eval-samples``),
+        its per-prompt results appended to ``records``."""
         sets = self.fed.eval_sets()
         per_prompt: dict[str, list[tuple[str, bool]]] = {}
         hits: dict[str, list[bool]] | None = {} if self.fed.attack_payload else None
@@ -415,13 +431,23 @@ class Participant:
             sampled = {}
             out.update(sampled_eval(self.policy, sets, self.fed.eval_samples, self.fed.sampling,
                                     seed=EVAL_SAMPLE_SEED + round, verifier=self.eval_verifier, per_prompt=sampled))
-        write_eval_prompts(self.state_dir / EVAL_PROMPTS, self.name, round, per_prompt, hits, sampled,
-                           self.fed.eval_samples)
-        out["eval/seconds"] = time.perf_counter() - t0
-        self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
-        if round >= self.fed.num_rounds and self.fed.export_final:
-            update_card(self.state_dir / "export", self.heldout)        # the card gets the final figures
-            out.update(self._push())                                    # then, opt-in, to the hub
+        write_eval_prompts(records, self.name, round, per_prompt, hits, sampled, self.fed.eval_samples)
+        return out
+
+    def _shadow_heldout(self, round: int) -> dict[str, float]:
+        """``source-adapt = shadow``, at the final evaluation: the shadow scored as the model was (the same
+        sets and sampling seeds), as ``shadow/eval/...`` metrics and ``SHADOW_EVAL_PROMPTS`` records; the
+        model's state is loaded back after, so nothing else changes. Both ends of the last check's
+        choice are then on record: whether it chose the model that holds out better."""
+        t0 = time.perf_counter()
+        main = self.trainer.snapshot()
+        self.trainer.restore(self.shadowed.shadow, "shadow")
+        try:
+            got = self._heldout(round, self.state_dir / SHADOW_EVAL_PROMPTS)
+        finally:
+            self.trainer.restore(main, "model")
+        out = {f"shadow/{k}": v for k, v in got.items()}
+        out["shadow/eval/seconds"] = time.perf_counter() - t0
         return out
 
     def _card(self) -> CardInfo:

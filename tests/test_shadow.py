@@ -207,3 +207,65 @@ def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(t
             for k, v in want.items():
                 if not any(x in k for x in VOLATILE):
                     assert r[k] == v, (r["round"], r["participant"], k)
+
+
+def test_the_final_evaluation_scores_the_shadow_too_and_loads_the_model_back(tmp_path, monkeypatch):
+    """At the final evaluation the shadow is scored as the model was (``shadow/eval/...`` metrics and
+    ``shadow_eval_prompts.jsonl.gz`` records: the same sets, ids and sampling seeds), with the shadow's
+    weights loaded, and the model's state is loaded back after it. ``research-w`` (the calibrated models,
+    so the two differ after their updates), 2 rounds, checked at both."""
+    import gzip
+
+    import torch
+
+    import ftis_fed.participant as participant
+    from ftis_fed.commands.sim import simulate_inprocess
+    from ftis_fed.learn.training import read_snapshot
+
+    seen: list[tuple[str, int, str, dict]] = []           # (participant, round, records file, weights loaded)
+    heldout, evaluate = participant.Participant._heldout, participant.Participant.evaluate
+
+    def spy_heldout(self, round, records):
+        seen.append((self.name, round, records.name, self.policy.trainable_state()))
+        return heldout(self, round, records)
+
+    after: dict[str, tuple] = {}
+
+    def spy_evaluate(self, round):
+        out = evaluate(self, round)
+        after[self.name] = self.trainer.snapshot()
+        return out
+
+    monkeypatch.setattr(participant.Participant, "_heldout", spy_heldout)
+    monkeypatch.setattr(participant.Participant, "evaluate", spy_evaluate)
+    assert simulate_inprocess(ROOT, [f'output-dir="{tmp_path}"', "num-rounds=2", 'loss-mode="F-TIS"',
+                                     'source-adapt="shadow"', "source-adapt-period=1", "source-adapt-val-size=8",
+                                     "source-adapt-val-samples=2", "prompts-per-round=4", "eval-size=32",
+                                     "eval-samples=2", "eval-every=2", "eval-initial=false"], "research-w") == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    final = {r["participant"]: r for r in rows if r["phase"] == "eval" and r["round"] == 2}
+    kept = {r["participant"]: r["guard/kept_peers"] for r in rows
+            if r["phase"] == "train" and r["round"] == 2 and r["participant"] != "_federation"}
+    assert sorted(final) == sorted(kept) == ["full", "lora"]
+
+    def records(p, name):
+        return [json.loads(x) for x in gzip.decompress((tmp_path / "participants" / p / name).read_bytes())
+                .decode().splitlines()]
+
+    for p in ("full", "lora"):
+        calls = [(n, w) for who, rnd, n, w in seen if who == p and rnd == 2]
+        assert [n for n, _ in calls] == [participant.EVAL_PROMPTS, participant.SHADOW_EVAL_PROMPTS]
+        model, _ = read_snapshot(tmp_path / "participants" / p / "policy.pt")    # saved after the last update
+        shadow, _ = read_snapshot(tmp_path / "participants" / p / "shadow.pt")
+        same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)               # noqa: E731
+        assert same(calls[0][1], model[0]) and same(calls[1][1], shadow[0])      # each scored with its weights
+        assert same(after[p][0], model[0]) and after[p][2] == model[2]           # the model is back
+        assert same(model[0], shadow[0]) == (kept[p] == 0)                        # two models unless reset
+        main = {r["set"]: r for r in records(p, participant.EVAL_PROMPTS) if r["round"] == 2}
+        other = {r["set"]: r for r in records(p, participant.SHADOW_EVAL_PROMPTS)}
+        assert sorted(main) == sorted(other) and all(main[s]["ids"] == other[s]["ids"] for s in main)
+        assert all(other[s]["k"] == 2 and len(other[s]["sampled"]) == len(other[s]["ids"]) for s in other)
+        acc = other["id"]["solved"].count("1") / len(other["id"]["solved"])
+        assert final[p]["shadow/eval/id/accuracy"] == pytest.approx(acc)
+        assert 0 <= final[p]["shadow/eval/ood/accuracy"] <= 1 and final[p]["shadow/eval/seconds"] > 0
+        assert final[p]["eval/id/accuracy"] == pytest.approx(main["id"]["solved"].count("1") / len(main["id"]["solved"]))

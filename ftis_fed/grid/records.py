@@ -204,12 +204,13 @@ def num(v) -> float:
 
 
 
-def prompt_records(cell_dir: Path) -> list[dict]:
+def prompt_records(cell_dir: Path, name: str = "eval_prompts.jsonl.gz") -> list[dict]:
     """The per-prompt evaluation records of a cell (``participant.EVAL_PROMPTS``, compacted into
-    ``run/eval_prompts.jsonl.gz``, or still in the participants' folders)."""
+    ``run/eval_prompts.jsonl.gz``, or still in the participants' folders); ``name`` =
+    ``participant.SHADOW_EVAL_PROMPTS``: those of the shadow's final evaluation (none: [])."""
     run = cell_dir / "run"
-    paths = [run / "eval_prompts.jsonl.gz"] if (run / "eval_prompts.jsonl.gz").exists() else \
-        sorted(run.glob("participants/*/eval_prompts.jsonl.gz"), key=lambda p: p.parent.name)
+    paths = [run / name] if (run / name).exists() else \
+        sorted(run.glob(f"participants/*/{name}"), key=lambda p: p.parent.name)
     out = []
     for path in paths:
         out += [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]

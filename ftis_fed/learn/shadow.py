@@ -47,6 +47,9 @@ of each), and at each check 2 · |V| · k sampled completions. ``guard/seconds``
 Metrics: ``guard/<peer>/weight`` (1: every peer's samples as sent), at the checks ``guard/val_with`` /
 ``guard/val_without`` (the main's and the shadow's sampled pass@1 on V), ``guard/diff_mean`` (d̄),
 ``guard/diff_se`` (se), ``guard/kept_peers`` (0 where the main was reset) and ``guard/resets`` (so far).
+At the final evaluation the participant also scores the shadow on the held-out sets, as it scores the
+model (``participant.Participant._shadow_heldout``: ``shadow/eval/...`` metrics, per-prompt records in
+``shadow_eval_prompts.jsonl.gz``), so both models the last check chose between are on record.
 """
 
 from __future__ import annotations
