@@ -268,4 +268,5 @@ def test_the_final_evaluation_scores_the_shadow_too_and_loads_the_model_back(tmp
         acc = other["id"]["solved"].count("1") / len(other["id"]["solved"])
         assert final[p]["shadow/eval/id/accuracy"] == pytest.approx(acc)
         assert 0 <= final[p]["shadow/eval/ood/accuracy"] <= 1 and final[p]["shadow/eval/seconds"] > 0
-        assert final[p]["eval/id/accuracy"] == pytest.approx(main["id"]["solved"].count("1") / len(main["id"]["solved"]))
+        solved = main["id"]["solved"]
+        assert final[p]["eval/id/accuracy"] == pytest.approx(solved.count("1") / len(solved))
