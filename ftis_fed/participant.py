@@ -68,9 +68,9 @@ def checkpoint_due(round: int, num_rounds: int, every: int) -> bool:
 #: Per-prompt results of every evaluation, in the participant's state folder (gzip members, one
 #: JSON line per evaluation and set): what ``ftis-fed grid`` pairs prompt by prompt.
 EVAL_PROMPTS = "eval_prompts.jsonl.gz"
-#: The same for the final evaluation of ``source-adapt = shadow``'s shadow (the alone-trained copy), so
-#: that each cell holds both models the last check chose between, scored on the held-out sets.
-SHADOW_EVAL_PROMPTS = "shadow_eval_prompts.jsonl.gz"
+#: The same for ``source-adapt = shadow``'s final evaluation of the model its last check did not choose
+#: (``ShadowGuard.unchosen``), so that each cell holds both ends of that choice, scored on the held-out sets.
+UNCHOSEN_EVAL_PROMPTS = "unchosen_eval_prompts.jsonl.gz"
 
 
 #: The training prompts of every round, in the participant's state folder (gzip members, one JSON line
@@ -410,8 +410,8 @@ class Participant:
         out = self._heldout(round, self.state_dir / EVAL_PROMPTS)
         out["eval/seconds"] = time.perf_counter() - t0
         self.heldout[round] = {k: v for k, v in out.items() if k.endswith("/accuracy")}
-        if round >= self.fed.num_rounds and self.shadowed is not None and self.shadowed.shadow is not None:
-            out.update(self._shadow_heldout(round))
+        if round >= self.fed.num_rounds and self.shadowed is not None and self.shadowed.unchosen is not None:
+            out.update(self._unchosen_heldout(round))
         if round >= self.fed.num_rounds and self.fed.export_final:
             update_card(self.state_dir / "export", self.heldout)        # the card gets the final figures
             out.update(self._push())                                    # then, opt-in, to the hub
@@ -434,20 +434,20 @@ class Participant:
         write_eval_prompts(records, self.name, round, per_prompt, hits, sampled, self.fed.eval_samples)
         return out
 
-    def _shadow_heldout(self, round: int) -> dict[str, float]:
-        """``source-adapt = shadow``, at the final evaluation: the shadow scored as the model was (the same
-        sets and sampling seeds), as ``shadow/eval/...`` metrics and ``SHADOW_EVAL_PROMPTS`` records; the
-        model's state is loaded back after, so nothing else changes. Both ends of the last check's
-        choice are then on record: whether it chose the model that holds out better."""
+    def _unchosen_heldout(self, round: int) -> dict[str, float]:
+        """``source-adapt = shadow``, at the final evaluation: the model its last check did not choose (the
+        shadow, or the model with its peers where it was reset) scored as the model was (the same sets and
+        sampling seeds), as ``unchosen/eval/...`` metrics and ``UNCHOSEN_EVAL_PROMPTS`` records; the model's
+        state is loaded back after, so nothing else changes."""
         t0 = time.perf_counter()
         main = self.trainer.snapshot()
-        self.trainer.restore(self.shadowed.shadow, "shadow")
+        self.trainer.restore(self.shadowed.unchosen, "unchosen")
         try:
-            got = self._heldout(round, self.state_dir / SHADOW_EVAL_PROMPTS)
+            got = self._heldout(round, self.state_dir / UNCHOSEN_EVAL_PROMPTS)
         finally:
             self.trainer.restore(main, "model")
-        out = {f"shadow/{k}": v for k, v in got.items()}
-        out["shadow/eval/seconds"] = time.perf_counter() - t0
+        out = {f"unchosen/{k}": v for k, v in got.items()}
+        out["unchosen/eval/seconds"] = time.perf_counter() - t0
         return out
 
     def _card(self) -> CardInfo:

@@ -131,6 +131,7 @@ def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confiden
     assert _same(loaded_at_draw[0], _trainer().policy.trainable_state())      # the shadow drew from the start
 
     m2 = g.step(_samples(2)[0], sampling, 2)
+    assert g.unchosen is None                                    # set by the last round's check only
     main_ref.step(_samples(2)[0], sampling)
     assert _same(loaded_at_draw[1], alone_ref.policy.trainable_state())     # the shadow's weights drew
     alone_ref.step(_samples(2)[1], sampling)
@@ -154,6 +155,7 @@ def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confiden
     assert m3["guard/kept_peers"] == 1.0 and m3["guard/resets"] == 1.0 and m3["guard/diff_mean"] == 0.0
     assert _same(t.policy.trainable_state(), main_ref.policy.trainable_state())
     assert _same(g.shadow[0], alone_ref.policy.trainable_state())
+    assert _same(g.unchosen[0], alone_ref.policy.trainable_state())   # the last check's other end: the shadow
 
     g.save(tmp_path / "shadow.pt")
     back = ShadowGuard(_trainer(), own_samples, val_counts, k=4, period=2, z=2.0, last_round=3)
@@ -161,6 +163,23 @@ def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confiden
     assert _same(back.shadow[0], g.shadow[0]) and back.shadow[2] == 3 and back.resets == 1 and back.checked == 3
     back.load(tmp_path / "none.pt")                               # no file: nothing changes
     assert back.resets == 1
+
+
+def test_a_reset_at_the_last_round_leaves_the_model_with_its_peers_as_the_unchosen_end():
+    """At the last round a reset makes the model its shadow; the model as it was with its peers is what
+    the check did not choose (``unchosen``: the final evaluation scores it beside the model)."""
+    from ftis_fed.wire.batch import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=4)
+    t, main_ref, alone_ref = _trainer(), _trainer(), _trainer()
+    scores = iter([[4, 4, 3], [3, 3, 3]])                        # the shadow, then the model: d = -1/12 < 0
+    g = ShadowGuard(t, lambda r: _samples(r)[1], lambda r: next(scores), k=4, period=5, z=2.0, last_round=1)
+    m = g.step(_samples(1)[0], sampling, 1)
+    main_ref.step(_samples(1)[0], sampling)
+    alone_ref.step(_samples(1)[1], sampling)
+    assert m["guard/kept_peers"] == 0.0
+    assert _same(t.policy.trainable_state(), alone_ref.policy.trainable_state())
+    assert _same(g.unchosen[0], main_ref.policy.trainable_state()) and g.unchosen[2] == 1
 
 
 def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(tmp_path, monkeypatch):
@@ -209,11 +228,12 @@ def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(t
                     assert r[k] == v, (r["round"], r["participant"], k)
 
 
-def test_the_final_evaluation_scores_the_shadow_too_and_loads_the_model_back(tmp_path, monkeypatch):
-    """At the final evaluation the shadow is scored as the model was (``shadow/eval/...`` metrics and
-    ``shadow_eval_prompts.jsonl.gz`` records: the same sets, ids and sampling seeds), with the shadow's
-    weights loaded, and the model's state is loaded back after it. ``research-w`` (the calibrated models,
-    so the two differ after their updates), 2 rounds, checked at both."""
+def test_the_final_evaluation_scores_the_unchosen_end_too_and_loads_the_model_back(tmp_path, monkeypatch):
+    """At the final evaluation the model the last check did not choose (the shadow where the model stayed,
+    the model with its peers where it was reset) is scored as the model was (``unchosen/eval/...``
+    metrics and ``unchosen_eval_prompts.jsonl.gz`` records: the same sets, ids and sampling seeds), with
+    its weights loaded, and the model's state is loaded back after it. ``research-w`` (the calibrated
+    models, so the two differ after their updates), 2 rounds, checked at both."""
     import gzip
 
     import torch
@@ -229,9 +249,11 @@ def test_the_final_evaluation_scores_the_shadow_too_and_loads_the_model_back(tmp
         seen.append((self.name, round, records.name, self.policy.trainable_state()))
         return heldout(self, round, records)
 
+    unchosen: dict[str, dict] = {}
     after: dict[str, tuple] = {}
 
     def spy_evaluate(self, round):
+        unchosen[self.name] = self.shadowed.unchosen[0]
         out = evaluate(self, round)
         after[self.name] = self.trainer.snapshot()
         return out
@@ -252,21 +274,24 @@ def test_the_final_evaluation_scores_the_shadow_too_and_loads_the_model_back(tmp
         return [json.loads(x) for x in gzip.decompress((tmp_path / "participants" / p / name).read_bytes())
                 .decode().splitlines()]
 
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
     for p in ("full", "lora"):
         calls = [(n, w) for who, rnd, n, w in seen if who == p and rnd == 2]
-        assert [n for n, _ in calls] == [participant.EVAL_PROMPTS, participant.SHADOW_EVAL_PROMPTS]
+        assert [n for n, _ in calls] == [participant.EVAL_PROMPTS, participant.UNCHOSEN_EVAL_PROMPTS]
         model, _ = read_snapshot(tmp_path / "participants" / p / "policy.pt")    # saved after the last update
         shadow, _ = read_snapshot(tmp_path / "participants" / p / "shadow.pt")
-        same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)               # noqa: E731
-        assert same(calls[0][1], model[0]) and same(calls[1][1], shadow[0])      # each scored with its weights
+        assert same(calls[0][1], model[0]) and same(calls[1][1], unchosen[p])     # each scored with its weights
         assert same(after[p][0], model[0]) and after[p][2] == model[2]           # the model is back
-        assert same(model[0], shadow[0]) == (kept[p] == 0)                        # two models unless reset
+        assert same(model[0] if kept[p] == 0 else unchosen[p], shadow[0])        # one end is the shadow
+        assert not same(model[0], unchosen[p])                                    # the other is not
         main = {r["set"]: r for r in records(p, participant.EVAL_PROMPTS) if r["round"] == 2}
-        other = {r["set"]: r for r in records(p, participant.SHADOW_EVAL_PROMPTS)}
+        other = {r["set"]: r for r in records(p, participant.UNCHOSEN_EVAL_PROMPTS)}
         assert sorted(main) == sorted(other) and all(main[s]["ids"] == other[s]["ids"] for s in main)
         assert all(other[s]["k"] == 2 and len(other[s]["sampled"]) == len(other[s]["ids"]) for s in other)
         acc = other["id"]["solved"].count("1") / len(other["id"]["solved"])
-        assert final[p]["shadow/eval/id/accuracy"] == pytest.approx(acc)
-        assert 0 <= final[p]["shadow/eval/ood/accuracy"] <= 1 and final[p]["shadow/eval/seconds"] > 0
+        assert final[p]["unchosen/eval/id/accuracy"] == pytest.approx(acc)
+        assert 0 <= final[p]["unchosen/eval/ood/accuracy"] <= 1 and final[p]["unchosen/eval/seconds"] > 0
         solved = main["id"]["solved"]
         assert final[p]["eval/id/accuracy"] == pytest.approx(solved.count("1") / len(solved))

@@ -207,7 +207,8 @@ def num(v) -> float:
 def prompt_records(cell_dir: Path, name: str = "eval_prompts.jsonl.gz") -> list[dict]:
     """The per-prompt evaluation records of a cell (``participant.EVAL_PROMPTS``, compacted into
     ``run/eval_prompts.jsonl.gz``, or still in the participants' folders); ``name`` =
-    ``participant.SHADOW_EVAL_PROMPTS``: those of the shadow's final evaluation (none: [])."""
+    ``participant.UNCHOSEN_EVAL_PROMPTS``: those of the final evaluation of the model a shadow's last
+    check did not choose (none: [])."""
     run = cell_dir / "run"
     paths = [run / name] if (run / name).exists() else \
         sorted(run.glob(f"participants/*/{name}"), key=lambda p: p.parent.name)

@@ -92,7 +92,7 @@ def run_grid(cells: Sequence[Cell], out: Path, runner: Runner, echo: Callable[[s
 
 
 #: What ``compact_cell`` keeps of a finished cell's run folder (everything else is removed).
-KEPT = ("metrics.jsonl.gz", "eval_prompts.jsonl.gz", "shadow_eval_prompts.jsonl.gz", "train_prompts.jsonl.gz",
+KEPT = ("metrics.jsonl.gz", "eval_prompts.jsonl.gz", "unchosen_eval_prompts.jsonl.gz", "train_prompts.jsonl.gz",
         "config.json")
 
 
@@ -105,7 +105,7 @@ def _gzip_file(src: Path, dst: Path) -> None:
 def compact_cell(cell_dir: Path) -> None:
     """Keep a finished cell's metrics, drop the rest: ``run/metrics.jsonl`` -> ``metrics.jsonl.gz``; the
     participants' per-prompt evaluation records and training prompts (``participant.EVAL_PROMPTS``,
-    ``participant.SHADOW_EVAL_PROMPTS`` where a shadow ran, ``participant.TRAIN_PROMPTS``, in their state
+    ``participant.UNCHOSEN_EVAL_PROMPTS`` where a shadow ran, ``participant.TRAIN_PROMPTS``, in their state
     folders) -> one ``run/<name>`` each (participants in name order); ``config.json`` kept;
     checkpoints, exported models, keys, plots and server state removed; ``run.log`` gzipped."""
     import shutil
@@ -113,7 +113,7 @@ def compact_cell(cell_dir: Path) -> None:
     run = cell_dir / "run"
     if (run / "metrics.jsonl").exists():
         _gzip_file(run / "metrics.jsonl", run / "metrics.jsonl.gz")
-    for name in ("eval_prompts.jsonl.gz", "shadow_eval_prompts.jsonl.gz", "train_prompts.jsonl.gz"):
+    for name in ("eval_prompts.jsonl.gz", "unchosen_eval_prompts.jsonl.gz", "train_prompts.jsonl.gz"):
         records = sorted(run.glob(f"participants/*/{name}"), key=lambda p: p.parent.name)
         if records:
             text = b"".join(gzip.decompress(p.read_bytes()) for p in records)

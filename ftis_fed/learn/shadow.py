@@ -47,9 +47,11 @@ of each), and at each check 2 · |V| · k sampled completions. ``guard/seconds``
 Metrics: ``guard/<peer>/weight`` (1: every peer's samples as sent), at the checks ``guard/val_with`` /
 ``guard/val_without`` (the main's and the shadow's sampled pass@1 on V), ``guard/diff_mean`` (d̄),
 ``guard/diff_se`` (se), ``guard/kept_peers`` (0 where the main was reset) and ``guard/resets`` (so far).
-At the final evaluation the participant also scores the shadow on the held-out sets, as it scores the
-model (``participant.Participant._shadow_heldout``: ``shadow/eval/...`` metrics, per-prompt records in
-``shadow_eval_prompts.jsonl.gz``), so both models the last check chose between are on record.
+At the final evaluation the participant also scores, on the held-out sets and as it scores the model,
+the one the last check did not choose (``unchosen``: the shadow where the model stayed, the model with
+its peers where it was reset; ``participant.Participant._unchosen_heldout``: ``unchosen/eval/...``
+metrics, per-prompt records in ``unchosen_eval_prompts.jsonl.gz``), so both ends of that choice are on
+record and whether it chose the one that holds out better can be counted.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class ShadowGuard:
         self.shadow: tuple | None = None
         self.resets = 0
         self.checked = 0                                         # the round of the last check
+        #: after the last round's check, the state it did not choose: the shadow where the model stayed,
+        #: the model with its peers where it was reset (the participant's final evaluation scores it too)
+        self.unchosen: tuple | None = None
 
     def due(self, round: int) -> bool:
         """A check at ``round``: ``period`` rounds after the last check (every ``period``-th round when
@@ -137,6 +142,8 @@ class ShadowGuard:
             self.trainer.restore(main, "shadow")
             with_peers = list(self.val_counts(round))
             d, se, reset = self.decide(round, with_peers, alone)
+            if round >= self.last_round:
+                self.unchosen = main if reset else self.shadow
             if reset:
                 self.trainer.restore(self.shadow, "shadow")
                 self.resets += 1
