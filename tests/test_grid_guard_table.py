@@ -129,3 +129,55 @@ def test_shadow_cells_are_named_in_the_guard_sections_as_rows_over_their_checks(
     md = summary_markdown([], [], [], "t", guard_scores=[row], shadow=["F-TIS+shadow"])
     assert "For F-TIS+shadow (`source-adapt = shadow`, `learn/shadow.py`) the rows are over its checks: d is" in md
     assert "source-adapt = shadow" not in summary_markdown([], [], [], "t", guard_scores=[row])
+
+
+def test_the_shadow_s_last_choice_held_out_reads_both_final_evaluations(tmp_path):
+    """``unchosen_table``: per shadow cell × receiver, the last check's choice and the two ends' held-out ID
+    accuracy (the model's final records and those of the end it did not choose), their per-prompt paired
+    difference, whether the choice was the better end, and the alone cell's of the same seed; a shadow
+    cell run before the unchosen end was scored gives no row, and the section is only there with rows."""
+    import gzip
+    import json
+
+    from ftis_fed.grid.metric import SAMPLED
+    from ftis_fed.grid.report import unchosen_lines
+    from ftis_fed.grid.tables import unchosen_table
+    from ftis_fed.participant import EVAL_PROMPTS, UNCHOSEN_EVAL_PROMPTS
+
+    ids = ["add99/0", "add99/1", "sub99/0", "sub99/1"]
+
+    def records(run, name, per_participant):
+        lines = [json.dumps({"round": 4, "participant": p, "set": "id", "ids": ids, "solved": "0000", "k": 4,
+                             "sampled": counts}) for p, counts in per_participant.items()]
+        (run / name).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+
+    def check(rnd, who, kept, d, se):
+        return {"round": rnd, "participant": who, "phase": "train", "guard/kept_peers": kept,
+                "guard/diff_mean": d, "guard/diff_se": se}
+
+    shadow = Cell("F-TIS", "vertical", 0, "shadow")
+    run = write_cell(tmp_path, shadow, [check(2, "base", 0.0, -0.5, 0.1), check(4, "base", 1.0, 0.02, 0.01),
+                                        check(4, "spec", 0.0, -0.03, 0.01)])
+    records(run, EVAL_PROMPTS, {"base": [4, 4, 2, 0], "spec": [1, 1, 1, 1]})        # the chosen ends
+    records(run, UNCHOSEN_EVAL_PROMPTS, {"base": [2, 4, 2, 0], "spec": [1, 1, 1, 1]})
+    alone = write_cell(tmp_path, Cell("alone", "vertical", 0), [])
+    records(alone, EVAL_PROMPTS, {"base": [3, 3, 3, 3], "spec": [0, 0, 0, 0]})
+    older = Cell("F-TIS", "vertical", 1, "shadow")                                # no unchosen records
+    records(write_cell(tmp_path, older, [check(4, "base", 1.0, 0.0, 0.0)]), EVAL_PROMPTS, {"base": [0, 0, 0, 0]})
+    cells = [Cell("alone", "vertical", 0), shadow, older]
+    got = {r["participant"]: r for r in unchosen_table(cells, tmp_path, SAMPLED)}
+    assert sorted(got) == ["base", "spec"]
+    b, s = got["base"], got["spec"]
+    assert (b["method"], b["seed"], b["kept"], b["val_d"], b["val_se"]) == ("F-TIS+shadow", 0, 1.0, 0.02, 0.01)
+    assert b["with_peers"] == pytest.approx(10 / 16) and b["shadow"] == pytest.approx(8 / 16)   # kept: model = with
+    assert b["heldout_d"] == pytest.approx(0.125) and b["heldout_se"] == pytest.approx(0.125)   # d = (.5, 0, 0, 0)
+    assert b["right"] == 1.0 and b["alone"] == pytest.approx(0.75)
+    assert s["kept"] == 0.0 and s["heldout_d"] == 0.0 and s["right"] != s["right"]             # a tie: NaN
+    assert s["alone"] == 0.0
+    lines = unchosen_lines(list(got.values()), SAMPLED)
+    assert "It chose the better one in 1 of 1 (ties on the held-out set: 1)." in lines[2]
+    assert "| F-TIS+shadow | base | 0 | +20 ± 10 | with peers | 62.5 | 50.0 | +12.5 ± 12.5 | yes | 75.0 |" in lines
+    assert "| F-TIS+shadow | spec | 0 | -30 ± 10 | shadow | 25.0 | 25.0 | +0.0 ± 0.0 | tie | 0.0 |" in lines
+    assert unchosen_table([older], tmp_path, SAMPLED) == []
+    assert "## The shadow's last choice" not in summary_markdown([], [], [], "t")
+    assert "## The shadow's last choice, held out" in summary_markdown([], [], [], "t", unchosen=list(got.values()))

@@ -23,7 +23,7 @@ from ftis_fed.grid.plan import Cell, method_order
 from ftis_fed.grid.records import cell_rows, check_starts, check_weights, forget_cell_rows, initial_eval, num
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
                                   guard_score_table, guard_table, paired_prompt_table, start_table, stronger_participant,
-                                  summarize, train_diagnostics)
+                                  summarize, train_diagnostics, unchosen_table)
 
 
 def _write_csv(path: Path, rows: Sequence[dict]) -> None:
@@ -86,6 +86,31 @@ GUARD_SCORE_FIGURES = ("d", "d_min", "d_max", "d_sd", "drop")
 GUARD_SCORE_HEADERS = ("mean d ×10⁻³ [per seed]", "sd d ×10⁻³", "drops")
 
 
+def unchosen_lines(rows: Sequence[dict], metric: Metric) -> list[str]:
+    """The summary's section on the shadow's last choice, held out (``tables.unchosen_table``)."""
+    scored = [r for r in rows if math.isfinite(r["right"])]
+    lines = ["## The shadow's last choice, held out", "",
+             "`source-adapt = shadow`: at the last round the check chooses between the model as it learned "
+             "with its peers and its alone-trained shadow; the final evaluation scores both (the same "
+             f"held-out ID prompts and sampling seeds, {metric.words}). val d: the check's paired difference "
+             "with − shadow on the validation batch (± its se, ×10⁻³); held out: the same difference on the "
+             "held-out ID set (± se, points); chose: the end the check kept; better: whether it is the one "
+             "that holds out better. "
+             f"It chose the better one in {sum(r['right'] == 1.0 for r in scored)} of {len(scored)} "
+             f"(ties on the held-out set: {len(rows) - len(scored)}).", "",
+             "| method | receiver | seed | val d ×10⁻³ | chose | with peers | shadow | held out with − shadow | "
+             "better | alone |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        better = "tie" if not math.isfinite(r["right"]) else ("yes" if r["right"] == 1.0 else "no")
+        alone = f"{100 * r['alone']:.1f}" if math.isfinite(r["alone"]) else "–"
+        lines.append(f"| {r['method']} | {r['participant']} | {r['seed']} | {1e3 * r['val_d']:+.0f} ± "
+                     f"{1e3 * r['val_se']:.0f} | {'with peers' if r['kept'] == 1.0 else 'shadow'} | "
+                     f"{100 * r['with_peers']:.1f} | {100 * r['shadow']:.1f} | {100 * r['heldout_d']:+.1f} ± "
+                     f"{100 * r['heldout_se']:.1f} | {better} | {alone} |")
+    return lines + [""]
+
+
 def guard_score_figures(r: dict) -> str:
     """A guard score row's figures as table cells: mean d [per-seed range] | sd of d (both ×10⁻³: a
     log-likelihood difference per token, or a pass@1 difference) | the share of rounds it dropped the
@@ -139,7 +164,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None,
                      starts: Sequence[dict] = (), any_sign: Sequence[str] = (),
                      guards: Sequence[dict] = (), guard_scores: Sequence[dict] = (),
-                     shadow: Sequence[str] = ()) -> str:
+                     shadow: Sequence[str] = (), unchosen: Sequence[dict] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -312,6 +337,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
             lines.append(f"| {r['method']} | {r['participant']} | {r['group']} | {r['seeds']} | "
                          f"{guard_score_figures(r)} |")
         lines.append("")
+    if unchosen:
+        lines += unchosen_lines(unchosen, metric)
     if diagnostics:
         lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
                   "this receiver)", "",
@@ -446,6 +473,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
     filters = filter_table(cells, out)
     guards = guard_table(cells, out)
     guard_scores = guard_score_table(cells, out)
+    unchosen = unchosen_table(cells, out, metric)
     starts = start_table(cells, out)
     methods = {c.method for c in cells}
     configs = _configs(cells, out)
@@ -470,18 +498,19 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                [{**r, "kind": "filter", **tag} for r in filters] +
                [{**r, "kind": "start", **tag} for r in starts] +
                [{**r, "kind": "guard", **tag} for r in guards] +
-               [{**r, "kind": "guard_score", **tag} for r in guard_scores])
+               [{**r, "kind": "guard_score", **tag} for r in guard_scores] +
+               [{**r, "kind": "unchosen", **tag} for r in unchosen])
     objectives = _objectives(configs)
     (out / "summary.md").write_text(summary_markdown(summary, paired, results, title, initial, diagnostics,
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
                                                      starts, _any_sign_methods(objectives), guards,
-                                                     guard_scores, shadow))
+                                                     guard_scores, shadow, unchosen))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
             "verdicts": verdict_rows, "efficiency": efficiency, "gains": gains, "filters": filters, "starts": starts,
-            "guards": guards, "guard_scores": guard_scores, "metric": metric.name, "ks": ks}
+            "guards": guards, "guard_scores": guard_scores, "unchosen": unchosen, "metric": metric.name, "ks": ks}
 
 
 def _configs(cells: Sequence[Cell], out: Path) -> dict[Cell, dict]:

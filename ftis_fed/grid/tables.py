@@ -258,6 +258,48 @@ def guard_score_table(cells: Sequence[Cell], out: Path) -> list[dict]:
     return table
 
 
+def unchosen_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> list[dict]:
+    """Per cell × receiver of ``source-adapt = shadow`` whose final evaluation also scored the model its
+    last check did not choose (``unchosen_eval_prompts.jsonl.gz``; cells run before it give no row):
+    the last check (``kept``: 1 where the model stayed, ``val_d`` / ``val_se``: d̄ and se of its paired
+    sampled pass@1 on the validation batch, model − shadow), the two ends' final held-out ID accuracy
+    in ``metric`` (``with_peers``: the model as it learned with its peers, ``shadow``: its alone-
+    trained copy), their per-prompt paired difference with − shadow (``heldout_d`` and its standard
+    error ``heldout_se``: the same prompts and sampling seeds), ``right`` (1 where the check chose the
+    end that holds out at least as well, 0 where it chose the worse one; NaN where both tie), and the
+    alone cell's of the same seed (``alone``; NaN without one)."""
+    alone = _final_vectors([c for c in cells if c.method == BASELINE], out, metric)
+    table = []
+    for c in cells:
+        cell_dir = out / "cells" / c.name
+        other = prompt_records(cell_dir, "unchosen_eval_prompts.jsonl.gz") if (cell_dir / "done.json").exists() \
+            else []
+        if not other:
+            continue
+        try:
+            ends = (prompt_vectors(prompt_records(cell_dir), metric=metric), prompt_vectors(other, metric=metric))
+        except MissingMetric as e:
+            raise MissingMetric(f"cell {c.name}: {e}") from None
+        rows = [r for r in participant_rows(cell_rows(cell_dir), "train") if "guard/kept_peers" in r]
+        for p in sorted(ends[1]):
+            last = max((r for r in rows if r["participant"] == p), key=lambda r: int(r["round"]))
+            kept = num(last["guard/kept_peers"]) == 1.0
+            model, unchosen = ends[0][p]["id"], ends[1][p]["id"]
+            if list(model[0]) != list(unchosen[0]):
+                raise ValueError(f"cell {c.name}: {p}'s two final evaluations scored other prompts")
+            with_peers, shadow = (model[1], unchosen[1]) if kept else (unchosen[1], model[1])
+            d = np.asarray(with_peers, float) - np.asarray(shadow, float)
+            base = alone.get((BASELINE, p, c.seed), {}).get("id")
+            table.append({"method": c.method, "participant": p, "seed": c.seed, "kept": float(kept),
+                          "val_d": num(last.get("guard/diff_mean")), "val_se": num(last.get("guard/diff_se")),
+                          "with_peers": float(np.mean(with_peers)), "shadow": float(np.mean(shadow)),
+                          "heldout_d": float(d.mean()),
+                          "heldout_se": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan,
+                          "right": math.nan if abs(d.mean()) < 1e-12 else float((d.mean() > 0) == kept),
+                          "alone": float(np.mean(base[1])) if base is not None else math.nan})
+    return sorted(table, key=lambda r: (method_order(r["method"]), r["participant"], r["seed"]))
+
+
 def _final_vectors(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> dict[tuple[str, str, int], dict]:
     """(method, participant, seed) -> set key -> (ids, per-prompt values of ``metric``) of every
     finished cell."""
