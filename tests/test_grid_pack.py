@@ -92,7 +92,7 @@ def test_a_new_folder_becomes_a_copy_of_the_grid_checked_cell_by_cell(grids, tmp
     shutil.copytree(grids["whole"], b)
     (b / "cells" / "alone__vertical__s2" / "run" / "config.json").write_text(json.dumps({"eval_samples": 8}))
     with pytest.raises(PackError, match="alone__vertical__s2: its run configuration differs from alone__vertical__s0's "
-                                        "in the source \(the destination is new\): eval_samples = 8"):
+                                        r"in the source \(the destination is new\): eval_samples = 8"):
         pack(b, tmp_path / "other", echo=lambda s: None)
     assert not (tmp_path / "other").exists()
 
