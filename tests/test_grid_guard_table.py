@@ -175,7 +175,9 @@ def test_the_shadow_s_last_choice_held_out_reads_both_final_evaluations(tmp_path
     assert s["kept"] == 0.0 and s["heldout_d"] == 0.0 and s["right"] != s["right"]             # a tie: NaN
     assert s["alone"] == 0.0
     lines = unchosen_lines(list(got.values()), SAMPLED)
-    assert "It chose the better one in 1 of 1 (ties on the held-out set: 1)." in lines[2]
+    assert "It chose the better one in 1 of 1 (ties on the held-out set: 1). The shadow − the alone cell of its " \
+           "seed (two runs trained alone on the same prompts, on draws of their own): +0.0 points on average, " \
+           "sd 35.4, over 2." in lines[2]                              # base 50 − 75, spec 25 − 0
     assert "| F-TIS+shadow | base | 0 | +20 ± 10 | with peers | 62.5 | 50.0 | +12.5 ± 12.5 | yes | 75.0 |" in lines
     assert "| F-TIS+shadow | spec | 0 | -30 ± 10 | shadow | 25.0 | 25.0 | +0.0 ± 0.0 | tie | 0.0 |" in lines
     assert unchosen_table([older], tmp_path, SAMPLED) == []

@@ -86,6 +86,17 @@ GUARD_SCORE_FIGURES = ("d", "d_min", "d_max", "d_sd", "drop")
 GUARD_SCORE_HEADERS = ("mean d ×10⁻³ [per seed]", "sd d ×10⁻³", "drops")
 
 
+def _draws(rows: Sequence[dict]) -> str:
+    """The shadow against the alone cell of its seed: two runs trained alone on the same prompts, each
+    on draws of its own (``unchosen_lines``)."""
+    gaps = [100 * (r["shadow"] - r["alone"]) for r in rows if math.isfinite(r["alone"])]
+    if not gaps:
+        return ""
+    spread = f", sd {statistics.stdev(gaps):.1f}" if len(gaps) > 1 else ""
+    return (f" The shadow − the alone cell of its seed (two runs trained alone on the same prompts, on draws "
+            f"of their own): {statistics.fmean(gaps):+.1f} points on average{spread}, over {len(gaps)}.")
+
+
 def unchosen_lines(rows: Sequence[dict], metric: Metric) -> list[str]:
     """The summary's section on the shadow's last choice, held out (``tables.unchosen_table``)."""
     scored = [r for r in rows if math.isfinite(r["right"])]
@@ -97,7 +108,7 @@ def unchosen_lines(rows: Sequence[dict], metric: Metric) -> list[str]:
              "held-out ID set (± se, points); chose: the end the check kept; better: whether it is the one "
              "that holds out better. "
              f"It chose the better one in {sum(r['right'] == 1.0 for r in scored)} of {len(scored)} "
-             f"(ties on the held-out set: {len(rows) - len(scored)}).", "",
+             f"(ties on the held-out set: {len(rows) - len(scored)})." + _draws(rows), "",
              "| method | receiver | seed | val d ×10⁻³ | chose | with peers | shadow | held out with − shadow | "
              "better | alone |",
              "|---|---|---|---|---|---|---|---|---|---|"]
