@@ -135,13 +135,24 @@ def test_a_peer_gsm8k_batch_is_rescored_against_the_receivers_own_reference(tmp_
 
 # ----------------------------------------------------------------------------- math-verify
 
-def test_math500_answers_are_compared_symbolically():
+def test_math500_answers_are_compared_symbolically(monkeypatch):
+    """Equal expressions in other forms are equal. The checker gets 30 s an answer instead of the 2 s
+    default: under load ((x+1)^2 against x^2 + 2x + 1 beside two training processes, at the lowest
+    priority) the default time limit ran out and a time-out is "not equal" by design, which is the
+    machine's speed, not what this test is about (the tests below test the limit)."""
+    from ftis_fed.tasks import symbolic
+
+    checker = SymbolicChecker(timeout_s=30)
+    monkeypatch.setattr(symbolic, "_CHECKER", checker)
+    symbolic.symbolic_equal.cache_clear()                  # no verdict cached from another checker
     v = Verifier()
     for completion, ref in [("so \\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}"),
                             ("\\boxed{(x+1)^2}", "x^2 + 2x + 1"),
                             ("\\boxed{0.5}", "\\frac{1}{2}")]:
         assert v.check("math500/train/x", completion, ref) == (True, 1.0), (completion, ref)
     assert v.check("math500/train/x", "\\boxed{\\sqrt{3}/2}", "\\frac{\\sqrt{2}}{2}")[0] is False
+    checker.close()
+    symbolic.symbolic_equal.cache_clear()                  # nor one of this checker after it
 
 
 def test_integer_answers_take_only_the_exact_path():
