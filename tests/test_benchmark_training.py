@@ -146,13 +146,15 @@ def test_math500_answers_are_compared_symbolically(monkeypatch):
     monkeypatch.setattr(symbolic, "_CHECKER", checker)
     symbolic.symbolic_equal.cache_clear()                  # no verdict cached from another checker
     v = Verifier()
-    for completion, ref in [("so \\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}"),
-                            ("\\boxed{(x+1)^2}", "x^2 + 2x + 1"),
-                            ("\\boxed{0.5}", "\\frac{1}{2}")]:
-        assert v.check("math500/train/x", completion, ref) == (True, 1.0), (completion, ref)
-    assert v.check("math500/train/x", "\\boxed{\\sqrt{3}/2}", "\\frac{\\sqrt{2}}{2}")[0] is False
-    checker.close()
-    symbolic.symbolic_equal.cache_clear()                  # nor one of this checker after it
+    try:
+        for completion, ref in [("so \\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}"),
+                                ("\\boxed{(x+1)^2}", "x^2 + 2x + 1"),
+                                ("\\boxed{0.5}", "\\frac{1}{2}")]:
+            assert v.check("math500/train/x", completion, ref) == (True, 1.0), (completion, ref)
+        assert v.check("math500/train/x", "\\boxed{\\sqrt{3}/2}", "\\frac{\\sqrt{2}}{2}")[0] is False
+    finally:
+        checker.close()
+        symbolic.symbolic_equal.cache_clear()              # nor one of this checker after it
 
 
 def test_integer_answers_take_only_the_exact_path():
