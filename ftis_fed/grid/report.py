@@ -86,29 +86,35 @@ GUARD_SCORE_FIGURES = ("d", "d_min", "d_max", "d_sd", "drop")
 GUARD_SCORE_HEADERS = ("mean d ×10⁻³ [per seed]", "sd d ×10⁻³", "drops")
 
 
-def _draws(rows: Sequence[dict]) -> str:
-    """The shadow against the alone cell of its seed: two runs trained alone on the same prompts, each
-    on draws of its own (``unchosen_lines``)."""
-    gaps = [100 * (r["shadow"] - r["alone"]) for r in rows if math.isfinite(r["alone"])]
-    if not gaps:
-        return ""
-    spread = f", sd {statistics.stdev(gaps):.1f}" if len(gaps) > 1 else ""
-    return (f" The shadow − the alone cell of its seed (two runs trained alone on the same prompts, on draws "
-            f"of their own): {statistics.fmean(gaps):+.1f} points on average{spread}, over {len(gaps)}.")
+def _choices(rows: Sequence[dict]) -> str:
+    """Per method (its variant's knobs change the checks): how often the last check chose the end that
+    holds out better, and how far the shadow ends from the alone cell of its seed (two runs trained
+    alone on the same prompts, on draws of their own) (``unchosen_lines``)."""
+    parts = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        scored = [r for r in mine if math.isfinite(r["right"])]
+        gaps = [100 * (r["shadow"] - r["alone"]) for r in mine if math.isfinite(r["alone"])]
+        text = (f"{method}: it chose the better one in {sum(r['right'] == 1.0 for r in scored)} of {len(scored)} "
+                f"(ties on the held-out set: {len(mine) - len(scored)})")
+        if gaps:
+            spread = f", sd {statistics.stdev(gaps):.1f}" if len(gaps) > 1 else ""
+            text += (f"; the shadow − the alone cell of its seed (two runs trained alone on the same prompts, on "
+                     f"draws of their own) {statistics.fmean(gaps):+.1f} points on average{spread}, over "
+                     f"{len(gaps)}")
+        parts.append(text + ".")
+    return " ".join(parts)
 
 
 def unchosen_lines(rows: Sequence[dict], metric: Metric) -> list[str]:
     """The summary's section on the shadow's last choice, held out (``tables.unchosen_table``)."""
-    scored = [r for r in rows if math.isfinite(r["right"])]
     lines = ["## The shadow's last choice, held out", "",
              "`source-adapt = shadow`: at the last round the check chooses between the model as it learned "
              "with its peers and its alone-trained shadow; the final evaluation scores both (the same "
              f"held-out ID prompts and sampling seeds, {metric.words}). val d: the check's paired difference "
              "with − shadow on the validation batch (± its se, ×10⁻³); held out: the same difference on the "
              "held-out ID set (± se, points); chose: the end the check kept; better: whether it is the one "
-             "that holds out better. "
-             f"It chose the better one in {sum(r['right'] == 1.0 for r in scored)} of {len(scored)} "
-             f"(ties on the held-out set: {len(rows) - len(scored)})." + _draws(rows), "",
+             "that holds out better. " + _choices(rows), "",
              "| method | receiver | seed | val d ×10⁻³ | chose | with peers | shadow | held out with − shadow | "
              "better | alone |",
              "|---|---|---|---|---|---|---|---|---|---|"]
