@@ -266,7 +266,7 @@ def unchosen_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) ->
     in ``metric`` (``with_peers``: the model as it learned with its peers, ``shadow``: its alone-
     trained copy), their per-prompt paired difference with − shadow (``heldout_d`` and its standard
     error ``heldout_se``: the same prompts and sampling seeds), ``right`` (1 where the check chose the
-    end that holds out at least as well, 0 where it chose the worse one; NaN where both tie), and the
+    end that holds out better, 0 where it chose the worse one; NaN where both tie), and the
     alone cell's of the same seed (``alone``; NaN without one)."""
     alone = _final_vectors([c for c in cells if c.method == BASELINE], out, metric)
     table = []
