@@ -268,28 +268,22 @@ def unchosen_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) ->
     error ``heldout_se``: the same prompts and sampling seeds), ``right`` (1 where the check chose the
     end that holds out better, 0 where it chose the worse one; NaN where both tie), and the
     alone cell's of the same seed (``alone``; NaN without one)."""
-    alone = _final_vectors([c for c in cells if c.method == BASELINE], out, metric)
+    other = _final_vectors(cells, out, metric, "unchosen_eval_prompts.jsonl.gz")
+    ran = {(m, s) for m, _, s in other}
+    shadowed = [c for c in cells if (c.method, c.seed) in ran]
+    chosen = _final_vectors([*shadowed, *(c for c in cells if c.method == BASELINE)], out, metric)
     table = []
-    for c in cells:
-        cell_dir = out / "cells" / c.name
-        other = prompt_records(cell_dir, "unchosen_eval_prompts.jsonl.gz") if (cell_dir / "done.json").exists() \
-            else []
-        if not other:
-            continue
-        try:
-            ends = (prompt_vectors(prompt_records(cell_dir), metric=metric), prompt_vectors(other, metric=metric))
-        except MissingMetric as e:
-            raise MissingMetric(f"cell {c.name}: {e}") from None
-        rows = [r for r in participant_rows(cell_rows(cell_dir), "train") if "guard/kept_peers" in r]
-        for p in sorted(ends[1]):
+    for c in shadowed:
+        rows = [r for r in participant_rows(cell_rows(out / "cells" / c.name), "train") if "guard/kept_peers" in r]
+        for p in sorted(p for m, p, s in other if (m, s) == (c.method, c.seed)):
             last = max((r for r in rows if r["participant"] == p), key=lambda r: int(r["round"]))
             kept = num(last["guard/kept_peers"]) == 1.0
-            model, unchosen = ends[0][p]["id"], ends[1][p]["id"]
+            model, unchosen = chosen[(c.method, p, c.seed)]["id"], other[(c.method, p, c.seed)]["id"]
             if list(model[0]) != list(unchosen[0]):
                 raise ValueError(f"cell {c.name}: {p}'s two final evaluations scored other prompts")
             with_peers, shadow = (model[1], unchosen[1]) if kept else (unchosen[1], model[1])
             d = np.asarray(with_peers, float) - np.asarray(shadow, float)
-            base = alone.get((BASELINE, p, c.seed), {}).get("id")
+            base = chosen.get((BASELINE, p, c.seed), {}).get("id")
             table.append({"method": c.method, "participant": p, "seed": c.seed, "kept": float(kept),
                           "val_d": num(last.get("guard/diff_mean")), "val_se": num(last.get("guard/diff_se")),
                           "with_peers": float(np.mean(with_peers)), "shadow": float(np.mean(shadow)),
@@ -300,14 +294,15 @@ def unchosen_table(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) ->
     return sorted(table, key=lambda r: (method_order(r["method"]), r["participant"], r["seed"]))
 
 
-def _final_vectors(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY) -> dict[tuple[str, str, int], dict]:
+def _final_vectors(cells: Sequence[Cell], out: Path, metric: Metric = GREEDY,
+                   records: str = "eval_prompts.jsonl.gz") -> dict[tuple[str, str, int], dict]:
     """(method, participant, seed) -> set key -> (ids, per-prompt values of ``metric``) of every
-    finished cell."""
+    finished cell (from its ``records``: ``prompt_records``'s ``name``; a cell without them gives none)."""
     got = {}
     for c in cells:
         if (out / "cells" / c.name / "done.json").exists():
             try:
-                vectors = prompt_vectors(prompt_records(out / "cells" / c.name), metric=metric)
+                vectors = prompt_vectors(prompt_records(out / "cells" / c.name, records), metric=metric)
             except MissingMetric as e:
                 raise MissingMetric(f"cell {c.name}: {e}") from None
             for p, sets in vectors.items():
