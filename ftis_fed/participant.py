@@ -199,7 +199,7 @@ class Participant:
             return counts["val"]
 
         return ShadowGuard(self.trainer, self._own_samples, val_counts, knobs.val_samples, knobs.period, knobs.z,
-                           self.fed.num_rounds, knobs.z_last)
+                           self.fed.num_rounds, knobs.z_last, knobs.shadow_loss)
 
     def _count_load(self) -> int:
         """Record this model load in state_dir/model_loads.jsonl; return the loads of this run so far

@@ -32,14 +32,16 @@ def test_the_shadow_knobs_and_their_errors():
                                       "source-adapt-val-samples": 8}).checks["source-adapt"]
     assert (cfg.mode, cfg.period, cfg.z, cfg.val_samples) == ("shadow", 10, 1.5, 8)
     base = federation_from_run_config({}).checks["source-adapt"]
-    assert (base.period, base.z, base.z_last, base.val_samples) == (25, 2.0, 0.0, 4)
+    assert (base.period, base.z, base.z_last, base.val_samples, base.shadow_loss) == (25, 2.0, 0.0, 4, "alone")
     assert federation_from_run_config({"source-adapt-z-last": 1.0}).checks["source-adapt"].z_last == 1.0
+    assert federation_from_run_config({"source-adapt-shadow-loss": "run"}).checks["source-adapt"].shadow_loss == "run"
     for key, bad, why in (("source-adapt-period", 0, "an integer >= 1"), ("source-adapt-period", 2.5, "an integer"),
                           ("source-adapt-val-samples", 65, r"an integer in \[1, 64\]"),
                           ("source-adapt-z", -1.0, "a finite number >= 0"),
                           ("source-adapt-z", math.inf, "a finite number"),
                           ("source-adapt-z-last", -0.5, "a finite number >= 0"),
-                          ("source-adapt-z-last", math.nan, "a finite number")):
+                          ("source-adapt-z-last", math.nan, "a finite number"),
+                          ("source-adapt-shadow-loss", "F-TIS", "one of alone, run")):
         with pytest.raises(ValueError, match=f"{key}={bad!r}: must be {why}"):
             federation_from_run_config({key: bad})
 
@@ -67,7 +69,7 @@ def test_the_last_round_s_check_chooses_by_the_mean_alone():
     assert checks([1, 3, 5, 6, 9, 100]) == [3, 5, 9, 100]       # a population's receiver, some rounds only
 
 
-def _trainer():
+def _trainer(mode="F-TIS"):
     import torch
 
     from ftis_fed.learn.objective import ObjectiveConfig
@@ -76,7 +78,7 @@ def _trainer():
     from ftis_fed.policies.config import PolicyConfig
 
     torch.manual_seed(0)
-    return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig())
+    return Trainer(build_policy(PolicyConfig(model="tiny-llama", adapter="full", lr=1e-2)), ObjectiveConfig(mode=mode))
 
 
 def _samples(round):
@@ -101,14 +103,14 @@ def _same(a, b):
 
 def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confidently_worse(tmp_path):
     """Three rounds, checks at rounds 2 (period) and 3 (the last). The model's weights follow a plain
-    trainer on own + peers' samples, the shadow's a plain trainer on its own draws only (drawn with
-    the shadow's weights loaded); at round 2 the validation says the model is worse by far: it becomes
+    trainer on own + peers' samples, the shadow's a plain ``loss-mode = alone`` trainer on its own draws
+    only (drawn with the shadow's weights loaded); at round 2 the validation says the model is worse by far: it becomes
     the shadow, weights and optimizer alike; at round 3 a tie keeps it. The shadow is a checkpoint's
     part: saved and loaded back it is the same."""
     from ftis_fed.wire.batch import SamplingParams
 
     sampling = SamplingParams(max_new_tokens=4)
-    t, main_ref, alone_ref = _trainer(), _trainer(), _trainer()
+    t, main_ref, alone_ref = _trainer(), _trainer(), _trainer("alone")
     loaded_at_draw, loaded_at_score = [], []
 
     def own_samples(round):
@@ -165,13 +167,37 @@ def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confiden
     assert back.resets == 1
 
 
+def test_the_shadow_s_loss_is_alone_s_or_with_shadow_loss_run_the_run_s():
+    """``source-adapt-shadow-loss``: the shadow's update on its own draws is ``loss-mode = alone``'s
+    (default; the run the receiver would make alone) or, with ``run``, the run's loss (here F-TIS, whose
+    truncated weight on own samples is pi_theta / pi_gen: not 1 where the sampler's log-probs are not
+    the trainer's, so the two shadows differ); the model's own update is F-TIS's either way."""
+    from ftis_fed.wire.batch import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=4)
+    shadows = {}
+    for loss in ("alone", "run"):
+        t = _trainer()
+        g = ShadowGuard(t, lambda r: _samples(r)[1], lambda r: [0], k=4, period=5, z=2.0, last_round=9,
+                        shadow_loss=loss)
+        g.step(_samples(1)[0], sampling, 1)
+        main_ref, ref = _trainer(), _trainer("alone" if loss == "alone" else "F-TIS")
+        main_ref.step(_samples(1)[0], sampling)
+        ref.step(_samples(1)[1], sampling)
+        assert _same(t.policy.trainable_state(), main_ref.policy.trainable_state())
+        assert _same(g.shadow[0], ref.policy.trainable_state()), loss
+        assert t.objective.mode == "F-TIS"                       # the trainer's objective is not changed
+        shadows[loss] = g.shadow[0]
+    assert not _same(shadows["alone"], shadows["run"])
+
+
 def test_a_reset_at_the_last_round_leaves_the_model_with_its_peers_as_the_unchosen_end():
     """At the last round a reset makes the model its shadow; the model as it was with its peers is what
     the check did not choose (``unchosen``: the final evaluation scores it beside the model)."""
     from ftis_fed.wire.batch import SamplingParams
 
     sampling = SamplingParams(max_new_tokens=4)
-    t, main_ref, alone_ref = _trainer(), _trainer(), _trainer()
+    t, main_ref, alone_ref = _trainer(), _trainer(), _trainer("alone")
     scores = iter([[4, 4, 3], [3, 3, 3]])                        # the shadow, then the model: d = -1/12 < 0
     g = ShadowGuard(t, lambda r: _samples(r)[1], lambda r: next(scores), k=4, period=5, z=2.0, last_round=1)
     m = g.step(_samples(1)[0], sampling, 1)
@@ -233,7 +259,8 @@ def test_the_final_evaluation_scores_the_unchosen_end_too_and_loads_the_model_ba
     the model with its peers where it was reset) is scored as the model was (``unchosen/eval/...``
     metrics and ``unchosen_eval_prompts.jsonl.gz`` records: the same sets, ids and sampling seeds), with
     its weights loaded, and the model's state is loaded back after it. ``research-w`` (the calibrated
-    models, so the two differ after their updates), 2 rounds, checked at both."""
+    models, so the two differ after their updates), 2 rounds, checked at both. The shadow is the run the
+    participant makes alone (``loss-mode = alone``, the same knobs otherwise), bit for bit."""
     import gzip
 
     import torch
@@ -264,6 +291,10 @@ def test_the_final_evaluation_scores_the_unchosen_end_too_and_loads_the_model_ba
                                      'source-adapt="shadow"', "source-adapt-period=1", "source-adapt-val-size=8",
                                      "source-adapt-val-samples=2", "prompts-per-round=4", "eval-size=32",
                                      "eval-samples=2", "eval-every=2", "eval-initial=false"], "research-w") == 0
+    monkeypatch.undo()
+    alone = tmp_path / "alone"
+    assert simulate_inprocess(ROOT, [f'output-dir="{alone}"', "num-rounds=2", 'loss-mode="alone"',
+                                     "prompts-per-round=4", "eval-every=0", "eval-initial=false"], "research-w") == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     final = {r["participant"]: r for r in rows if r["phase"] == "eval" and r["round"] == 2}
     kept = {r["participant"]: r["guard/kept_peers"] for r in rows
@@ -286,6 +317,7 @@ def test_the_final_evaluation_scores_the_unchosen_end_too_and_loads_the_model_ba
         assert same(after[p][0], model[0]) and after[p][2] == model[2]           # the model is back
         assert same(model[0] if kept[p] == 0 else unchosen[p], shadow[0])        # one end is the shadow
         assert not same(model[0], unchosen[p])                                    # the other is not
+        assert same(shadow[0], read_snapshot(alone / "participants" / p / "policy.pt")[0][0])   # alone's run
         main = {r["set"]: r for r in records(p, participant.EVAL_PROMPTS) if r["round"] == 2}
         other = {r["set"]: r for r in records(p, participant.UNCHOSEN_EVAL_PROMPTS)}
         assert sorted(main) == sorted(other) and all(main[s]["ids"] == other[s]["ids"] for s in main)

@@ -56,6 +56,7 @@ record and whether it chose the one that holds out better can be counted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -95,8 +96,9 @@ class ShadowGuard:
 
     def __init__(self, trainer, own_samples: Callable[[int], list[TrainSample]],
                  val_counts: Callable[[int], Sequence[int]], k: int, period: int, z: float, last_round: int,
-                 z_last: float = 0.0):
+                 z_last: float = 0.0, shadow_loss: str = "alone"):
         self.trainer, self.own_samples, self.val_counts = trainer, own_samples, val_counts
+        self.shadow_loss = shadow_loss
         self.k, self.period, self.z, self.z_last, self.last_round = k, period, z, z_last, last_round
         #: (trainable state, optimizer state, optimizer steps) of the alone trajectory; None until the
         #: first update, when it starts as the main's weights before that update
@@ -106,6 +108,12 @@ class ShadowGuard:
         #: after the last round's check, the state it did not choose: the shadow where the model stayed,
         #: the model with its peers where it was reset (the participant's final evaluation scores it too)
         self.unchosen: tuple | None = None
+
+    def shadow_objective(self):
+        """The objective of the shadow's updates (``source-adapt-shadow-loss``): the trainer's with
+        ``loss-mode = alone`` (``alone``), or the trainer's own (``run``)."""
+        objective = self.trainer.objective
+        return dataclasses.replace(objective, mode="alone") if self.shadow_loss == "alone" else objective
 
     def due(self, round: int) -> bool:
         """A check at ``round``: ``period`` rounds after the last check (every ``period``-th round when
@@ -133,7 +141,7 @@ class ShadowGuard:
         self.trainer.restore(self.shadow, "shadow")
         own = self.own_samples(round)
         if own:
-            self.trainer.step(own, sampling)
+            self.trainer.step(own, sampling, self.shadow_objective())
         self.shadow = self.trainer.snapshot()
         out = {f"guard/{s}/weight": 1.0 for s in dict.fromkeys(s.source for s in samples if not s.local)}
         if self.due(round):

@@ -44,6 +44,8 @@ VAL_FAMILIES = ("trained", "task")
 VAL_SCORES = ("reward", "loglik")
 #: ``source-adapt-val-group``: one score over the whole validation batch, or one per family
 VAL_GROUPS = ("all", "family")
+#: ``source-adapt-shadow-loss``: the loss the shadow copy trains with on its own samples
+SHADOW_LOSSES = ("alone", "run")
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,13 @@ class SourceAdaptConfig:
         validates better; a tie keeps the model). > 0: the model is kept only when that mean minus
         ``z_last`` standard errors is > 0, else the run ends on the shadow, the copy trained alone: a
         tie or a small lead does not keep a model its peers did not clearly improve.""")
+    shadow_loss: str = knob("source-adapt-shadow-loss", "alone", before="run", help="""
+        ``shadow``: the loss of the shadow's update on its own samples: ``alone`` (``loss-mode = alone``:
+        the shadow is the run this receiver would have made alone, the same weights bit for bit) or
+        ``run`` (the run's ``loss-mode``, e.g. F-TIS's truncated weight pi_theta / pi_gen on its own
+        samples: the sampler's log-probs differ from the training forward's in the last digits, so the
+        shadow drifts from the alone run, measured 1e-4 (full) / 1e-3 (LoRA) in the weights after 2
+        updates of ``research-w``; the first shadow cells of docs/RESULTS.md ran it).""")
 
     def __post_init__(self) -> None:
         if self.mode not in SOURCE_ADAPT_MODES:
@@ -153,6 +162,8 @@ class SourceAdaptConfig:
             raise ValueError(f"source-adapt-z={self.z!r}: must be a finite number >= 0")
         if isinstance(self.z_last, bool) or not (math.isfinite(self.z_last) and self.z_last >= 0):
             raise ValueError(f"source-adapt-z-last={self.z_last!r}: must be a finite number >= 0")
+        if self.shadow_loss not in SHADOW_LOSSES:
+            raise ValueError(f"source-adapt-shadow-loss={self.shadow_loss!r}: must be one of {', '.join(SHADOW_LOSSES)}")
         if not isinstance(self.align, bool):
             raise ValueError(f"source-adapt-align={self.align!r}: must be true or false")
 

@@ -388,24 +388,29 @@ class Trainer:
         self.steps = 0
         self.source_kl: dict[str, float] = {}      # the last step's mean sample KL per peer source with samples
 
-    def step(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> dict[str, float]:
+    def step(self, samples: Sequence[TrainSample], sampling: "SamplingParams",
+             objective: ObjectiveConfig | None = None) -> dict[str, float]:
         """The round's update on ``samples``: ``updates-per-round`` F-TIS optimizer steps (one by
-        default); ``sampling`` defines pi_theta's distribution. Returns the first step's metrics of
-        ``ftis_step`` (the off-policy diagnostics as the samples arrived) and ``advantage_group_metrics``,
-        with the last step's loss and gradient norm when there are several; ``source_kl`` then holds
-        each peer source's mean sample KL of the first step (what ``source-adapt`` adapts to)."""
+        default); ``sampling`` defines pi_theta's distribution; ``objective`` the loss of this update
+        (default the trainer's: ``source-adapt = shadow`` steps its alone copy with ``loss-mode = alone``).
+        Returns the first step's metrics of ``ftis_step`` (the off-policy diagnostics as the samples
+        arrived) and ``advantage_group_metrics``, with the last step's loss and gradient norm when there
+        are several; ``source_kl`` then holds each peer source's mean sample KL of the first step (what
+        ``source-adapt`` adapts to)."""
+        objective = self.objective if objective is None else objective
         n = int(self.cfg.updates_per_round)
-        old, rest = self._references_outside_first_step(samples, sampling) if n > 1 else (None, False)
-        metrics = self.one_step(samples, sampling, None, reference_out=old if rest else None)   # fills the rest
+        old, rest = self._references_outside_first_step(samples, sampling, objective) if n > 1 else (None, False)
+        metrics = self.one_step(samples, sampling, None, reference_out=old if rest else None,   # fills the rest
+                                objective=objective)
         for _ in range(n - 1):
-            last = self.one_step(samples, sampling, old)
+            last = self.one_step(samples, sampling, old, objective=objective)
             metrics.update({k: last[k] for k in ("train/loss", "train/grad_norm", "train/lr") if k in last})
             metrics["train/skipped_nonfinite"] = metrics.get("train/skipped_nonfinite", 0.0) + \
                 last.get("train/skipped_nonfinite", 0.0)
         metrics["train/updates"] = float(n)
         peers = dict.fromkeys(s.source for s in samples if not s.local)
         self.source_kl = {p: metrics[f"offpolicy/{p}/kl_mean"] for p in peers if f"offpolicy/{p}/kl_mean" in metrics}
-        metrics.update(advantage_group_metrics(samples, self.objective))
+        metrics.update(advantage_group_metrics(samples, objective))
         return metrics
 
     def old_logprobs(self, samples: Sequence[TrainSample], sampling: "SamplingParams") -> list[torch.Tensor]:
@@ -421,8 +426,8 @@ class Trainer:
                 out += [logp[i, :len(s.completion_ids)].detach().clone() for i, s in enumerate(chunk)]
         return out
 
-    def _references_outside_first_step(self, samples: Sequence[TrainSample],
-                                       sampling: "SamplingParams") -> tuple[list[torch.Tensor | None], bool]:
+    def _references_outside_first_step(self, samples: Sequence[TrainSample], sampling: "SamplingParams",
+                                       objective: ObjectiveConfig) -> tuple[list[torch.Tensor | None], bool]:
         """The PPO clip's reference of the round's further steps is ``old_logprobs``: the round-start
         log-probs of micro-batches of ``samples`` in their order. The first step computes the same rows
         in its own micro-batches (``step_rows``), and reads a row's reference off that forward when its
@@ -433,7 +438,7 @@ class Trainer:
         draws). Returns (per sample its reference or None, whether the first step must read some: the
         rows it scores that are still None; rows the steps never score stay None)."""
         pol, mb = self.policy, self.cfg.micro_batch                # micro_batch >= 1 (PolicyConfig)
-        keep, order = step_rows(samples, self.objective, self.cfg.share_prefix)
+        keep, order = step_rows(samples, objective, self.cfg.share_prefix)
         layout_in_step: dict[int, object] = {}                      # the rows the steps score: their layout
         for start in range(0, len(order), mb):
             idx = [keep[j] for j in order[start:start + mb]]
@@ -457,9 +462,11 @@ class Trainer:
         return out, any(out[i] is None for i in layout_in_step)
 
     def one_step(self, samples: Sequence[TrainSample], sampling: "SamplingParams",
-                 logp_old: Sequence[torch.Tensor] | None, reference_out: list | None = None) -> dict[str, float]:
-        """One F-TIS optimizer step (``ftis_step``) at the warm-up's rate for this step; with
-        ``reference_out``, each scored sample's no-grad log-probs of the step's weights go there."""
+                 logp_old: Sequence[torch.Tensor] | None, reference_out: list | None = None,
+                 objective: ObjectiveConfig | None = None) -> dict[str, float]:
+        """One F-TIS optimizer step (``ftis_step``) at the warm-up's rate for this step, of ``objective``
+        (default the trainer's); with ``reference_out``, each scored sample's no-grad log-probs of the
+        step's weights go there."""
         pol = self.policy
         lr = self.cfg.lr_at(self.steps + 1)                  # the warm-up follows the saved step count
         for group in self.optimizer.param_groups:
@@ -468,7 +475,8 @@ class Trainer:
         try:
             score = pol.score_padded if reference_out is None else pol.score_padded_and_reference
             metrics = ftis_step(lambda p, c, g: score(p, c, sampling, g), self.params, self.optimizer,
-                                samples, self.objective, self.cfg.micro_batch, self.cfg.max_grad_norm,
+                                samples, self.objective if objective is None else objective,
+                                self.cfg.micro_batch, self.cfg.max_grad_norm,
                                 logp_old=logp_old,
                                 group_prompts=self.cfg.share_prefix,   # a prompt's rows in one micro-batch
                                 score_zero_advantage=self.cfg.score_zero_advantage,
