@@ -29,11 +29,14 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 
 def knob(key: str, default: Any = MISSING, help: str = "", *, default_factory: Callable[[], Any] | Any = MISSING,
-         run: bool = True, per_participant: bool = False) -> Any:
-    """A dataclass field declared as the run-config key ``key`` (see the module docstring)."""
+         run: bool = True, per_participant: bool = False, before: Any = MISSING) -> Any:
+    """A dataclass field declared as the run-config key ``key`` (see the module docstring). ``before``:
+    where the key came with a default that is not what the code did before it, the value that did
+    (a run recorded before the key existed does not name it, and ran as this: ``grid/pack.py``)."""
     if not help:
         raise ValueError(f"knob {key!r}: every key needs its help text")
-    meta = {"key": key, "help": " ".join(help.split()), "run": run, "per_participant": per_participant}
+    meta = {"key": key, "help": " ".join(help.split()), "run": run, "per_participant": per_participant,
+            "before": before}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -62,6 +65,7 @@ class Knob(NamedTuple):
     help: str
     run: bool
     per_participant: bool
+    before: Any = MISSING     # what runs recorded before the key existed did, where not ``default``
 
 
 def default_of(f: Field) -> Any:
@@ -78,6 +82,7 @@ def knobs(cls: type, section: str = "") -> Iterator[Knob]:
     for f in dataclasses.fields(cls):
         if "key" in f.metadata:
             m = f.metadata
-            yield Knob(m["key"], cls, f.name, section, default_of(f), m["help"], m["run"], m["per_participant"])
+            yield Knob(m["key"], cls, f.name, section, default_of(f), m["help"], m["run"], m["per_participant"],
+                       m.get("before", MISSING))
         elif f.default_factory is not MISSING and dataclasses.is_dataclass(f.default_factory):
             yield from knobs(f.default_factory, f.name)

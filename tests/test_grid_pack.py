@@ -154,6 +154,24 @@ def test_cells_of_another_code_version_compare_on_what_both_record(grids, tmp_pa
                 pack(b, a2, echo=got.append)
 
 
+def test_a_setting_whose_knob_names_what_the_older_code_did_compares_with_that():
+    """``source-adapt-shadow-loss`` came with the default ``alone``, but the shadow cells recorded before it
+    ran ``run`` (its knob's ``before``): a cell that does not record it may have run either (the cells that
+    ran no shadow record neither), and a setting whose knob names nothing compares with today's default.
+    A shadow variant that names ``run`` (the committed grids' ``grid.json``) is what keeps a cell of
+    ``alone`` out of those cells' method: ``--pack`` compares the variant's items."""
+    from ftis_fed.grid.pack import _differences
+
+    old = {"checks": {"source-adapt": {"mode": "shadow", "z": 2.0}}}
+    def new(loss):
+        return {"checks": {"source-adapt": {"mode": "shadow", "z": 2.0, "shadow_loss": loss}}}
+
+    assert _differences(old, new("run")) == ([], []) == _differences(new("alone"), old)
+    assert _differences(new("twin"), old) == (["checks.source-adapt.shadow_loss = 'twin' (here absent)"], [])
+    assert _differences({"eval_samples": 0}, {}) == ([], [])                 # today's default: no knob's `before`
+    assert _differences({"eval_samples": 8}, {})[0] == ["eval_samples = 8 (here absent)"]
+
+
 def test_a_grid_from_before_metric_existed_reads_as_greedy(grids, tmp_path):
     """A grid.json written before ``--metric`` records none: its cells were summarised on greedy
     pass@1 (``recorded_metric``), so greedy cells join it and sampled ones do not."""

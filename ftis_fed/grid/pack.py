@@ -82,18 +82,29 @@ def _shown(v) -> str:
     return "absent" if v is _ABSENT else repr(v)
 
 
-def _defaults() -> dict:
+def _defaults() -> dict[str, tuple]:
+    """Each setting's values a run recorded before the setting existed may have run with: today's
+    default, and what the code did before it where its knob declares that (``knob(..., before=...)``:
+    ``source-adapt-shadow-loss`` came with ``alone``, the shadow had trained with ``run``; which of the
+    two an older run did depends on its other settings, here whether it ran the shadow at all)."""
     from ftis_fed.config.federation import FederationConfig, to_jsonable
+    from ftis_fed.config.keys import federation_knobs
+    from ftis_fed.knobs import MISSING
 
-    return _leaves(to_jsonable(FederationConfig()))
+    out = {k: (v,) for k, v in _leaves(to_jsonable(FederationConfig())).items()}
+    for k in federation_knobs():
+        if k.before is not MISSING:
+            path = f"{k.section}.{k.field}".lstrip(".")
+            out[path] = (*out.get(path, ()), k.before)
+    return out
 
 
 def _differences(a: dict, b: dict) -> tuple[list[str], list[str]]:
     """The settings in which run configurations ``a`` and ``b`` differ, and those only one of them
     records that are left out as another code version's: cells run before a setting existed do not
-    record it, so a setting recorded on one side only counts as a difference unless it holds today's
-    default (what the older code did); one today's code no longer has (renamed) is named, not
-    compared."""
+    record it, so a setting recorded on one side only counts as a difference unless it holds what the
+    older code did (``_defaults``: today's default, or the value its knob names); one today's code no
+    longer has (renamed) is named, not compared."""
     la, lb, defaults = _leaves(a), _leaves(b), None
     diffs, versions = [], []
     for k in sorted(set(la) | set(lb)):
@@ -106,7 +117,7 @@ def _differences(a: dict, b: dict) -> tuple[list[str], list[str]]:
             if k not in defaults:
                 versions.append(k)
                 continue
-            if value == defaults[k]:
+            if value in defaults[k]:
                 continue
         diffs.append(f"{k} = {_shown(va)} (here {_shown(vb)})")
     return diffs, versions
