@@ -174,17 +174,25 @@ def test_the_shadow_s_last_choice_held_out_reads_both_final_evaluations(tmp_path
     assert b["right"] == 1.0 and b["alone"] == pytest.approx(0.75)
     assert s["kept"] == 0.0 and s["heldout_d"] == 0.0 and s["right"] != s["right"]             # a tie: NaN
     assert s["alone"] == 0.0
-    lines = unchosen_lines(list(got.values()), SAMPLED)
+    lines = unchosen_lines(list(got.values()), SAMPLED, {"F-TIS+shadow": "run"})
     assert "F-TIS+shadow: it chose the better one in 1 of 1 (ties on the held-out set: 1); the shadow − the " \
-           "alone cell of its seed (two runs trained alone on the same prompts, on draws of their own) +0.0 " \
-           "points on average, sd 35.4, over 2." in lines[2]            # base 50 − 75, spec 25 − 0
+           "alone cell of its seed (`source-adapt-shadow-loss = run`: its shadow trained with the run's loss on " \
+           "draws of its own, not the alone run) +0.0 points on average, sd 35.4, over 2." in lines[2]   # 50 − 75, 25 − 0
     assert "| F-TIS+shadow | base | 0 | +20 ± 10 | with peers | 62.5 | 50.0 | +12.5 ± 12.5 | yes | 75.0 |" in lines
     assert "| F-TIS+shadow | spec | 0 | -30 ± 10 | shadow | 25.0 | 25.0 | +0.0 ± 0.0 | tie | 0.0 |" in lines
-    two = unchosen_lines([*got.values(), {**b, "method": "F-TIS+shadowid", "right": 0.0}], SAMPLED)[2]
+    two = unchosen_lines([*got.values(), {**b, "method": "F-TIS+shadowx", "right": 0.0}], SAMPLED,
+                         {"F-TIS+shadow": "run", "F-TIS+shadowx": "alone"})[2]
     assert "F-TIS+shadow: it chose the better one in 1 of 1 (ties on the held-out set: 1)" in two   # per method
-    assert "F-TIS+shadowid: it chose the better one in 0 of 1 (ties on the held-out set: 0); the shadow − the " \
-           "alone cell of its seed (two runs trained alone on the same prompts, on draws of their own) -25.0 " \
+    assert "F-TIS+shadowx: it chose the better one in 0 of 1 (ties on the held-out set: 0); the shadow − the " \
+           "alone cell of its seed (its shadow is that run, `source-adapt-shadow-loss = alone`) -25.0 " \
            "points on average, over 1." in two
+    # which loss a method's shadow trained with: its cells' config.json (recorded before the key: `run`)
+    from ftis_fed.grid.report import _shadow_losses
+    configs = {shadow: {"checks": {"source-adapt": {"mode": "shadow"}}},
+               Cell("F-TIS", "vertical", 0, "shadowx"): {"checks": {"source-adapt": {"mode": "shadow",
+                                                                                      "shadow_loss": "alone"}}},
+               Cell("alone", "vertical", 0): {"checks": {"source-adapt": {"mode": "off"}}}}
+    assert _shadow_losses(configs) == {"F-TIS+shadow": "run", "F-TIS+shadowx": "alone"}
     assert unchosen_table([older], tmp_path, SAMPLED) == []
     assert "## The shadow's last choice" not in summary_markdown([], [], [], "t")
     assert "## The shadow's last choice, held out" in summary_markdown([], [], [], "t", unchosen=list(got.values()))

@@ -7,6 +7,7 @@ figures' axes."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import statistics
@@ -24,6 +25,7 @@ from ftis_fed.grid.records import cell_rows, check_starts, check_weights, forget
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
                                   guard_score_table, guard_table, paired_prompt_table, start_table, stronger_participant,
                                   summarize, train_diagnostics, unchosen_table)
+from ftis_fed.learn.source_weights import SourceAdaptConfig
 
 
 def _write_csv(path: Path, rows: Sequence[dict]) -> None:
@@ -86,10 +88,16 @@ GUARD_SCORE_FIGURES = ("d", "d_min", "d_max", "d_sd", "drop")
 GUARD_SCORE_HEADERS = ("mean d ×10⁻³ [per seed]", "sd d ×10⁻³", "drops")
 
 
-def _choices(rows: Sequence[dict]) -> str:
+#: how the shadow relates to the alone cell of its seed, by ``source-adapt-shadow-loss``
+SHADOW_IS = {"alone": "its shadow is that run, `source-adapt-shadow-loss = alone`",
+             "run": "`source-adapt-shadow-loss = run`: its shadow trained with the run's loss on draws of its own, "
+                    "not the alone run"}
+
+
+def _choices(rows: Sequence[dict], losses: dict[str, str] | None = None) -> str:
     """Per method (its variant's knobs change the checks): how often the last check chose the end that
-    holds out better, and how far the shadow ends from the alone cell of its seed (two runs trained
-    alone on the same prompts, on draws of their own) (``unchosen_lines``)."""
+    holds out better, and how far the shadow ends from the alone cell of its seed (``losses``: each
+    method's ``source-adapt-shadow-loss``, ``_shadow_losses``; ``unchosen_lines``)."""
     parts = []
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
@@ -99,22 +107,23 @@ def _choices(rows: Sequence[dict]) -> str:
                 f"(ties on the held-out set: {len(mine) - len(scored)})")
         if gaps:
             spread = f", sd {statistics.stdev(gaps):.1f}" if len(gaps) > 1 else ""
-            text += (f"; the shadow − the alone cell of its seed (two runs trained alone on the same prompts, on "
-                     f"draws of their own) {statistics.fmean(gaps):+.1f} points on average{spread}, over "
-                     f"{len(gaps)}")
+            how = SHADOW_IS.get((losses or {}).get(method, ""))
+            text += (f"; the shadow − the alone cell of its seed{f' ({how})' if how else ''} "
+                     f"{statistics.fmean(gaps):+.1f} points on average{spread}, over {len(gaps)}")
         parts.append(text + ".")
     return " ".join(parts)
 
 
-def unchosen_lines(rows: Sequence[dict], metric: Metric) -> list[str]:
-    """The summary's section on the shadow's last choice, held out (``tables.unchosen_table``)."""
+def unchosen_lines(rows: Sequence[dict], metric: Metric, losses: dict[str, str] | None = None) -> list[str]:
+    """The summary's section on the shadow's last choice, held out (``tables.unchosen_table``; ``losses``:
+    ``_choices``)."""
     lines = ["## The shadow's last choice, held out", "",
              "`source-adapt = shadow`: at the last round the check chooses between the model as it learned "
              "with its peers and its alone-trained shadow; the final evaluation scores both (the same "
              f"held-out ID prompts and sampling seeds, {metric.words}). val d: the check's paired difference "
              "with − shadow on the validation batch (± its se, ×10⁻³); held out: the same difference on the "
              "held-out ID set (± se, points); chose: the end the check kept; better: whether it is the one "
-             "that holds out better. " + _choices(rows), "",
+             "that holds out better. " + _choices(rows, losses), "",
              "| method | receiver | seed | val d ×10⁻³ | chose | with peers | shadow | held out with − shadow | "
              "better | alone |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -166,6 +175,19 @@ def _shadow_methods(configs: dict[Cell, dict]) -> list[str]:
                    if cfg.get("checks", {}).get("source-adapt", {}).get("mode") == "shadow"})
 
 
+def _shadow_losses(configs: dict[Cell, dict]) -> dict[str, str]:
+    """Per method that ran ``source-adapt = shadow``, the loss its shadow trained with
+    (``source-adapt-shadow-loss``; a cell recorded before the key: what the code did, its knob's
+    ``before``)."""
+    before = next(f for f in dataclasses.fields(SourceAdaptConfig) if f.name == "shadow_loss").metadata["before"]
+    out: dict[str, set] = {}
+    for c, cfg in configs.items():
+        adapt = cfg.get("checks", {}).get("source-adapt", {})
+        if adapt.get("mode") == "shadow":
+            out.setdefault(c.method, set()).add(adapt.get("shadow_loss", before))
+    return {m: " and ".join(sorted(v)) for m, v in out.items()}
+
+
 def _shadow_note(shadow: Sequence[str], what: str) -> str:
     """A guard section's sentence on the ``shadow`` methods, whose rows are per check, not per round
     (nothing without them: the summaries of grids without such cells are as before)."""
@@ -181,7 +203,8 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None,
                      starts: Sequence[dict] = (), any_sign: Sequence[str] = (),
                      guards: Sequence[dict] = (), guard_scores: Sequence[dict] = (),
-                     shadow: Sequence[str] = (), unchosen: Sequence[dict] = ()) -> str:
+                     shadow: Sequence[str] = (), unchosen: Sequence[dict] = (),
+                     shadow_losses: dict[str, str] | None = None) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -355,7 +378,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                          f"{guard_score_figures(r)} |")
         lines.append("")
     if unchosen:
-        lines += unchosen_lines(unchosen, metric)
+        lines += unchosen_lines(unchosen, metric, shadow_losses)
     if diagnostics:
         lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
                   "this receiver)", "",
@@ -522,7 +545,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
                                                      starts, _any_sign_methods(objectives), guards,
-                                                     guard_scores, shadow, unchosen))
+                                                     guard_scores, shadow, unchosen, _shadow_losses(configs)))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,

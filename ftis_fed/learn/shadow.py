@@ -16,9 +16,13 @@ on its own samples only: the alone trajectory, started from the same weights).
 
 1. Every round the main takes the run's update on own + peers' samples, as without this option.
 2. The shadow's weights are loaded, it draws this round's own samples itself (the same prompts, seed
-   and reward as the main's ``generate``, ``own_samples``) and takes the same update on those alone;
-   then the main's weights are loaded back. The receiver checks (``receive/``) concern peers' samples
-   and are not run on the shadow's.
+   and reward as the main's ``generate``, ``own_samples``) and takes ``loss-mode = alone``'s update on
+   them (``source-adapt-shadow-loss = alone``); then the main's weights are loaded back. So the shadow
+   is, bit for bit, the run this receiver makes with ``loss-mode = alone`` and the same knobs. (With
+   ``run`` it takes the run's loss instead: F-TIS weighs even its own samples by min(pi_theta / pi_gen,
+   C), and the sampler's log-probs differ from the training forward's in the last digits, so that
+   shadow drifts from the alone run, and on the learning tier two such runs end ~2 points apart.) The
+   receiver checks (``receive/``) concern peers' samples and are not run on the shadow's.
 3. Every ``source-adapt-period`` rounds (in a population that trains the receiver in some rounds
    only: at its first update that many rounds after the last check), and at the run's last round,
    both are scored on the receiver's validation batch V (``learn/guard.validation_prompts``;
