@@ -128,7 +128,7 @@ class SourceAdaptConfig:
         the shadow is the run this receiver would have made alone, the same weights bit for bit) or
         ``run`` (the run's ``loss-mode``, e.g. F-TIS's truncated weight pi_theta / pi_gen on its own
         samples: the sampler's log-probs differ from the training forward's in the last digits, so the
-        shadow drifts from the alone run, measured 1e-4 (full) / 1e-3 (LoRA) in the weights after 2
+        shadow drifts from the alone run, measured 1e-4 (full) / 1e-3 (LoRA) in the weights after 4
         updates of ``research-w``; the first shadow cells of docs/RESULTS.md ran it).""")
 
     def __post_init__(self) -> None:
