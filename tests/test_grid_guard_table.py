@@ -177,7 +177,7 @@ def test_the_shadow_s_last_choice_held_out_reads_both_final_evaluations(tmp_path
     lines = unchosen_lines(list(got.values()), SAMPLED, {"F-TIS+shadow": "run"})
     assert "F-TIS+shadow: it chose the better one in 1 of 1 (ties on the held-out set: 1); the shadow − the " \
            "alone cell of its seed (`source-adapt-shadow-loss = run`: its shadow trained with the run's loss on " \
-           "draws of its own, not the alone run) +0.0 points on average, sd 35.4, over 2." in lines[2]   # 50 − 75, 25 − 0
+           "draws of its own, not the alone run) +0.0 points on average, sd 35.4, over 2." in lines[2]   # 50−75, 25−0
     assert "| F-TIS+shadow | base | 0 | +20 ± 10 | with peers | 62.5 | 50.0 | +12.5 ± 12.5 | yes | 75.0 |" in lines
     assert "| F-TIS+shadow | spec | 0 | -30 ± 10 | shadow | 25.0 | 25.0 | +0.0 ± 0.0 | tie | 0.0 |" in lines
     two = unchosen_lines([*got.values(), {**b, "method": "F-TIS+shadowx", "right": 0.0}], SAMPLED,

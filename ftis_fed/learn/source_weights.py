@@ -163,7 +163,8 @@ class SourceAdaptConfig:
         if isinstance(self.z_last, bool) or not (math.isfinite(self.z_last) and self.z_last >= 0):
             raise ValueError(f"source-adapt-z-last={self.z_last!r}: must be a finite number >= 0")
         if self.shadow_loss not in SHADOW_LOSSES:
-            raise ValueError(f"source-adapt-shadow-loss={self.shadow_loss!r}: must be one of {', '.join(SHADOW_LOSSES)}")
+            raise ValueError(f"source-adapt-shadow-loss={self.shadow_loss!r}: must be one of "
+                             f"{', '.join(SHADOW_LOSSES)}")
         if not isinstance(self.align, bool):
             raise ValueError(f"source-adapt-align={self.align!r}: must be true or false")
 
