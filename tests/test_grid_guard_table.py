@@ -114,7 +114,7 @@ def test_shadow_cells_are_named_in_the_guard_sections_as_rows_over_their_checks(
     """``source-adapt = shadow`` (``learn/shadow.py``) reports its figures at its checks only; the
     summary's guard sections say so for the methods whose cells' config ran it, and nothing changes
     for a grid without them."""
-    from ftis_fed.grid.report import _configs, _shadow_methods
+    from ftis_fed.grid.report import _configs, _shadow_losses
 
     shadow = Cell("F-TIS", "vertical", 0, "shadow")
     write_cell(tmp_path, shadow, [{"round": 25, "participant": "base", "phase": "train"}],
@@ -122,8 +122,8 @@ def test_shadow_cells_are_named_in_the_guard_sections_as_rows_over_their_checks(
     guard = Cell("F-TIS", "vertical", 0, "guard")
     write_cell(tmp_path, guard, config={"checks": {"source-adapt": {"mode": "guard"}}})
     plain = _cell(tmp_path, "F-TIS", 0, [])
-    assert _shadow_methods(_configs([shadow, guard, plain], tmp_path)) == ["F-TIS+shadow"]
-    assert _shadow_methods(_configs([guard, plain], tmp_path)) == []
+    assert sorted(_shadow_losses(_configs([shadow, guard, plain], tmp_path))) == ["F-TIS+shadow"]
+    assert sorted(_shadow_losses(_configs([guard, plain], tmp_path))) == []
     row = {"method": "F-TIS+shadow", "participant": "base", "group": "all", "seeds": 1, "d": -0.012,
            "d_min": -0.012, "d_max": -0.012, "d_sd": 0.01, "drop": 0.25}
     md = summary_markdown([], [], [], "t", guard_scores=[row], shadow=["F-TIS+shadow"])

@@ -7,7 +7,6 @@ figures' axes."""
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 import statistics
@@ -25,6 +24,7 @@ from ftis_fed.grid.records import cell_rows, check_starts, check_weights, forget
 from ftis_fed.grid.tables import (DIAGNOSTICS, _mean_sd, cell_results, check_metric, family_table, filter_table, gain_table,
                                   guard_score_table, guard_table, paired_prompt_table, start_table, stronger_participant,
                                   summarize, train_diagnostics, unchosen_table)
+from ftis_fed.knobs import knobs
 from ftis_fed.learn.source_weights import SourceAdaptConfig
 
 
@@ -168,18 +168,11 @@ def efficiency_figures(r: dict) -> str:
     return f"{r['diff']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if math.isfinite(r["lo"]) else f"{r['diff']:.2f}"
 
 
-def _shadow_methods(configs: dict[Cell, dict]) -> list[str]:
-    """The methods (sorted) whose cells ran ``source-adapt = shadow`` (``learn/shadow.py``; the
-    ``checks`` of their config.json, ``_configs``)."""
-    return sorted({c.method for c, cfg in configs.items()
-                   if cfg.get("checks", {}).get("source-adapt", {}).get("mode") == "shadow"})
-
-
 def _shadow_losses(configs: dict[Cell, dict]) -> dict[str, str]:
-    """Per method that ran ``source-adapt = shadow``, the loss its shadow trained with
-    (``source-adapt-shadow-loss``; a cell recorded before the key: what the code did, its knob's
-    ``before``)."""
-    before = next(f for f in dataclasses.fields(SourceAdaptConfig) if f.name == "shadow_loss").metadata["before"]
+    """Per method whose cells ran ``source-adapt = shadow`` (``learn/shadow.py``; the ``checks`` of their
+    config.json, ``_configs``), the loss its shadow trained with (``source-adapt-shadow-loss``; a cell
+    recorded before the key: what the code did, its knob's ``before``)."""
+    before = next(k.before for k in knobs(SourceAdaptConfig) if k.field == "shadow_loss")
     out: dict[str, set] = {}
     for c, cfg in configs.items():
         adapt = cfg.get("checks", {}).get("source-adapt", {})
@@ -517,7 +510,8 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
     starts = start_table(cells, out)
     methods = {c.method for c in cells}
     configs = _configs(cells, out)
-    shadow = _shadow_methods(configs)
+    shadow_losses = _shadow_losses(configs)
+    shadow = sorted(shadow_losses)
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
     efficiency = efficiency_table(cells, out, initial, metric=metric)
@@ -545,7 +539,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
                                                      starts, _any_sign_methods(objectives), guards,
-                                                     guard_scores, shadow, unchosen, _shadow_losses(configs)))
+                                                     guard_scores, shadow, unchosen, shadow_losses))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
