@@ -126,7 +126,7 @@ def test_shadow_cells_are_named_in_the_guard_sections_as_rows_over_their_checks(
     assert sorted(_shadow_losses(_configs([guard, plain], tmp_path))) == []
     row = {"method": "F-TIS+shadow", "participant": "base", "group": "all", "seeds": 1, "d": -0.012,
            "d_min": -0.012, "d_max": -0.012, "d_sd": 0.01, "drop": 0.25}
-    md = summary_markdown([], [], [], "t", guard_scores=[row], shadow=["F-TIS+shadow"])
+    md = summary_markdown([], [], [], "t", guard_scores=[row], shadow={"F-TIS+shadow": "run"})
     assert "For F-TIS+shadow (`source-adapt = shadow`, `learn/shadow.py`) the rows are over its checks: d is" in md
     assert "source-adapt = shadow" not in summary_markdown([], [], [], "t", guard_scores=[row])
 

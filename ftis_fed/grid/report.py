@@ -178,12 +178,12 @@ def _shadow_losses(configs: dict[Cell, dict]) -> dict[str, str]:
         adapt = cfg.get("checks", {}).get("source-adapt", {})
         if adapt.get("mode") == "shadow":
             out.setdefault(c.method, set()).add(adapt.get("shadow_loss", before))
-    return {m: " and ".join(sorted(v)) for m, v in out.items()}
+    return {m: " and ".join(sorted(out[m])) for m in sorted(out)}
 
 
-def _shadow_note(shadow: Sequence[str], what: str) -> str:
-    """A guard section's sentence on the ``shadow`` methods, whose rows are per check, not per round
-    (nothing without them: the summaries of grids without such cells are as before)."""
+def _shadow_note(shadow: dict[str, str], what: str) -> str:
+    """A guard section's sentence on the ``shadow`` methods (``_shadow_losses``' keys), whose rows are per
+    check, not per round (nothing without them: the summaries of grids without such cells are as before)."""
     return f" For {', '.join(shadow)} (`source-adapt = shadow`, `learn/shadow.py`) the rows are over {what}." \
         if shadow else ""
 
@@ -196,8 +196,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                      gains: Sequence[dict] = (), filters: Sequence[dict] = (), filter_g: float | None = None,
                      starts: Sequence[dict] = (), any_sign: Sequence[str] = (),
                      guards: Sequence[dict] = (), guard_scores: Sequence[dict] = (),
-                     shadow: Sequence[str] = (), unchosen: Sequence[dict] = (),
-                     shadow_losses: dict[str, str] | None = None) -> str:
+                     shadow: dict[str, str] | None = None, unchosen: Sequence[dict] = ()) -> str:
     from ftis_fed.grid.stats import paired_eval_size
 
     initial = initial or {}
@@ -371,7 +370,7 @@ def summary_markdown(summary: Sequence[dict], paired: Sequence[dict], results: S
                          f"{guard_score_figures(r)} |")
         lines.append("")
     if unchosen:
-        lines += unchosen_lines(unchosen, metric, shadow_losses)
+        lines += unchosen_lines(unchosen, metric, shadow)
     if diagnostics:
         lines += ["## Training diagnostics (per round, mean ± sd over seeds; offpolicy/*: the peers' samples at "
                   "this receiver)", "",
@@ -510,8 +509,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
     starts = start_table(cells, out)
     methods = {c.method for c in cells}
     configs = _configs(cells, out)
-    shadow_losses = _shadow_losses(configs)
-    shadow = sorted(shadow_losses)
+    shadow = _shadow_losses(configs)
     beyond = BEYOND if BEYOND in methods else next((m for m in sorted(methods) if m.startswith(REFERENCE + "+")), None)
     participants = sorted({r["participant"] for r in summary})
     efficiency = efficiency_table(cells, out, initial, metric=metric)
@@ -539,7 +537,7 @@ def _write_summary(cells: Sequence[Cell], out: Path, title: str, metric: Metric)
                                                      prompt_paired, families, verdict_rows, efficiency, metric, ks,
                                                      gains, filters, _filter_g(objectives) if filters else None,
                                                      starts, _any_sign_methods(objectives), guards,
-                                                     guard_scores, shadow, unchosen, shadow_losses))
+                                                     guard_scores, shadow, unchosen))
     plot(summary, cells, out, metric, ks)
     return {"results": results, "summary": summary, "paired": paired, "initial": initial,
             "diagnostics": diagnostics, "prompt_paired": prompt_paired, "families": families,
