@@ -27,9 +27,7 @@ from pathlib import Path
 from ftis_fed.grid.plan import discover_cells
 from ftis_fed.grid.records import cell_rows, participant_rows
 from sims import suite
-
-#: train-row figures that depend on the machine or the process, not on the run's arithmetic
-PROCESS = ("fed/", "worker/", "mem/", "wire/", "model_weights")
+from sims.compare_cells import machine_figure
 
 
 def train_rows(cell_dir: Path, rounds: int) -> dict[tuple[str, int], dict]:
@@ -40,15 +38,15 @@ def train_rows(cell_dir: Path, rounds: int) -> dict[tuple[str, int], dict]:
 
 def differences(ref: dict, new: dict) -> tuple[int, list[str]]:
     """(figures compared, the differences as lines): every float figure of ``ref``'s rows that ``new``'s
-    rows have too, except timings and process figures (``PROCESS``); a row missing from ``new`` is one
-    difference."""
+    rows have too, except timings and process figures (``compare_cells.machine_figure``); a row missing
+    from ``new`` is one difference."""
     compared, diffs = 0, []
     for key in sorted(ref):
         if key not in new:
             diffs.append(f"{key[0]} round {key[1]}: no train row in the rerun")
             continue
         for k, v in ref[key].items():
-            if not isinstance(v, float) or "seconds" in k or k.startswith(PROCESS) or k not in new[key]:
+            if not isinstance(v, float) or machine_figure(k) or k not in new[key]:
                 continue
             compared += 1
             if new[key][k] != v:
