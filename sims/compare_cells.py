@@ -78,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds={args.rounds}: must be >= 0")
     keyed = []
     for cell in (args.a, args.b):
-        if not (cell / "done.json").exists() or not cell_rows(cell):
+        rows = cell_rows(cell) if (cell / "done.json").exists() else []
+        if not rows:
             print(f"{cell}: not a finished cell (no done.json or no metrics rows)", file=sys.stderr)
             return 2
-        keyed.append(keyed_rows(cell_rows(cell), args.rounds, args.participant))
+        keyed.append(keyed_rows(rows, args.rounds, args.participant))
     c = compare(*keyed)
     print(f"{args.a.name} vs {args.b.name}: {c['rows']:,} rows in both ({c['only_a']} only in the first, "
           f"{c['only_b']} only in the second); {c['compared']:,} figures compared, {c['equal']:,} equal")
