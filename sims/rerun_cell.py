@@ -27,31 +27,24 @@ from pathlib import Path
 from ftis_fed.grid.plan import discover_cells
 from ftis_fed.grid.records import cell_rows, participant_rows
 from sims import suite
-from sims.compare_cells import machine_figure
+from sims.compare_cells import compare, keyed_rows
 
 
-def train_rows(cell_dir: Path, rounds: int) -> dict[tuple[str, int], dict]:
-    """The participants' train rows of rounds 1..``rounds`` of the cell in ``cell_dir``."""
-    return {(r["participant"], r["round"]): r for r in participant_rows(cell_rows(cell_dir), "train")
-            if 1 <= r["round"] <= rounds}
+def train_rows(cell_dir: Path, rounds: int) -> dict[tuple[str, int, str, int], dict]:
+    """The participants' train rows of rounds 1..``rounds`` of the cell in ``cell_dir``, keyed as
+    ``compare_cells.keyed_rows`` keys them."""
+    return {k: r for k, r in keyed_rows(participant_rows(cell_rows(cell_dir), "train"), rounds).items()
+            if k[1] >= 1}
 
 
 def differences(ref: dict, new: dict) -> tuple[int, list[str]]:
-    """(figures compared, the differences as lines): every float figure of ``ref``'s rows that ``new``'s
-    rows have too, except timings and process figures (``compare_cells.machine_figure``); a row missing
-    from ``new`` is one difference."""
-    compared, diffs = 0, []
-    for key in sorted(ref):
-        if key not in new:
-            diffs.append(f"{key[0]} round {key[1]}: no train row in the rerun")
-            continue
-        for k, v in ref[key].items():
-            if not isinstance(v, float) or machine_figure(k) or k not in new[key]:
-                continue
-            compared += 1
-            if new[key][k] != v:
-                diffs.append(f"{key[0]} round {key[1]} {k}: {new[key][k]!r} in the rerun, {v!r} committed")
-    return compared, diffs
+    """(figures compared, the differences as lines): ``compare_cells.compare`` of the two cells' train
+    rows (every figure both rows have, timings and process figures left out); a row missing from
+    ``new`` is one difference."""
+    c = compare(ref, new)
+    missing = [f"{k[0]} round {k[1]}: no train row in the rerun" for k in sorted(set(ref) - set(new))]
+    return c["compared"], missing + [f"{k[0]} round {k[1]} {name}: {vn!r} in the rerun, {vr!r} committed"
+                                     for k, name, vr, vn in c["diffs"]]
 
 
 def grid_command(cell_dir: Path, rounds: int, out: Path) -> list[str]:

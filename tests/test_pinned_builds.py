@@ -177,11 +177,13 @@ def test_a_committed_learning_tier_cell_reproduces_from_the_command_line_on_any_
     for k in store.PINNED_KERNELS:
         monkeypatch.delenv(k, raising=False)         # the command pins itself (this process is not pinned)
     assert rerun_cell.main([str(cell), "--rounds", "2", "--keep", str(tmp_path / "out")]) == 0
-    assert "240 figures compared" in capsys.readouterr().out
+    assert "244 figures compared" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "cells" / cell.name / "done.json").read_text())["kernels"] == "avx2-pinned"
     committed = rerun_cell.train_rows(cell, 2)
-    changed = {k: {**r, "reward/mean": r["reward/mean"] + 1e-9} if k == ("lora", 2) else r
-               for k, r in committed.items()}
+    key = ("lora", 2, "train", 0)
+    changed = {k: {**r, "reward/mean": r["reward/mean"] + 1e-9} if k == key else r for k, r in committed.items()}
     assert rerun_cell.differences(committed, changed)[1] == [
-        f"lora round 2 reward/mean: {committed[('lora', 2)]['reward/mean'] + 1e-9!r} in the rerun, "
-        f"{committed[('lora', 2)]['reward/mean']!r} committed"]
+        f"lora round 2 reward/mean: {committed[key]['reward/mean'] + 1e-9!r} in the rerun, "
+        f"{committed[key]['reward/mean']!r} committed"]
+    del changed[("full", 1, "train", 0)]
+    assert rerun_cell.differences(committed, changed)[1][0] == "full round 1: no train row in the rerun"
