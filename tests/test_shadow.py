@@ -163,6 +163,7 @@ def test_the_shadow_trains_alone_and_the_model_is_reset_to_it_only_when_confiden
     back = ShadowGuard(_trainer(), own_samples, val_counts, k=4, period=2, z=2.0, last_round=3)
     back.load(tmp_path / "shadow.pt")
     assert _same(back.shadow[0], g.shadow[0]) and back.shadow[2] == 3 and back.resets == 1 and back.checked == 3
+    assert back.unchosen is back.shadow                           # resumed after the last check: still both ends
     back.load(tmp_path / "none.pt")                               # no file: nothing changes
     assert back.resets == 1
 
@@ -191,7 +192,7 @@ def test_the_shadow_s_loss_is_alone_s_or_with_shadow_loss_run_the_run_s():
     assert not _same(shadows["alone"], shadows["run"])
 
 
-def test_a_reset_at_the_last_round_leaves_the_model_with_its_peers_as_the_unchosen_end():
+def test_a_reset_at_the_last_round_leaves_the_model_with_its_peers_as_the_unchosen_end(tmp_path):
     """At the last round a reset makes the model its shadow; the model as it was with its peers is what
     the check did not choose (``unchosen``: the final evaluation scores it beside the model)."""
     from ftis_fed.wire.batch import SamplingParams
@@ -206,6 +207,11 @@ def test_a_reset_at_the_last_round_leaves_the_model_with_its_peers_as_the_unchos
     assert m["guard/kept_peers"] == 0.0
     assert _same(t.policy.trainable_state(), alone_ref.policy.trainable_state())
     assert _same(g.unchosen[0], main_ref.policy.trainable_state()) and g.unchosen[2] == 1
+    g.save(tmp_path / "shadow.pt")                               # a restart before the final evaluation
+    back = ShadowGuard(_trainer(), lambda r: [], lambda r: [], k=4, period=5, z=2.0, last_round=1)
+    back.load(tmp_path / "shadow.pt")
+    assert _same(back.unchosen[0], main_ref.policy.trainable_state()) and back.unchosen[2] == 1
+    assert _same(back.shadow[0], alone_ref.policy.trainable_state())
 
 
 def test_a_shadow_cell_runs_in_process_and_checks_at_its_period_and_last_round(tmp_path, monkeypatch):

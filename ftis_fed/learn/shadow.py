@@ -174,10 +174,18 @@ class ShadowGuard:
 
     # ------------------------------------------------------------------ resume
     def save(self, path: str | Path) -> None:
-        """The shadow's state (``Trainer.save``'s layout), the reset count and the last check's round,
-        written atomically; nothing before the first update."""
-        if self.shadow is not None:
-            save_snapshot(path, self.shadow, resets=self.resets, checked=self.checked)
+        """The shadow's state (``Trainer.save``'s layout), the reset count, the last check's round and,
+        after the last round's check, the end it did not choose (``"shadow"`` where that is the shadow,
+        else the model's state before the reset), written atomically; nothing before the first update.
+        So a run resumed between its last update and its final evaluation still scores both ends."""
+        if self.shadow is None:
+            return
+        extra = {}
+        if self.unchosen is not None:
+            weights, opt, steps = self.unchosen
+            extra["unchosen"] = ("shadow" if self.unchosen is self.shadow
+                                 else {"trainable": weights, "optimizer": opt, "steps": steps})
+        save_snapshot(path, self.shadow, resets=self.resets, checked=self.checked, **extra)
 
     def load(self, path: str | Path) -> None:
         """Restore what ``save`` wrote (nothing when there is no file: a checkpoint made before the
@@ -186,3 +194,6 @@ class ShadowGuard:
             return
         self.shadow, state = read_snapshot(path)
         self.resets, self.checked = int(state["resets"]), int(state["checked"])
+        got = state.get("unchosen")
+        self.unchosen = (self.shadow if got == "shadow" else None if got is None
+                         else (dict(got["trainable"]), got["optimizer"], int(got["steps"])))
