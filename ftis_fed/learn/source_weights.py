@@ -124,8 +124,8 @@ class SourceAdaptConfig:
         ``z_last`` standard errors is > 0, else the run ends on the shadow, the copy trained alone: a
         tie or a small lead does not keep a model its peers did not clearly improve. 1 is the setting
         that never ends below alone at a tie (docs/RESULTS.md §4: claim 1s held on every pair run with
-        it); it buys that guarantee, not accuracy (a tied model holds out better about as often as
-        its shadow), and costs a kept model its lead where a tie hid one.""")
+        it); it buys that guarantee, not accuracy (a tied model held out better as often as its
+        shadow or more), and costs a kept model its lead where a tie hid one.""")
     shadow_loss: str = knob("source-adapt-shadow-loss", "alone", before="run", help="""
         ``shadow``: the loss of the shadow's update on its own samples: ``alone`` (``loss-mode = alone``:
         the shadow is the run this receiver would have made alone, the same weights bit for bit) or
