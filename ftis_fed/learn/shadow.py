@@ -70,7 +70,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ftis_fed.learn.training import TrainSample, read_snapshot, save_snapshot
+from ftis_fed.learn.training import TrainSample, read_snapshot, save_snapshot, snapshot_from, snapshot_items
 
 
 def paired_difference(main: Sequence[int], alone: Sequence[int], k: int) -> tuple[float, float]:
@@ -182,9 +182,7 @@ class ShadowGuard:
             return
         extra = {}
         if self.unchosen is not None:
-            weights, opt, steps = self.unchosen
-            extra["unchosen"] = ("shadow" if self.unchosen is self.shadow
-                                 else {"trainable": weights, "optimizer": opt, "steps": steps})
+            extra["unchosen"] = "shadow" if self.unchosen is self.shadow else snapshot_items(self.unchosen)
         save_snapshot(path, self.shadow, resets=self.resets, checked=self.checked, **extra)
 
     def load(self, path: str | Path) -> None:
@@ -195,5 +193,4 @@ class ShadowGuard:
         self.shadow, state = read_snapshot(path)
         self.resets, self.checked = int(state["resets"]), int(state["checked"])
         got = state.get("unchosen")
-        self.unchosen = (self.shadow if got == "shadow" else None if got is None
-                         else (dict(got["trainable"]), got["optimizer"], int(got["steps"])))
+        self.unchosen = self.shadow if got == "shadow" else None if got is None else snapshot_from(got)

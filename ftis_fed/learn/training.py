@@ -512,15 +512,25 @@ class Trainer:
         self.restore(read_snapshot(path)[0], source=str(path))
 
 
-def save_snapshot(path: str | os.PathLike, snap: tuple, **extra) -> None:
-    """A ``Trainer.snapshot`` (trainable state, optimizer state, steps) and ``extra`` items, written
-    atomically: the checkpoint layout of ``Trainer.save`` and of the shadow (``learn/shadow.py``)."""
+def snapshot_items(snap: tuple) -> dict:
+    """A ``Trainer.snapshot`` (trainable state, optimizer state, steps) as the checkpoint's items."""
     weights, opt, steps = snap
+    return {"trainable": weights, "optimizer": opt, "steps": steps}
+
+
+def snapshot_from(items: dict) -> tuple:
+    """The snapshot that ``snapshot_items`` made ``items`` of."""
+    return dict(items["trainable"]), items["optimizer"], int(items["steps"])
+
+
+def save_snapshot(path: str | os.PathLike, snap: tuple, **extra) -> None:
+    """A ``Trainer.snapshot`` and ``extra`` items, written atomically: the checkpoint layout of
+    ``Trainer.save`` and of the shadow (``learn/shadow.py``)."""
     with atomic_path(path) as tmp:
-        torch.save({"trainable": weights, "optimizer": opt, "steps": steps, **extra}, tmp)
+        torch.save({**snapshot_items(snap), **extra}, tmp)
 
 
 def read_snapshot(path: str | os.PathLike) -> tuple[tuple, dict]:
     """(snapshot, every item) of what ``save_snapshot`` wrote."""
     state = torch.load(path, map_location="cpu", weights_only=True)
-    return (dict(state["trainable"]), state["optimizer"], int(state["steps"])), state
+    return snapshot_from(state), state
