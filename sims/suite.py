@@ -4,6 +4,12 @@ tier, the commands that re-run it, and what it cost, all read from the grid's ow
     python -m sims.suite                                   # per grid: its commands, cells, cell-hours
     python -m sims.suite --run --out outputs/suite --jobs 2   # run the whole suite (resumable)
     python -m sims.suite --check                           # today's presets still make the committed cells?
+    python -m sims.suite --core --run --out outputs/core   # only the core: the main pair's alone and F-TIS
+
+The core (``CORE``) is the part that decides the headline, sized to run in an afternoon: the main pair's
+alone and F-TIS cells (``research-w``, 10 seeds), which decide alone's gain there (the calibration
+table's first rows; ``calibration/alone-5`` is the same command's first five alone cells, equal figure
+for figure) and claims 1 and 7; the other baselines, pairs and variants are the whole suite's.
 
 A grid's commands come from its ``grid.json`` (preset, transport, metric, run-config items, variants)
 and its finished cells (which methods ran on which seeds): one ``ftis-fed grid`` command per set of
@@ -36,6 +42,9 @@ RESULTS = ROOT / "docs" / "results"
 #: the calibration's grids (its other sweeps are single runs: docs/results/calibration/README.md)
 CALIBRATION = ("calibration/sweep-1", "calibration/worked-1", "calibration/alone-5")
 SUITE = (*CALIBRATION, *DECIDED)
+#: the core: each grid's methods (None: all of them) that decide alone's gain and the main pair's claims 1
+#: and 7 (F-TIS against alone), the part of the suite a reader re-runs first
+CORE: dict[str, tuple[str, ...] | None] = {"research-w": ("alone", "F-TIS")}
 #: run-config items a grid's cells ran with that its preset no longer holds (the preset moved on as the
 #: calibration went): the suite's commands for that grid add them, so they make the committed cells.
 PINNED: dict[str, tuple[str, ...]] = {
@@ -79,12 +88,18 @@ def _variant_args(meta: dict, labels: list[str]) -> list[str]:
     return args
 
 
-def commands(grid: Path, out: Path | None = None, pinned: tuple[str, ...] = ()) -> list[list[str]]:
-    """The ``ftis-fed grid`` commands that make ``grid``'s finished cells, in ``out`` (default: ``grid``),
-    with ``pinned`` run-config items added (``PINNED``)."""
+def _cells(grid: Path, labels: tuple[str, ...] | None) -> list[Cell]:
+    """``grid``'s finished cells, only those of the methods ``labels`` unless it is None."""
+    return [c for c in discover_cells(grid) if labels is None or c.label in labels]
+
+
+def commands(grid: Path, out: Path | None = None, pinned: tuple[str, ...] = (),
+             labels: tuple[str, ...] | None = None) -> list[list[str]]:
+    """The ``ftis-fed grid`` commands that make ``grid``'s finished cells (of the methods ``labels``, or
+    all), in ``out`` (default: ``grid``), with ``pinned`` run-config items added (``PINNED``)."""
     meta = json.loads((grid / "grid.json").read_text())
     seeds: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for c in discover_cells(grid):
+    for c in _cells(grid, labels):
         seeds[(c.label, c.groups)].append(c.seed)
     by_seeds: dict[tuple[tuple[int, ...], str], list[str]] = defaultdict(list)
     for (label, groups), s in seeds.items():
@@ -120,13 +135,14 @@ def today_config(grid: Path, cell: Cell, pinned: tuple[str, ...] = ()) -> dict:
     return to_jsonable(fed)
 
 
-def drift(grid: Path, pinned: tuple[str, ...] = ()) -> list[str]:
-    """Where ``grid``'s commands would no longer make its cells: for the first cell of each method,
+def drift(grid: Path, pinned: tuple[str, ...] = (), labels: tuple[str, ...] | None = None) -> list[str]:
+    """Where ``grid``'s commands would no longer make its cells: for the first cell of each method (of
+    ``labels``, or all),
     the settings in which today's resolution (``today_config``) differs from its recorded
     ``run/config.json``, compared as ``--pack`` compares two cells (``grid.pack.check_config``: a
     setting only one side records counts unless it holds today's default). Empty when none differs."""
     first: dict[str, Cell] = {}
-    for c in discover_cells(grid):
+    for c in _cells(grid, labels):
         first.setdefault(c.label, c)
     found = []
     for cell in first.values():
@@ -139,9 +155,10 @@ def drift(grid: Path, pinned: tuple[str, ...] = ()) -> list[str]:
     return found
 
 
-def cost(grid: Path) -> dict:
-    """Cells, their summed wall seconds (``done.json``) and the mean 1-minute load at their starts."""
-    done = [json.loads(p.read_text()) for p in sorted((grid / "cells").glob("*/done.json"))]
+def cost(grid: Path, labels: tuple[str, ...] | None = None) -> dict:
+    """Cells (of the methods ``labels``, or all), their summed wall seconds (``done.json``) and the mean
+    1-minute load at their starts."""
+    done = [json.loads((grid / "cells" / c.name / "done.json").read_text()) for c in _cells(grid, labels)]
     loads = [d["load1_start"] for d in done if "load1_start" in d]
     return {"cells": len(done), "seconds": sum(float(d.get("seconds", 0)) for d in done),
             "load": sum(loads) / len(loads) if loads else None}
@@ -154,14 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="cells at once (--run), and the wall-time estimate's")
     ap.add_argument("--check", action="store_true",
                     help="only check that today's presets resolve to the committed cells' configurations")
+    ap.add_argument("--core", action="store_true",
+                    help="only the core (CORE: research-w's alone and F-TIS cells, 10 seeds)")
     a = ap.parse_args(argv)
+    chosen = CORE if a.core else dict.fromkeys(SUITE)
     if a.run and not a.out:
         ap.error("--run needs --out (the committed grids stay as they are)")
     if a.check or a.run:
-        drifted = [(name, d) for name in SUITE for d in drift(RESULTS / name, PINNED.get(name, ()))]
+        drifted = [(name, d) for name, labels in chosen.items()
+                   for d in drift(RESULTS / name, PINNED.get(name, ()), labels)]
         for name, d in drifted:
             print(f"[suite] {name}: {d}", file=sys.stderr)
-        print(f"[suite] {len(SUITE) - len({n for n, _ in drifted})} of {len(SUITE)} grids: today's presets "
+        print(f"[suite] {len(chosen) - len({n for n, _ in drifted})} of {len(chosen)} grids: today's presets "
               "resolve to their cells' recorded configurations", file=sys.stderr)
         if drifted:
             return 1
@@ -169,11 +190,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     total_s, total_cells = 0.0, 0
     print(f"| grid | cells | cell-hours | mean load at a cell's start | commands |\n|---|---|---|---|---|")
-    for name in SUITE:
+    for name, labels in chosen.items():
         grid = RESULTS / name
         out = Path(a.out) / name if a.out else None
-        cmds = commands(grid, out, PINNED.get(name, ()))
-        c = cost(grid)
+        cmds = commands(grid, out, PINNED.get(name, ()), labels)
+        c = cost(grid, labels)
         total_s, total_cells = total_s + c["seconds"], total_cells + c["cells"]
         load = f"{c['load']:.1f}" if c["load"] is not None else "–"
         shown = "<br>".join(f"`{shlex.join(cmd)}`" for cmd in cmds).replace(str(ROOT) + "/", "")

@@ -86,3 +86,20 @@ def test_today_s_presets_resolve_to_every_committed_grid_s_cells(capsys, monkeyp
     err = capsys.readouterr().err
     n = len(suite.SUITE)
     assert "calibration/worked-1: alone+lr1__vertical__s0" in err and f"{n - 1} of {n} grids" in err
+
+
+def test_the_core_is_the_main_pair_s_alone_and_f_tis_cells_only(tmp_path, capsys):
+    """``--core`` keeps each core grid's named methods: their commands, cost and drift check, nothing
+    of the grid's other methods (a grid of alone, TIS and F-TIS here: TIS is left out)."""
+    meta = {"preset": "research-w", "run_config": ["eval-seed=0"], "metric": "sampled"}
+    cells = {f"{m}__vertical__s{s}": 60.0 * (1 + (m == "F-TIS")) for m in ("alone", "TIS", "F-TIS") for s in (0, 1)}
+    grid = _grid(tmp_path, cells, meta)
+    (cmd,) = suite.commands(grid, labels=("alone", "F-TIS"))
+    assert cmd[cmd.index("--modes") + 1] == "alone,F-TIS" and cmd[cmd.index("--seeds") + 1] == "2"
+    assert suite.cost(grid, ("alone", "F-TIS"))["seconds"] == 360.0
+    assert suite.cost(grid)["seconds"] == 480.0
+    assert suite.main(["--core"]) == 0
+    out = capsys.readouterr().out
+    assert "`research-w`" in out and "`research-w-spec`" not in out and "--modes alone,F-TIS " in out
+    assert "20 cells" in out                                           # research-w: alone and F-TIS, 10 seeds
+    assert suite.main(["--core", "--check"]) == 0
