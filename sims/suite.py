@@ -6,6 +6,11 @@ tier, the commands that re-run it, and what it cost, all read from the grid's ow
     python -m sims.suite --check                           # today's presets still make the committed cells?
     python -m sims.suite --core --run --out outputs/core   # only the core: the main pair's alone and F-TIS
 
+``--run`` then compares every cell it holds with the committed cell of the same name, figure for figure
+(``sims.compare_cells``), and records the run in ``DIR/suite.json``: the command, the commit, its wall
+and CPU seconds, the load, and per grid the cells done before it (a resumed run), those that equal the
+committed ones and those that differ.
+
 The core (``CORE``) is the part that decides the headline, sized to run in an afternoon: the main pair's
 alone and F-TIS cells (``research-w``, 10 seeds), which decide alone's gain there (the calibration
 table's first rows; ``calibration/alone-5`` is the same command's first five alone cells, equal figure
@@ -26,15 +31,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shlex
 import subprocess
 import sys
+import time
 from collections import defaultdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 from ftis_fed.grid.metric import recorded_metric
 from ftis_fed.grid.pack import PackError, check_config
 from ftis_fed.grid.plan import VARIANTS, Cell, discover_cells
+from ftis_fed.grid.records import cell_rows
+from sims.compare_cells import compare, keyed_rows
 from sims.results_tables import DECIDED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,6 +175,36 @@ def cost(grid: Path, labels: tuple[str, ...] | None = None) -> dict:
             "load": sum(loads) / len(loads) if loads else None}
 
 
+def reproduced(ran: Path, committed: Path) -> dict:
+    """Every finished cell of grid folder ``ran`` against the cell of the same name in ``committed``
+    (``sims.compare_cells.compare``): cells, how many equal theirs in every figure both have, the
+    figures compared, and the cells that differ (name: figures differing) or that ``committed`` lacks."""
+    found = {"cells": 0, "equal": 0, "figures": 0, "differ": {}}
+    for cell in discover_cells(ran):
+        found["cells"] += 1
+        theirs = committed / "cells" / cell.name
+        if not (theirs / "done.json").exists():
+            found["differ"][cell.name] = "not committed"
+            continue
+        c = compare(keyed_rows(cell_rows(ran / "cells" / cell.name)), keyed_rows(cell_rows(theirs)))
+        found["figures"] += c["compared"]
+        if c["diffs"]:
+            found["differ"][cell.name] = f"{len(c['diffs'])} of {c['compared']} figures"
+        else:
+            found["equal"] += 1
+    return found
+
+
+def _commit() -> str | None:
+    """The checkout's commit (None outside a git checkout)."""
+    r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="store_true", help="run every command (a finished cell is skipped)")
@@ -189,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.check:
             return 0
     total_s, total_cells = 0.0, 0
+    record = {"command": ["python", "-m", "sims.suite", *(sys.argv[1:] if argv is None else argv)],
+              "commit": _commit(), "started": _now(), "load1_start": round(os.getloadavg()[0], 2),
+              "jobs": a.jobs, "grids": {}}
+    t0 = time.monotonic()
     print(f"| grid | cells | cell-hours | mean load at a cell's start | commands |\n|---|---|---|---|---|")
     for name, labels in chosen.items():
         grid = RESULTS / name
@@ -200,12 +245,22 @@ def main(argv: list[str] | None = None) -> int:
         shown = "<br>".join(f"`{shlex.join(cmd)}`" for cmd in cmds).replace(str(ROOT) + "/", "")
         print(f"| `{name}` | {c['cells']} | {c['seconds'] / 3600:.2f} | {load} | {shown} |")
         if a.run:
+            before = len(discover_cells(out)) if (out / "cells").is_dir() else 0
             for cmd in cmds:
                 rc = subprocess.run([sys.executable, "-m", "ftis_fed.commands.cli", *cmd[1:], "--jobs", str(a.jobs)],
                                     cwd=ROOT).returncode
                 if rc:
                     print(f"[suite] {name}: exit {rc}", file=sys.stderr)
                     return rc
+            record["grids"][name] = found = {"done_before": before, **reproduced(out, grid)}
+            print(f"[suite] {name}: {found['equal']} of {found['cells']} cells equal the committed ones in "
+                  f"every figure ({found['figures']:,} compared)"
+                  + "".join(f"; {cell}: {why}" for cell, why in found["differ"].items()), file=sys.stderr)
+    if a.run:
+        cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        record.update(ended=_now(), wall_seconds=round(time.monotonic() - t0, 1),
+                      cpu_seconds=round(cpu.ru_utime + cpu.ru_stime, 1), load1_end=round(os.getloadavg()[0], 2))
+        (Path(a.out) / "suite.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"\n{total_cells} cells, {total_s / 3600:.1f} cell-hours: at least {total_s / 3600 / a.jobs:.1f} h of wall "
           f"time at {a.jobs} cells at once (the cells' own wall times, at the loads above)")
     return 0

@@ -103,3 +103,40 @@ def test_the_core_is_the_main_pair_s_alone_and_f_tis_cells_only(tmp_path, capsys
     assert "`research-w`" in out and "`research-w-spec`" not in out and "--modes alone,F-TIS " in out
     assert "20 cells" in out                                           # research-w: alone and F-TIS, 10 seeds
     assert suite.main(["--core", "--check"]) == 0
+
+
+def test_run_records_its_time_and_compares_each_cell_it_holds_with_the_committed_one(tmp_path, monkeypatch, capsys):
+    """``--run`` (its grid commands faked: they put a copy of two committed cells in place, one with a
+    figure changed) writes ``suite.json`` with its command, commit, wall and CPU seconds, and per grid the
+    cells equal to the committed ones and those that differ, by how many figures."""
+    import gzip
+    import shutil
+    import subprocess
+
+    committed = suite.RESULTS / "research-w" / "cells"
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kw):
+        if cmd[0] == "git":
+            return real_run(cmd, **kw)
+        cells = Path(cmd[cmd.index("--out") + 1]) / "cells"
+        for name in ("alone__vertical__s0", "alone__vertical__s1"):
+            shutil.copytree(committed / name, cells / name)
+        metrics = cells / "alone__vertical__s1" / "run" / "metrics.jsonl.gz"
+        rows = [json.loads(line) for line in gzip.decompress(metrics.read_bytes()).decode().splitlines()]
+        last = next(r for r in reversed(rows) if "eval/id/accuracy" in r)
+        last["eval/id/accuracy"] += 0.5
+        metrics.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(suite.subprocess, "run", fake_run)
+    monkeypatch.setattr(suite, "CORE", {"research-w": ("alone",)})
+    assert suite.main(["--core", "--run", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "suite.json").read_text())
+    assert record["command"] == ["python", "-m", "sims.suite", "--core", "--run", "--out", str(tmp_path)]
+    assert len(record["commit"]) == 40 and record["wall_seconds"] >= 0 and record["cpu_seconds"] >= 0
+    found = record["grids"]["research-w"]
+    assert found["done_before"] == 0 and found["cells"] == 2 and found["equal"] == 1 and found["figures"] > 8000
+    assert list(found["differ"]) == ["alone__vertical__s1"]
+    assert found["differ"]["alone__vertical__s1"].startswith("1 of ")
+    assert "1 of 2 cells equal the committed ones" in capsys.readouterr().err
