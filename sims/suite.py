@@ -9,7 +9,7 @@ tier, the commands that re-run it, and what it cost, all read from the grid's ow
 ``--run`` then compares every cell it holds with the committed cell of the same name, figure for figure
 (``sims.compare_cells``), and records the run in ``DIR/suite.json``: the command, the commit, its wall
 and CPU seconds, the load, and per grid the cells done before it (a resumed run), those that equal the
-committed ones and those that differ.
+committed ones and those that differ, and each cell's own seconds.
 
 The core (``CORE``) is the part that decides the headline, sized to run in an afternoon: the main pair's
 alone and F-TIS cells (``research-w``, 10 seeds), which decide alone's gain there (the calibration
@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                 if rc:
                     print(f"[suite] {name}: exit {rc}", file=sys.stderr)
                     return rc
-            record["grids"][name] = found = {"done_before": before, **reproduced(out, grid)}
+            record["grids"][name] = found = {"done_before": before, **reproduced(out, grid), "cell_seconds": {
+                c.name: json.loads((out / "cells" / c.name / "done.json").read_text())["seconds"]
+                for c in discover_cells(out)}}
             print(f"[suite] {name}: {found['equal']} of {found['cells']} cells equal the committed ones in "
                   f"every figure ({found['figures']:,} compared)"
                   + "".join(f"; {cell}: {why}" for cell, why in found["differ"].items()), file=sys.stderr)

@@ -137,6 +137,8 @@ def test_run_records_its_time_and_compares_each_cell_it_holds_with_the_committed
     assert len(record["commit"]) == 40 and record["wall_seconds"] >= 0 and record["cpu_seconds"] >= 0
     found = record["grids"]["research-w"]
     assert found["done_before"] == 0 and found["cells"] == 2 and found["equal"] == 1 and found["figures"] > 8000
+    assert found["cell_seconds"] == {n: json.loads((committed / n / "done.json").read_text())["seconds"]
+                                     for n in ("alone__vertical__s0", "alone__vertical__s1")}
     assert list(found["differ"]) == ["alone__vertical__s1"]
     assert found["differ"]["alone__vertical__s1"].startswith("1 of ")
     assert "1 of 2 cells equal the committed ones" in capsys.readouterr().err
