@@ -148,10 +148,9 @@ def today_config(grid: Path, cell: Cell, pinned: tuple[str, ...] = ()) -> dict:
 
 def drift(grid: Path, pinned: tuple[str, ...] = (), labels: tuple[str, ...] | None = None) -> list[str]:
     """Where ``grid``'s commands would no longer make its cells: for the first cell of each method (of
-    ``labels``, or all),
-    the settings in which today's resolution (``today_config``) differs from its recorded
-    ``run/config.json``, compared as ``--pack`` compares two cells (``grid.pack.check_config``: a
-    setting only one side records counts unless it holds today's default). Empty when none differs."""
+    ``labels``, or all), the settings in which today's resolution (``today_config``) differs from its
+    recorded ``run/config.json``, compared as ``--pack`` compares two cells (``grid.pack.check_config``:
+    a setting only one side records counts unless it holds today's default). Empty when none differs."""
     first: dict[str, Cell] = {}
     for c in _cells(grid, labels):
         first.setdefault(c.label, c)
@@ -197,7 +196,10 @@ def reproduced(ran: Path, committed: Path) -> dict:
 
 def _commit() -> str | None:
     """The checkout's commit (None outside a git checkout)."""
-    r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:                                                   # no git on this machine
+        return None
     return r.stdout.strip() if r.returncode == 0 else None
 
 
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     total_s, total_cells = 0.0, 0
     record = {"command": ["python", "-m", "sims.suite", *(sys.argv[1:] if argv is None else argv)],
               "commit": _commit(), "started": _now(), "load1_start": round(os.getloadavg()[0], 2),
-              "jobs": a.jobs, "grids": {}}
+              "jobs": a.jobs, "grids": {}} if a.run else {}
     t0 = time.monotonic()
     print(f"| grid | cells | cell-hours | mean load at a cell's start | commands |\n|---|---|---|---|---|")
     for name, labels in chosen.items():
