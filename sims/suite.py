@@ -177,10 +177,12 @@ def cost(grid: Path, labels: tuple[str, ...] | None = None) -> dict:
 def reproduced(ran: Path, committed: Path) -> dict:
     """Every finished cell of grid folder ``ran`` against the cell of the same name in ``committed``
     (``sims.compare_cells.compare``): cells, how many equal theirs in every figure both have, the
-    figures compared, and the cells that differ (name: figures differing) or that ``committed`` lacks."""
-    found = {"cells": 0, "equal": 0, "figures": 0, "differ": {}}
+    figures compared, the cells that differ (name: figures differing) or that ``committed`` lacks, and
+    each cell's own seconds (its ``done.json``)."""
+    found = {"cells": 0, "equal": 0, "figures": 0, "differ": {}, "cell_seconds": {}}
     for cell in discover_cells(ran):
         found["cells"] += 1
+        found["cell_seconds"][cell.name] = json.loads((ran / "cells" / cell.name / "done.json").read_text())["seconds"]
         theirs = committed / "cells" / cell.name
         if not (theirs / "done.json").exists():
             found["differ"][cell.name] = "not committed"
@@ -247,16 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         shown = "<br>".join(f"`{shlex.join(cmd)}`" for cmd in cmds).replace(str(ROOT) + "/", "")
         print(f"| `{name}` | {c['cells']} | {c['seconds'] / 3600:.2f} | {load} | {shown} |")
         if a.run:
-            before = len(discover_cells(out)) if (out / "cells").is_dir() else 0
+            before = len(discover_cells(out))
             for cmd in cmds:
                 rc = subprocess.run([sys.executable, "-m", "ftis_fed.commands.cli", *cmd[1:], "--jobs", str(a.jobs)],
                                     cwd=ROOT).returncode
                 if rc:
                     print(f"[suite] {name}: exit {rc}", file=sys.stderr)
                     return rc
-            record["grids"][name] = found = {"done_before": before, **reproduced(out, grid), "cell_seconds": {
-                c.name: json.loads((out / "cells" / c.name / "done.json").read_text())["seconds"]
-                for c in discover_cells(out)}}
+            record["grids"][name] = found = {"done_before": before, **reproduced(out, grid)}
             print(f"[suite] {name}: {found['equal']} of {found['cells']} cells equal the committed ones in "
                   f"every figure ({found['figures']:,} compared)"
                   + "".join(f"; {cell}: {why}" for cell, why in found["differ"].items()), file=sys.stderr)
