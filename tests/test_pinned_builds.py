@@ -187,3 +187,44 @@ def test_a_committed_learning_tier_cell_reproduces_from_the_command_line_on_any_
         f"{committed[key]['reward/mean']!r} committed"]
     del changed[("full", 1, "train", 0)]
     assert rerun_cell.differences(committed, changed)[1][0] == "full round 1: no train row in the rerun"
+
+
+def test_several_cells_rerun_in_turn_and_the_tally_names_those_that_differ_or_failed(tmp_path, monkeypatch,
+                                                                                    capsys):
+    """``sims.rerun_cell`` with several cells (its grid command faked: it puts a copy of the committed
+    cell in place, one with a round-1 figure changed): each is said as it ends, then a tally; a folder
+    that is no finished cell is one failure, not the end of the others. Exit status the worst of them."""
+    import gzip
+    import shutil
+    import subprocess
+
+    from sims import rerun_cell
+
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "research-w" / "cells"
+    ran = []
+
+    def fake_run(cmd, **kw):
+        out = Path(cmd[cmd.index("--out") + 1])
+        name = next(c for c in ("VIS__vertical__s5", "noIS__vertical__s6") if c.split("__")[0] in cmd)
+        ran.append((name, out))
+        shutil.copytree(committed / name, out / "cells" / name)
+        if name.startswith("noIS"):
+            metrics = out / "cells" / name / "run" / "metrics.jsonl.gz"
+            rows = [json.loads(line) for line in gzip.decompress(metrics.read_bytes()).decode().splitlines()]
+            first = next(r for r in rows if r.get("phase") == "train" and r.get("round") == 1
+                         and "train/loss" in r)
+            first["train/loss"] += 1e-9
+            metrics.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(rerun_cell.subprocess, "run", fake_run)
+    cells = [committed / "VIS__vertical__s5", committed / "noIS__vertical__s6", tmp_path / "no-cell"]
+    assert rerun_cell.main([*map(str, cells), "--rounds", "1", "--keep", str(tmp_path / "out")]) == 2
+    assert [n for n, _ in ran] == ["VIS__vertical__s5", "noIS__vertical__s6"]
+    assert ran[0][1] == tmp_path / "out" / "0-VIS__vertical__s5"           # a folder each under --keep
+    out, err = capsys.readouterr()
+    assert "VIS__vertical__s5, rounds 1-1:" in out and "every figure equal" in out
+    assert "1 differ, the first:" in out and "train/loss" in out
+    assert "no-cell" in err
+    assert out.rstrip().endswith(f"3 cells, rounds 1-1: 1 equal, 1 differ, 1 failed\n  differ: {cells[1]}\n"
+                                 f"  failed: {cells[2]}")
