@@ -138,7 +138,8 @@ def test_the_sampled_summary_is_solved_over_k_of_the_records(sampled_grid, tmp_p
     v = {x["claim"]: x for x in got["verdicts"]}
     assert v["2a"]["verdict"] == gs.HELD                                 # F-TIS − noIS ≈ +0.5 sampled
     greedy = paired_prompt_table(gplan.discover_cells(work), work)
-    assert {x["claim"]: x for x in verdicts(greedy, ["a", "b"], None, None)}["2a"]["verdict"] == gs.NOT_HELD  # [0, 0]
+    alike = {x["claim"]: x for x in verdicts(greedy, ["a", "b"], None, None)}["2a"]     # d = 0 on every prompt
+    assert alike["verdict"] == gs.INCONCLUSIVE and "alike on every prompt of every seed (untested)" in alike["interval"]
     # the evaluation before training (one cell's, shared) is the sampled one, and so is the stronger partner
     r0 = next(r for c in sorted(gplan.discover_cells(work), key=lambda c: c.name) if (r := _records(work, c.name, 0)))
     init = {p: _solved_over_k(r0[(p, "id")]).mean() for p in "ab"}

@@ -33,6 +33,26 @@ def test_the_verdict_reads_the_union_of_the_pigeonhole_and_t_intervals():
     assert got["interval"] == f"p: {100 * r['diff']:+.1f} [{100 * r['t_lo']:+.1f}, {100 * max(r['hi'], r['t_hi']):+.1f}] (3 seeds)"
 
 
+def test_methods_alike_on_every_prompt_leave_a_mechanism_claim_untested_and_an_outcome_claim_decided():
+    """F-TIS and TIS alike on every prompt of every seed (the filter dropped nothing: the same updates):
+    claim 3 is inconclusive, said so, not "not held"; a shadow alike with alone holds claim 1s (an
+    outcome: it ended where alone did). One prompt apart at every seed, claim 3 is decided by its interval
+    again."""
+    same = gs.paired_interval(np.zeros((10, 200)), "alike")
+    assert (same["lo"], same["hi"], same["t_lo"], same["t_hi"], same["discord"]) == (0, 0, 0, 0, 0)
+    one_apart = np.zeros((10, 200))
+    one_apart[:, 7] = -1.0                                  # TIS solves prompt 7 at every seed, F-TIS not
+    apart = gs.paired_interval(one_apart, "apart")
+    rows = [{**r, "a": a, "b": b, "participant": "p", "set": "id", "a_acc": 0.5, "b_acc": 0.5}
+            for r, a, b in ((same, "F-TIS", "TIS"), (same, "F-TIS+shadow", "alone"))]
+    got = {v["claim"]: v for v in verdicts(rows, ["p"], "p", None)}
+    assert got["3"]["verdict"] == gs.INCONCLUSIVE
+    assert got["3"]["interval"] == "p: alike on every prompt of every seed (untested) (10 seeds)"
+    assert got["1s"]["verdict"] == gs.HELD and got["1s"]["interval"] == "p: +0.0 [+0.0, +0.0] (10 seeds)"
+    decided = verdicts([{**rows[0], **apart}], ["p"], "p", None, [c for c in CLAIMS if c.id == "3"])[0]
+    assert decided["verdict"] == gs.NOT_HELD and apart["discord"] > 0
+
+
 def test_the_shadow_claim_is_a_row_only_where_the_shadow_ran_and_reads_claim_1s_rule():
     def row(a, p, diff, lo, hi):
         return {"a": a, "b": "alone", "participant": p, "set": "id", "a_acc": 0.4, "b_acc": 0.4, "diff": diff,

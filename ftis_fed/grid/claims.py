@@ -14,8 +14,13 @@ margin, not held when its other bound lies on the other side, else inconclusive.
 is ``grid.stats.verdict_bounds``: the union of the pigeonhole-bootstrap and the paired-t-over-seeds
 95 % intervals (t tails for the seed component). The summary's rule
 column is ``rule_words`` of the same data. A participant for which both methods score 0 on the set (a
-floor at which the claim cannot show) is inconclusive too, and so is one compared on a single seed (its
-interval covers the prompts' draw only; an update ratio has no interval there). The rule reads only the
+floor at which the claim cannot show) is inconclusive too; so is one, in a claim whose two methods
+differ by one mechanism (``alike_is_untested``: claims 2a, 2b and 3), for which they score alike on
+every prompt of every seed (per-prompt differences all 0, ``discord`` 0: they ran the same updates, as
+F-TIS and TIS do where the filter drops nothing, so the mechanism never acted and the claim was not
+tested; an outcome claim such as 1s keeps its verdict: a shadow that ends as alone did holds it), and
+one compared on a single seed (its interval covers the prompts' draw only; an update ratio has no interval
+there). The rule reads only the
 interval, so it is the same for whichever metric the grid summarises (``grid.metric``: greedy or sampled
 pass@1).
 
@@ -57,6 +62,9 @@ class Claim:
     margin: float = 0.0
     who: str = "all"          # "all" participants, or the "stronger" partner before training
     only_if_run: bool = False  # a row only when the grid ran a and b (the horizontal claim)
+    # a and b differ by one mechanism (the filter, the truncation, the ratio): alike on every prompt of
+    # every seed, they ran the same updates, the mechanism never acted and the claim was not tested
+    alike_is_untested: bool = False
 
 
 COMBINE = {"all": all_of, "any": any_of}
@@ -68,11 +76,11 @@ CLAIMS: tuple[Claim, ...] = (
           "confidently below it) final ID ≥ Alone − 1 point, for every participant", SHADOW, BASELINE, "id",
           "at_least", "all", margin=-0.01, only_if_run=True),
     Claim("2a", "noIS degrades or collapses relative to F-TIS (ID, some participant)", REFERENCE, "noIS", "id",
-          "greater", "any"),
+          "greater", "any", alike_is_untested=True),
     Claim("2b", "VIS degrades or collapses relative to F-TIS (ID, some participant)", REFERENCE, "VIS", "id",
-          "greater", "any"),
+          "greater", "any", alike_is_untested=True),
     Claim("3", "the filter contributes: F-TIS > TIS (ID, some participant)", REFERENCE, "TIS", "id", "greater",
-          "any"),
+          "any", alike_is_untested=True),
     Claim("4", "F-TIS gains OOD accuracy over Alone (some participant)", REFERENCE, BASELINE, "ood", "greater",
           "any"),
     Claim("5", "the stronger partner ({stronger}) loses OOD accuracy with F-TIS vs Alone", REFERENCE, BASELINE,
@@ -147,14 +155,15 @@ def verdicts(paired: Sequence[dict], participants: Sequence[str], stronger: str 
                 texts.append(f"{p}: –")
                 continue
             floor = c.set not in UPDATE_SETS and r["a_acc"] == 0 and r["b_acc"] == 0   # both 0: untestable
+            same = c.alike_is_untested and not floor and r.get("discord") == 0         # alike on every prompt
             one = c.set not in UPDATE_SETS and r["seeds"] < 2          # no seed component in the interval
             lo, hi = verdict_bounds(r)
-            vs.append(INCONCLUSIVE if floor or one else rule.decide(lo, hi, c.margin))
+            vs.append(INCONCLUSIVE if floor or same or one else rule.decide(lo, hi, c.margin))
             if c.set in UPDATE_SETS:
                 value = f"{r['diff']:.2f} [{lo:.2f}, {hi:.2f}], reached in {r['reached']}"
             else:
-                value = "0 % for both (floor)" if floor else \
-                    f"{100 * r['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+                value = "0 % for both (floor)" if floor else "alike on every prompt of every seed (untested)" \
+                    if same else f"{100 * r['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
             texts.append(f"{p}: {value} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''}"
                          f"{': no seed component, inconclusive' if one else ''})")
         rows.append({"claim": c.id, "statement": c.statement.format(**fill),
