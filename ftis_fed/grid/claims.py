@@ -19,10 +19,9 @@ differ by one mechanism (``alike_is_untested``: claims 2a, 2b and 3), for which 
 every prompt of every seed (per-prompt differences all 0, ``discord`` 0: they ran the same updates, as
 F-TIS and TIS do where the filter drops nothing, so the mechanism never acted and the claim was not
 tested; an outcome claim such as 1s keeps its verdict: a shadow that ends as alone did holds it), and
-one compared on a single seed (its interval covers the prompts' draw only; an update ratio has no interval
-there). The rule reads only the
-interval, so it is the same for whichever metric the grid summarises (``grid.metric``: greedy or sampled
-pass@1).
+one compared on a single seed (its interval covers the prompts' draw only; an update ratio has no
+interval there). The rule reads only the interval, so it is the same for whichever metric the grid
+summarises (``grid.metric``: greedy or sampled pass@1).
 
 ``{stronger}`` and ``{beyond}`` in a row's text are filled in per grid: the participant with the
 highest ID accuracy before training, and the beyond-the-paper method run (``BEYOND``, else the first
