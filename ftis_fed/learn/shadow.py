@@ -38,7 +38,7 @@ on its own samples only: the alone trajectory, started from the same weights).
    score (the peers may help in the rounds to come), hence the margin; at the end only which model is
    better counts, and d̄ is the best estimate of that. With z_last > 0 the main stays only when
    d̄ − z_last · se > 0, so a tie ends on the shadow. Measured (docs/RESULTS.md §4, z_last = 1, five
-   pairs, 43 seeds): claim 1s held on every pair, each tie ending on the alone run; at the ties it
+   pairs, 45 seeds): claim 1s held on every pair, each tie ending on the alone run; at the ties it
    decided the model held out better as often as its shadow or more (the spec pair 2 of 4, the mixed
    pair's spec 4 of 5), and on the OOD-aware pair two ties ended the base on alone where its model
    held out 5.4 and 3.1 points above it. The margin buys the guarantee, not accuracy, hence it is a
