@@ -301,3 +301,15 @@ def test_a_committed_sampled_grid_summarised_on_its_samples(tmp_path):
                 if p == r["participant"] and s != "id"]
         assert float(r["eval/id/sampled_accuracy"]) == pytest.approx(ids.mean(), abs=1e-12)
         assert float(r["eval/ood/sampled_accuracy"]) == pytest.approx(statistics.fmean(oods), abs=1e-12)
+
+
+def test_summary_only_leaves_the_poisoning_experiment_s_folder_to_its_own_tool(tmp_path, capsys):
+    """A folder the poisoning experiment wrote (its grid.json names ``attacks``) has a summary of its own
+    tables: ``ftis-fed grid --summary-only`` refuses it, naming the command that writes it, and writes
+    nothing there."""
+    (tmp_path / "cells" / "alone+control__vertical__s0").mkdir(parents=True)
+    (tmp_path / "cells" / "alone+control__vertical__s0" / "done.json").write_text('{"status": 0}')
+    (tmp_path / "grid.json").write_text(json.dumps({"preset": "poisoning", "attacks": ["control"]}))
+    assert main(["grid", "--summary-only", "--out", str(tmp_path)]) == 2
+    assert "python -m sims.poisoning --summary-only" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cells", "grid.json"]

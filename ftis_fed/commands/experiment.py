@@ -179,6 +179,11 @@ def summary_only(out: Path, metric: str | None = None) -> int:
         return 2
     path = out / "grid.json"
     meta = json.loads(path.read_text()) if path.exists() else {}
+    if "attacks" in meta:                  # the poisoning experiment's folder: its summary is its own tables
+        print(f"ftis-fed grid: error: {path} is the poisoning experiment's (it names 'attacks'); its summary is "
+              f"written by `python -m sims.poisoning --summary-only --out {out}`, not rewritten here",
+              file=sys.stderr)
+        return 2
     recorded = recorded_metric(out)
     name = metric or recorded
     if name not in METRIC_NAMES:
