@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ftis_fed.grid.plan import Cell
@@ -23,3 +24,11 @@ def write_cell(out: Path, cell: Cell, rows: Iterable[dict] = (), *, done: dict |
         (run / "config.json").write_text(json.dumps(config))
     (run.parent / "done.json").write_text(json.dumps(done if done is not None else {}))
     return run
+
+
+def rewrite_metrics(cell_dir: Path, edit: Callable[[list[dict]], list[dict]]) -> None:
+    """Rewrites the committed cell ``cell_dir``'s ``run/metrics.jsonl.gz`` with ``edit(rows)`` (its rows
+    in file order; ``edit`` returns the rows to write)."""
+    path = cell_dir / "run" / "metrics.jsonl.gz"
+    rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in edit(rows)).encode()))

@@ -6,7 +6,6 @@ describes every cell it holds."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ from ftis_fed.grid import plan as gplan
 from ftis_fed.grid.plan import plan
 from ftis_fed.grid.records import MixedWeights
 from ftis_fed.grid.run import run_grid
+from tests.grid_cells import rewrite_metrics
 from tests.test_grid_metric import OUTPUTS, _sampled_runner
 
 MODES = ["alone", "noIS", "F-TIS"]
@@ -210,9 +210,7 @@ def test_an_interrupted_pack_leaves_no_finished_half_cell_and_a_second_one_compl
 
 
 def _rewrite_metrics(cell: Path, change) -> None:
-    path = cell / "run" / "metrics.jsonl.gz"
-    rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines()]
-    path.write_bytes(gzip.compress("".join(json.dumps(change(r)) + "\n" for r in rows).encode()))
+    rewrite_metrics(cell, lambda rows: [change(r) for r in rows])
 
 
 def _other_start(r: dict) -> dict:

@@ -16,6 +16,7 @@ import pytest
 from ftis_fed.commands import cli
 from ftis_fed.policies import store
 from ftis_fed.policies.models import resolve_model
+from tests.grid_cells import rewrite_metrics
 
 
 @pytest.fixture
@@ -194,7 +195,6 @@ def test_several_cells_rerun_in_turn_and_the_tally_names_those_that_differ_or_fa
     """``sims.rerun_cell`` with several cells (its grid command faked: it puts a copy of the committed
     cell in place, one with a round-1 figure changed): each is said as it ends, then a tally; a folder
     that is no finished cell is one failure, not the end of the others. Exit status the worst of them."""
-    import gzip
     import shutil
     import subprocess
 
@@ -203,18 +203,18 @@ def test_several_cells_rerun_in_turn_and_the_tally_names_those_that_differ_or_fa
     committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "research-w" / "cells"
     ran = []
 
+    def nudge_first_loss(rows):
+        next(r for r in rows if r.get("phase") == "train" and r.get("round") == 1
+             and "train/loss" in r)["train/loss"] += 1e-9
+        return rows
+
     def fake_run(cmd, **kw):
         out = Path(cmd[cmd.index("--out") + 1])
         name = next(c for c in ("VIS__vertical__s5", "noIS__vertical__s6") if c.split("__")[0] in cmd)
         ran.append((name, out))
         shutil.copytree(committed / name, out / "cells" / name)
         if name.startswith("noIS"):
-            metrics = out / "cells" / name / "run" / "metrics.jsonl.gz"
-            rows = [json.loads(line) for line in gzip.decompress(metrics.read_bytes()).decode().splitlines()]
-            first = next(r for r in rows if r.get("phase") == "train" and r.get("round") == 1
-                         and "train/loss" in r)
-            first["train/loss"] += 1e-9
-            metrics.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+            rewrite_metrics(out / "cells" / name, nudge_first_loss)
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(rerun_cell.subprocess, "run", fake_run)

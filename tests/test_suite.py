@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from sims import suite
+from tests.grid_cells import rewrite_metrics
 
 
 def _grid(tmp: Path, cells: dict[str, float], meta: dict) -> Path:
@@ -110,12 +111,15 @@ def test_run_records_its_time_and_compares_each_cell_it_holds_with_the_committed
     """``--run`` (its grid commands faked: they put a copy of two committed cells in place, one with a
     figure changed) writes ``suite.json`` with its command, commit, wall and CPU seconds, and per grid the
     cells equal to the committed ones and those that differ, by how many figures."""
-    import gzip
     import shutil
     import subprocess
 
     committed = suite.RESULTS / "research-w" / "cells"
     real_run = subprocess.run
+
+    def raise_last_accuracy(rows):
+        next(r for r in reversed(rows) if "eval/id/accuracy" in r)["eval/id/accuracy"] += 0.5
+        return rows
 
     def fake_run(cmd, **kw):
         if cmd[0] == "git":
@@ -123,11 +127,7 @@ def test_run_records_its_time_and_compares_each_cell_it_holds_with_the_committed
         cells = Path(cmd[cmd.index("--out") + 1]) / "cells"
         for name in ("alone__vertical__s0", "alone__vertical__s1"):
             shutil.copytree(committed / name, cells / name)
-        metrics = cells / "alone__vertical__s1" / "run" / "metrics.jsonl.gz"
-        rows = [json.loads(line) for line in gzip.decompress(metrics.read_bytes()).decode().splitlines()]
-        last = next(r for r in reversed(rows) if "eval/id/accuracy" in r)
-        last["eval/id/accuracy"] += 0.5
-        metrics.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+        rewrite_metrics(cells / "alone__vertical__s1", raise_last_accuracy)
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(suite.subprocess, "run", fake_run)

@@ -15,6 +15,7 @@ import pytest
 from ftis_fed.engine.validation import BadReply, check_info
 from ftis_fed.grid.records import MixedWeights, check_weights
 from ftis_fed.policies import weights_fp as W
+from tests.grid_cells import rewrite_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "research-grid"
@@ -106,12 +107,8 @@ def test_a_hello_with_a_malformed_weights_fingerprint_is_refused(bad):
 
 
 def _set_weights(cell: Path, fp: str) -> None:
-    path = cell / "run" / "metrics.jsonl.gz"
-    rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
-    for r in rows:
-        if r.get("phase") == "train" and not r["participant"].startswith("_"):
-            r["model_weights"] = fp
-    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    rewrite_metrics(cell, lambda rows: [{**r, "model_weights": fp} if r.get("phase") == "train"
+                                        and not r["participant"].startswith("_") else r for r in rows])
 
 
 def test_a_grid_refuses_cells_that_started_from_other_weights(tmp_path, capsys):
@@ -142,12 +139,9 @@ def _a_participant(cell: Path) -> str:
 
 
 def _set_round1(cell: Path, participant: str, reward: float) -> None:
-    path = cell / "run" / "metrics.jsonl.gz"
-    rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
-    for r in rows:
-        if r.get("phase") == "train" and r["participant"] == participant and r["round"] == 1:
-            r["reward/mean"] = reward
-    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    rewrite_metrics(cell, lambda rows: [{**r, "reward/mean": reward} if r.get("phase") == "train"
+                                        and r["participant"] == participant and r["round"] == 1 else r
+                                        for r in rows])
 
 
 def test_a_grid_refuses_cells_of_one_seed_whose_first_samples_differ(tmp_path, capsys):
