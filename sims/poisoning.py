@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ftis_fed.grid.pack import SUMMARY_BY
 from ftis_fed.grid.plan import Cell, discover_cells
 from ftis_fed.grid.records import initial_eval, participant_rows, prompt_records, prompt_vectors, read_rows
 from ftis_fed.grid.report import PNG_META
@@ -59,6 +60,8 @@ from ftis_fed.grid.run import run_grid
 from ftis_fed.grid.stats import paired_interval
 
 PRESET = "poisoning"
+#: what writes this experiment's summary (its attack tables; grid.json names it, ``ftis_fed.grid.pack.SUMMARY_BY``)
+SUMMARY_COMMAND = "python -m sims.poisoning --summary-only"
 ATTACKER = "mallory"
 ATTACKS: dict[str, dict] = {
     "control": {"p2-byzantine": ""},
@@ -520,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "grid.json").write_text(json.dumps({"preset": a.preset, "seeds": a.seeds, "attacks": attacks,
                                                "surprisal": a.surprisal, "phrase_ratio": a.phrase_ratio,
                                                "run_config": extra,
-                                               "cells": [c.name for c in cells]}, indent=1))
+                                               "cells": [c.name for c in cells], SUMMARY_BY: SUMMARY_COMMAND},
+                                              indent=1))
     print(f"[poisoning] {len(cells)} cells -> {out}", flush=True)
     app = Path(a.app).resolve()
     # one cell at a time: in this process; several: each in its own process (model building is not

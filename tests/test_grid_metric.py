@@ -303,13 +303,42 @@ def test_a_committed_sampled_grid_summarised_on_its_samples(tmp_path):
         assert float(r["eval/ood/sampled_accuracy"]) == pytest.approx(statistics.fmean(oods), abs=1e-12)
 
 
-def test_summary_only_leaves_the_poisoning_experiment_s_folder_to_its_own_tool(tmp_path, capsys):
-    """A folder the poisoning experiment wrote (its grid.json names ``attacks``) has a summary of its own
-    tables: ``ftis-fed grid --summary-only`` refuses it, naming the command that writes it, and writes
-    nothing there."""
-    (tmp_path / "cells" / "alone+control__vertical__s0").mkdir(parents=True)
-    (tmp_path / "cells" / "alone+control__vertical__s0" / "done.json").write_text('{"status": 0}')
-    (tmp_path / "grid.json").write_text(json.dumps({"preset": "poisoning", "attacks": ["control"]}))
-    assert main(["grid", "--summary-only", "--out", str(tmp_path)]) == 2
-    assert "python -m sims.poisoning --summary-only" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cells", "grid.json"]
+@pytest.mark.parametrize("how", ["summary-only", "run", "pack into", "pack from"])
+def test_a_folder_whose_summary_another_tool_writes_is_left_to_it(tmp_path, capsys, how):
+    """A folder whose grid.json names the command that writes its summary (``summary_by``: the
+    poisoning experiment's attack tables, as its committed folders and ``sims.poisoning`` write it):
+    ``ftis-fed grid`` neither rewrites its summary, runs cells into it, packs into it nor packs from it;
+    it says which command writes it, and the folder is as it was."""
+    from sims.poisoning import SUMMARY_COMMAND
+
+    folder = tmp_path / "poisoning"
+    (folder / "cells" / "alone+control__vertical__s0").mkdir(parents=True)
+    (folder / "cells" / "alone+control__vertical__s0" / "done.json").write_text('{"status": 0}')
+    meta = json.dumps({"preset": "poisoning", "attacks": ["control"], "summary_by": SUMMARY_COMMAND})
+    (folder / "grid.json").write_text(meta)
+    other = tmp_path / "other"                     # a grid folder of ftis-fed grid's, or none ("pack from")
+    if how == "pack into":
+        (other / "cells" / "alone__vertical__s1").mkdir(parents=True)
+        (other / "cells" / "alone__vertical__s1" / "done.json").write_text('{"status": 0}')
+        (other / "grid.json").write_text(json.dumps({"preset": "poisoning"}))
+    args = {"summary-only": ["--summary-only", "--out", str(folder)],
+            "run": ["--preset", "poisoning", "--modes", "alone", "--seeds", "1", "--out", str(folder)],
+            "pack into": ["--pack", str(other), "--out", str(folder)],
+            "pack from": ["--pack", str(folder), "--out", str(other)]}[how]
+    assert main(["grid", *args]) == 2
+    assert f"summary is written by `{SUMMARY_COMMAND} --out {folder}`" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["cells", "grid.json"]
+    assert (folder / "grid.json").read_text() == meta
+    assert other.exists() == (how == "pack into")
+
+
+def test_the_committed_poisoning_folders_name_their_summary_writer():
+    """The committed folders of the poisoning experiment say in grid.json what writes their summary, so
+    that ``ftis-fed grid`` leaves them alone (the test above)."""
+    from sims.poisoning import SUMMARY_COMMAND
+
+    results = Path(__file__).resolve().parent.parent / "docs" / "results"
+    folders = [p.parent.name for p in results.glob("*/grid.json") if "attacks" in json.loads(p.read_text())]
+    assert sorted(folders) == ["poisoning", "poisoning-plausible"]
+    for name in folders:
+        assert json.loads((results / name / "grid.json").read_text())["summary_by"] == SUMMARY_COMMAND

@@ -37,8 +37,21 @@ GRID_KEYS = ("preset", "run_config", "metric")
 CELL_KEYS = ("seed", "task.seed", "objective.mode", "objective.advantage_groups", "output_dir", "eval_initial")
 
 
+#: grid.json's key naming the command that writes a folder's summary where that is not ``ftis-fed grid``
+#: (``sims.poisoning``'s attack tables): ``ftis-fed grid`` neither runs, packs nor summarises cells there.
+SUMMARY_BY = "summary_by"
+
+
 class PackError(ValueError):
     """Two grid folders that are not one experiment, or a cell that does not belong."""
+
+
+def written_by_another(path: Path, meta: dict) -> str | None:
+    """Why ``ftis-fed grid`` leaves the folder of ``path`` alone (its grid.json, ``meta``, names
+    ``SUMMARY_BY``); None where it does not."""
+    by = meta.get(SUMMARY_BY)
+    return (f"{path} says its summary is written by `{by} --out {path.parent}` ({SUMMARY_BY}): ftis-fed grid "
+            "neither runs, packs nor summarises cells there") if by else None
 
 
 def _meta(out: Path) -> dict:
@@ -46,6 +59,8 @@ def _meta(out: Path) -> dict:
     if not path.exists():
         raise PackError(f"{path}: no grid.json (not a grid folder written by ftis-fed grid)")
     meta = json.loads(path.read_text())
+    if why := written_by_another(path, meta):
+        raise PackError(why)
     return {**meta, "metric": recorded_metric(out)}           # a grid from before --metric: greedy
 
 
