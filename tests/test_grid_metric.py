@@ -21,6 +21,7 @@ from ftis_fed.commands import experiment
 from ftis_fed.commands.cli import main
 from ftis_fed.grid import metric as gmetric, plan as gplan, report, stats as gs
 from ftis_fed.grid.claims import CLAIMS, rule_words, verdicts
+from ftis_fed.grid.pack import SUMMARY_BY
 from ftis_fed.grid.plan import Cell, plan
 from ftis_fed.grid.run import run_grid
 from ftis_fed.grid.tables import paired_prompt_table
@@ -250,10 +251,10 @@ def test_the_rule_column_is_the_rule_the_verdicts_apply():
 
 
 def _committed_grids() -> list[Path]:
-    """The ``ftis-fed grid`` folders under docs/results: a grid.json with ``modes`` (``sims.poisoning``
-    writes ``attacks``) and a summary.md."""
+    """The ``ftis-fed grid`` folders under docs/results: a grid.json that names no other summary writer
+    (``summary_by``: ``sims.poisoning``'s folders) and a summary.md."""
     return sorted(p.parent for p in (ROOT / "docs" / "results").rglob("grid.json")
-                  if "modes" in json.loads(p.read_text()) and (p.parent / "summary.md").exists())
+                  if SUMMARY_BY not in json.loads(p.read_text()) and (p.parent / "summary.md").exists())
 
 
 def test_the_committed_grids_are_found():
@@ -337,8 +338,9 @@ def test_the_committed_poisoning_folders_name_their_summary_writer():
     that ``ftis-fed grid`` leaves them alone (the test above)."""
     from sims.poisoning import SUMMARY_COMMAND
 
-    results = Path(__file__).resolve().parent.parent / "docs" / "results"
-    folders = [p.parent.name for p in results.glob("*/grid.json") if "attacks" in json.loads(p.read_text())]
-    assert sorted(folders) == ["poisoning", "poisoning-plausible"]
-    for name in folders:
-        assert json.loads((results / name / "grid.json").read_text())["summary_by"] == SUMMARY_COMMAND
+    results = ROOT / "docs" / "results"
+    metas = {p.parent.relative_to(results).as_posix(): json.loads(p.read_text()) for p in results.rglob("grid.json")}
+    theirs = sorted(name for name, meta in metas.items() if "attacks" in meta)
+    assert {"poisoning", "poisoning-plausible", "poisoning/calibration/1-end-HAIL"} <= set(theirs)
+    assert all(metas[name].get(SUMMARY_BY) == SUMMARY_COMMAND for name in theirs)
+    assert all(SUMMARY_BY not in meta for name, meta in metas.items() if name not in theirs)
