@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ftis_fed.grid.plan import Cell
+from ftis_fed.grid.records import read_rows
 
 
 def write_cell(out: Path, cell: Cell, rows: Iterable[dict] = (), *, done: dict | None = None,
@@ -30,5 +31,5 @@ def rewrite_metrics(cell_dir: Path, edit: Callable[[list[dict]], list[dict]]) ->
     """Rewrites the committed cell ``cell_dir``'s ``run/metrics.jsonl.gz`` with ``edit(rows)`` (its rows
     in file order; ``edit`` returns the rows to write)."""
     path = cell_dir / "run" / "metrics.jsonl.gz"
-    rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
+    rows = read_rows(path.with_suffix(""))                 # reads the .gz where the plain file is not there
     path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in edit(rows)).encode()))

@@ -315,7 +315,7 @@ def test_a_folder_whose_summary_another_tool_writes_is_left_to_it(tmp_path, caps
     folder = tmp_path / "poisoning"
     (folder / "cells" / "alone+control__vertical__s0").mkdir(parents=True)
     (folder / "cells" / "alone+control__vertical__s0" / "done.json").write_text('{"status": 0}')
-    meta = json.dumps({"preset": "poisoning", "attacks": ["control"], "summary_by": SUMMARY_COMMAND})
+    meta = json.dumps({"preset": "poisoning", "attacks": ["control"], SUMMARY_BY: SUMMARY_COMMAND})
     (folder / "grid.json").write_text(meta)
     other = tmp_path / "other"                     # a grid folder of ftis-fed grid's, or none ("pack from")
     if how == "pack into":

@@ -54,7 +54,7 @@ import sys
 from pathlib import Path
 
 from ftis_fed.grid.metric import BY_NAME as METRIC_NAMES, MissingMetric, metric as metric_named, recorded_metric
-from ftis_fed.grid.pack import PackError, merged_meta, pack, written_by_another
+from ftis_fed.grid.pack import PackError, grid_json, merged_meta, pack
 from ftis_fed.grid.plan import VARIANTS, discover_cells, parse_variant, plan, plan_order
 from ftis_fed.grid.records import MixedWeights
 from ftis_fed.grid.report import write_summary
@@ -143,9 +143,7 @@ def grid_meta(out: Path, fixed: dict, cells, variants: dict) -> dict:
     metric) and the cells planned, together with those ``out`` already holds (a grid run again with
     more seeds or methods describes them all). ValueError when ``out`` holds a grid of another
     experiment (another preset or run-config items): its cells would be mixed with these."""
-    old = json.loads((out / "grid.json").read_text()) if (out / "grid.json").exists() else {}
-    if why := written_by_another(out / "grid.json", old):
-        raise ValueError(why)
+    old = grid_json(out)                             # PackError (a ValueError) where another tool writes it
     for k in ("preset", "run_config"):
         if k in old and old[k] != fixed[k]:
             raise ValueError(f"{out} holds a grid with {k} {old.get(k)!r}, not {fixed[k]!r}: use another --out "
@@ -180,9 +178,10 @@ def summary_only(out: Path, metric: str | None = None) -> int:
         print(f"ftis-fed grid: error: no finished cell (cells/*/done.json) in {out}", file=sys.stderr)
         return 2
     path = out / "grid.json"
-    meta = json.loads(path.read_text()) if path.exists() else {}
-    if why := written_by_another(path, meta):
-        print(f"ftis-fed grid: error: {why}", file=sys.stderr)
+    try:
+        meta = grid_json(out)
+    except PackError as e:
+        print(f"ftis-fed grid: error: {e}", file=sys.stderr)
         return 2
     recorded = recorded_metric(out)
     name = metric or recorded

@@ -43,25 +43,25 @@ SUMMARY_BY = "summary_by"
 
 
 class PackError(ValueError):
-    """Two grid folders that are not one experiment, or a cell that does not belong."""
+    """Two grid folders that are not one experiment, a cell that does not belong, or a folder whose
+    summary another tool writes (``SUMMARY_BY``)."""
 
 
-def written_by_another(path: Path, meta: dict) -> str | None:
-    """Why ``ftis-fed grid`` leaves the folder of ``path`` alone (its grid.json, ``meta``, names
-    ``SUMMARY_BY``); None where it does not."""
-    by = meta.get(SUMMARY_BY)
-    return (f"{path} says its summary is written by `{by} --out {path.parent}` ({SUMMARY_BY}): ftis-fed grid "
-            "neither runs, packs nor summarises cells there") if by else None
+def grid_json(out: Path) -> dict:
+    """``out``'s grid.json ({} where there is none), for ``ftis-fed grid`` to run, pack or summarise
+    cells there; PackError where it names another tool as the writer of the folder's summary."""
+    path = out / "grid.json"
+    meta = json.loads(path.read_text()) if path.exists() else {}
+    if by := meta.get(SUMMARY_BY):
+        raise PackError(f"{path} says its summary is written by `{by} --out {out}` ({SUMMARY_BY}): ftis-fed grid "
+                        "neither runs, packs nor summarises cells there")
+    return meta
 
 
 def _meta(out: Path) -> dict:
-    path = out / "grid.json"
-    if not path.exists():
-        raise PackError(f"{path}: no grid.json (not a grid folder written by ftis-fed grid)")
-    meta = json.loads(path.read_text())
-    if why := written_by_another(path, meta):
-        raise PackError(why)
-    return {**meta, "metric": recorded_metric(out)}           # a grid from before --metric: greedy
+    if not (out / "grid.json").exists():
+        raise PackError(f"{out / 'grid.json'}: no grid.json (not a grid folder written by ftis-fed grid)")
+    return {**grid_json(out), "metric": recorded_metric(out)}           # a grid from before --metric: greedy
 
 
 def _config(cell_dir: Path) -> dict:
